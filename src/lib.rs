@@ -1,0 +1,18 @@
+//! kvrail moves KV-cache blocks between the prefill (P) and decode (D) instances of a
+//! disaggregated LLM serving deployment, directly on raw ibverbs RC queue pairs: NIXL's
+//! semantics without libnixl and without UCX.
+//!
+//! What is here so far: [`transport::verbs`], a safe layer over ibverbs (devices, GID
+//! choice, protection domains, memory regions that stay alive while work uses them,
+//! completion queues with event-driven waits, RC queue pairs, batched posting).
+//!
+//! What kvrail does not do: it runs no engine and owns no scheduler; the protocol core will
+//! own no threads and read no clock.
+//!
+//! # Cargo features
+//! - `verbs` (default): the RDMA backend. It dlopens `libibverbs.so.1` at run time, so
+//!   binaries load (and report RDMA as unavailable) on hosts without rdma-core. Building it
+//!   needs `cmake` and `libclang-dev`.
+#![warn(missing_docs, unreachable_pub)]
+
+pub mod transport;

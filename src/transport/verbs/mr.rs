@@ -1,0 +1,381 @@
+//! Memory regions over host memory that the region owns.
+//!
+//! A region owns its buffer (anonymous, page-aligned mmap), so the memory the NIC may touch
+//! cannot be freed while it is registered. Every posted work request that references the
+//! region holds a [`MrRef`] (an `Arc` of the region plus an in-flight count) until its
+//! completion is polled; [`Mr::deregister`] refuses while that count is non-zero, and
+//! dropping the last user handle while work is in flight defers the real `ibv_dereg_mr`
+//! until the completion releases the last reference.
+
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use memmap2::MmapMut;
+use rdma_mummy_sys as ffi;
+use serde::{Deserialize, Serialize};
+
+use super::error::{from_ret, last_os_error, Error};
+use super::pd::{Pd, PdInner};
+
+/// Access rights of a memory region (a subset of `ibv_access_flags`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Access(u32);
+
+impl Access {
+    /// No remote access; local reads only (a WRITE/SEND source).
+    pub const NONE: Self = Self(0);
+    /// The local NIC may write (a READ destination, a RECV buffer).
+    pub const LOCAL_WRITE: Self = Self(1);
+    /// Peers may RDMA WRITE into the region (needs `LOCAL_WRITE`; added automatically).
+    pub const REMOTE_WRITE: Self = Self(2);
+    /// Peers may RDMA READ from the region.
+    pub const REMOTE_READ: Self = Self(4);
+
+    /// Both sets.
+    pub const fn union(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+
+    /// True when every flag of `other` is set.
+    pub const fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The raw `ibv_access_flags` bits.
+    pub fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// The flags the verbs need: REMOTE_WRITE requires LOCAL_WRITE (man ibv_reg_mr).
+    fn normalized(self) -> Self {
+        if self.contains(Self::REMOTE_WRITE) {
+            self.union(Self::LOCAL_WRITE)
+        } else {
+            self
+        }
+    }
+}
+
+impl std::ops::BitOr for Access {
+    type Output = Self;
+    fn bitor(self, rhs: Self) -> Self {
+        self.union(rhs)
+    }
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut names = Vec::new();
+        for (flag, name) in [
+            (Self::LOCAL_WRITE, "LOCAL_WRITE"),
+            (Self::REMOTE_WRITE, "REMOTE_WRITE"),
+            (Self::REMOTE_READ, "REMOTE_READ"),
+        ] {
+            if self.contains(flag) {
+                names.push(name);
+            }
+        }
+        if names.is_empty() {
+            f.write_str("NONE")
+        } else {
+            f.write_str(&names.join("|"))
+        }
+    }
+}
+
+impl fmt::Debug for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Access({self})")
+    }
+}
+
+/// What a peer needs to address a region with one-sided operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// Virtual address of the first byte on the peer.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The peer's rkey.
+    pub rkey: u32,
+}
+
+impl RemoteRegion {
+    /// True when `[offset, offset + len)` lies inside the region.
+    pub fn contains(&self, offset: u64, len: u64) -> bool {
+        offset.checked_add(len).is_some_and(|end| end <= self.len)
+    }
+}
+
+pub(crate) struct MrInner {
+    mr: NonNull<ffi::ibv_mr>,
+    // Unmapped by Drop only after `mr` was deregistered (leaked if that fails: the NIC
+    // may still reference the pages). The PD reference is released after both.
+    buf: ManuallyDrop<MmapMut>,
+    deregistered: bool,
+    access: Access,
+    in_flight: AtomicUsize,
+    pd: Arc<PdInner>,
+}
+
+// SAFETY: the MR handle is an opaque kernel object; the buffer is only accessed through
+// raw-pointer copies (the NIC may write it concurrently, like any RDMA buffer).
+unsafe impl Send for MrInner {}
+// SAFETY: see Send.
+unsafe impl Sync for MrInner {}
+
+impl MrInner {
+    fn dereg(&mut self) -> Result<(), Error> {
+        if self.deregistered {
+            return Ok(());
+        }
+        // SAFETY: the MR is valid (not yet deregistered) and no WR references it: every
+        // in-flight WR holds an Arc of this inner, and we have it exclusively.
+        let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
+        if ret != 0 {
+            return Err(Error::DeregisterMemory(from_ret(ret)));
+        }
+        self.deregistered = true;
+        Ok(())
+    }
+
+    pub(crate) fn lkey(&self) -> u32 {
+        // SAFETY: the MR is valid while self lives; lkey is immutable after registration.
+        unsafe { self.mr.as_ref().lkey }
+    }
+
+    pub(crate) fn addr(&self) -> u64 {
+        self.buf.as_ptr() as u64
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub(crate) fn pd(&self) -> &Arc<PdInner> {
+        &self.pd
+    }
+}
+
+impl Drop for MrInner {
+    fn drop(&mut self) {
+        match self.dereg() {
+            // SAFETY: deregistered, so the NIC no longer references the pages; `buf` is
+            // dropped exactly once, here.
+            Ok(()) => unsafe { ManuallyDrop::drop(&mut self.buf) },
+            // The NIC may still reference the pages: leaking them is the safe choice.
+            Err(e) => {
+                tracing::error!(device = %self.pd.ctx.name, "{e} (memory leaked, not unmapped)")
+            }
+        }
+    }
+}
+
+/// A registered memory region that owns its host memory.
+pub struct Mr {
+    inner: Arc<MrInner>,
+}
+
+impl fmt::Debug for Mr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Mr")
+            .field("addr", &format_args!("{:#x}", self.inner.addr()))
+            .field("len", &self.inner.len())
+            .field("access", &self.inner.access)
+            .field("in_flight", &self.in_flight())
+            .finish()
+    }
+}
+
+/// A reference to a region held by a posted work request until its completion is polled.
+pub(crate) struct MrRef(Arc<MrInner>);
+
+impl MrRef {
+    pub(crate) fn new(inner: &Arc<MrInner>) -> Self {
+        inner.in_flight.fetch_add(1, Ordering::AcqRel);
+        Self(inner.clone())
+    }
+}
+
+impl Drop for MrRef {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Mr {
+    /// Allocate `len` bytes of zeroed, page-aligned host memory and register it with `access`.
+    ///
+    /// # Errors
+    /// [`Error::AllocMemory`], [`Error::RegisterMemory`].
+    pub fn alloc(pd: &Pd, len: usize, access: Access) -> Result<Self, Error> {
+        let mut buf =
+            MmapMut::map_anon(len).map_err(|source| Error::AllocMemory { len, source })?;
+        let access = access.normalized();
+        // SAFETY: the buffer is ours, valid for `len` bytes, and outlives the registration
+        // (MrInner's field order deregisters before unmapping).
+        let mr = unsafe {
+            ffi::ibv_reg_mr(pd.raw(), buf.as_mut_ptr().cast(), len, access.bits() as i32)
+        };
+        let mr = NonNull::new(mr).ok_or_else(|| Error::RegisterMemory {
+            len,
+            access: access.to_string(),
+            source: last_os_error(),
+        })?;
+        Ok(Self {
+            inner: Arc::new(MrInner {
+                mr,
+                buf: ManuallyDrop::new(buf),
+                deregistered: false,
+                access,
+                in_flight: AtomicUsize::new(0),
+                pd: pd.inner.clone(),
+            }),
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// True for a zero-length region (never, since registration needs memory).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len() == 0
+    }
+
+    /// Virtual address of the first byte.
+    pub fn addr(&self) -> u64 {
+        self.inner.addr()
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.inner.lkey()
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: MR valid while self lives; rkey is immutable.
+        unsafe { self.inner.mr.as_ref().rkey }
+    }
+
+    /// The access rights it was registered with.
+    pub fn access(&self) -> Access {
+        self.inner.access
+    }
+
+    /// What a peer needs to READ or WRITE this region.
+    pub fn remote(&self) -> RemoteRegion {
+        RemoteRegion {
+            addr: self.addr(),
+            len: self.len() as u64,
+            rkey: self.rkey(),
+        }
+    }
+
+    /// Posted work requests that still reference this region.
+    pub fn in_flight(&self) -> usize {
+        self.inner.in_flight.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<MrInner> {
+        &self.inner
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<(), Error> {
+        if offset.checked_add(len).is_some_and(|end| end <= self.len()) {
+            Ok(())
+        } else {
+            Err(Error::OutOfRange {
+                offset: offset as u64,
+                len: len as u64,
+                region_len: self.len() as u64,
+            })
+        }
+    }
+
+    /// Copy `data` into the region at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`].
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), Error> {
+        self.check_range(offset, data.len())?;
+        // SAFETY: range checked; the mapping is writable and lives as long as `self`.
+        // Raw copies (no `&mut [u8]`): the NIC may access the memory concurrently.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                (self.inner.buf.as_ptr() as *mut u8).add(offset),
+                data.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copy `out.len()` bytes at `offset` out of the region.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`].
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
+        self.check_range(offset, out.len())?;
+        // SAFETY: range checked; the mapping lives as long as `self`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.inner.buf.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Deregister the region and free its memory now.
+    ///
+    /// # Errors
+    /// Refused with [`Error::RegionBusy`] while posted work requests still reference the
+    /// region (poll their completions first), or [`Error::RegionShared`] while other handles
+    /// exist: the region comes back in [`DeregisterError::region`]. When `ibv_dereg_mr`
+    /// itself fails the memory is leaked rather than freed under the NIC.
+    pub fn deregister(self) -> Result<(), DeregisterError> {
+        let in_flight = self.in_flight();
+        if in_flight > 0 {
+            return Err(DeregisterError {
+                region: Some(self),
+                error: Error::RegionBusy { in_flight },
+            });
+        }
+        match Arc::try_unwrap(self.inner) {
+            Ok(mut inner) => match inner.dereg() {
+                Ok(()) => Ok(()), // Drop unmaps the buffer
+                Err(error) => {
+                    std::mem::forget(inner);
+                    Err(DeregisterError {
+                        region: None,
+                        error,
+                    })
+                }
+            },
+            Err(inner) => {
+                let handles = Arc::strong_count(&inner) - 1;
+                Err(DeregisterError {
+                    region: Some(Self { inner }),
+                    error: Error::RegionShared { handles },
+                })
+            }
+        }
+    }
+}
+
+/// A refused or failed [`Mr::deregister`].
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct DeregisterError {
+    /// The region, still registered, when deregistration was refused.
+    pub region: Option<Mr>,
+    /// Why.
+    pub error: Error,
+}

@@ -1,0 +1,116 @@
+//! Shared pieces of the lab suites: the topology the lab exports, byte patterns, the peer
+//! ("host B") process and its JSON-lines control protocol over a TCP side channel.
+#![allow(dead_code, unreachable_pub)]
+
+pub mod peer;
+pub mod runner;
+
+use std::net::Ipv4Addr;
+
+/// The lab's topology, from the environment `tools/lab/run.sh` sets inside the VM.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    pub rails: usize,
+    pub gid_index: u32,
+    pub a_devs: Vec<String>,
+    pub b_devs: Vec<String>,
+    pub a_ips: Vec<Ipv4Addr>,
+    pub b_ips: Vec<Ipv4Addr>,
+}
+
+impl Topology {
+    /// None outside the lab.
+    pub fn from_env() -> Option<Self> {
+        std::env::var_os("LAB_GUEST")?;
+        let list = |k: &str| -> Vec<String> {
+            std::env::var(k)
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(str::to_owned)
+                .collect()
+        };
+        let ips = |k: &str| {
+            list(k)
+                .iter()
+                .map(|s| s.parse().expect("lab IPv4"))
+                .collect()
+        };
+        Some(Self {
+            rails: std::env::var("LAB_RAILS").ok()?.parse().ok()?,
+            gid_index: std::env::var("LAB_GID_INDEX").ok()?.parse().ok()?,
+            a_devs: list("LAB_A_DEVS"),
+            b_devs: list("LAB_B_DEVS"),
+            a_ips: ips("LAB_A_IPS"),
+            b_ips: ips("LAB_B_IPS"),
+        })
+    }
+}
+
+/// The pattern byte at absolute offset `i` of a segment written with `seed` (position
+/// dependent, so a misplaced or shifted byte is caught, not only a wrong one).
+#[inline]
+pub fn pattern_byte(seed: u64, i: u64) -> u8 {
+    let x = (i ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (x >> 56) as u8 ^ (i as u8)
+}
+
+/// `len` pattern bytes for offsets `offset..offset+len` (relative to the segment start 0).
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len as u64).map(|i| pattern_byte(seed, i)).collect()
+}
+
+/// A segment of a region: `len` bytes at `offset`, holding `pattern(seed)` (or zeros when
+/// `seed` is None).
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+pub struct Segment {
+    pub offset: usize,
+    pub len: usize,
+    pub seed: Option<u64>,
+}
+
+/// Check a whole region against the segments written into it; every other byte must be 0.
+/// Returns a description of the first mismatch and the count of wrong bytes.
+pub fn verify_region(bytes: &[u8], segments: &[Segment]) -> Result<(), String> {
+    let mut expect = vec![0u8; bytes.len()];
+    for s in segments {
+        if let Some(seed) = s.seed {
+            let end = s
+                .offset
+                .checked_add(s.len)
+                .filter(|&e| e <= bytes.len())
+                .ok_or_else(|| format!("segment {s:?} outside the {}-byte region", bytes.len()))?;
+            expect[s.offset..end].copy_from_slice(&pattern(seed, s.len));
+        }
+    }
+    if bytes == expect.as_slice() {
+        return Ok(());
+    }
+    let bad = bytes.iter().zip(&expect).filter(|(a, b)| a != b).count();
+    let first = bytes
+        .iter()
+        .zip(&expect)
+        .position(|(a, b)| a != b)
+        .unwrap_or(0);
+    Err(format!(
+        "{bad} wrong byte(s) in {} bytes; first at offset {first}: got {:#04x}, want {:#04x}",
+        bytes.len(),
+        bytes[first],
+        expect[first]
+    ))
+}
+
+/// Lay out segments of the given sizes one after another with a 64-byte gap (so a write
+/// past a segment's end lands in a zero gap and is caught). Returns (segments, region size).
+pub fn layout(sizes: &[usize], first_seed: u64) -> (Vec<Segment>, usize) {
+    let mut off = 7; // deliberately unaligned start
+    let mut segs = Vec::new();
+    for (k, &len) in sizes.iter().enumerate() {
+        segs.push(Segment {
+            offset: off,
+            len,
+            seed: Some(first_seed + k as u64),
+        });
+        off += len + 64;
+    }
+    (segs, off)
+}
