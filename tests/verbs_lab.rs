@@ -20,13 +20,15 @@ use lab::{layout, pattern, verify_region, Segment, Topology};
 const WAIT: Duration = Duration::from_secs(120);
 
 type R = Result<(), String>;
+/// A lab case: topology, the peer process, the rail.
+type Case = fn(&Topology, &PeerProcess, usize) -> R;
 
 fn main() {
     if std::env::var_os(PEER_ENV).is_some() {
         lab::peer::serve();
     }
     let mut runner = Runner::new("verbs_lab");
-    let cases: Vec<(&str, fn(&Topology, &PeerProcess, usize) -> R)> = vec![
+    let cases: Vec<(&str, Case)> = vec![
         ("ports_and_gid_choice", ports_and_gid_choice),
         ("connect_validation", connect_validation),
         ("write_sizes_1b_to_8mib", write_sizes),

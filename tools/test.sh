@@ -1,0 +1,20 @@
+#!/bin/bash
+# tools/test.sh — every test kvrail has, the way CI runs them:
+#   1. tier 1 on this host: `cargo test --workspace` (lab suites print SKIPPED here);
+#   2. tier 2 in the lab: the verbs suite on real queue pairs (Soft-RoCE, two rails, host A
+#      and host B in separate processes), one VM boot per lab test binary.
+# Needs what tools/lab/setup.sh installs. KVRAIL_SKIP_LAB=1 runs tier 1 only (and says so).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+echo "=== tier 1: cargo test --workspace"
+cargo test --workspace
+
+if [ "${KVRAIL_SKIP_LAB:-0}" = 1 ]; then
+    echo "=== tier 2 (lab): SKIPPED because KVRAIL_SKIP_LAB=1"
+    exit 0
+fi
+echo "=== tier 2: verbs suite inside the Soft-RoCE lab (tools/lab/run.sh)"
+T0=$(date +%s)
+CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/tools/lab/run.sh" cargo test --test verbs_lab
+echo "=== tier 2 done in $(( $(date +%s) - T0 )) s"
