@@ -158,12 +158,6 @@ pub enum Error {
         /// Work requests still holding the region.
         in_flight: usize,
     },
-    /// Other handles to the region still exist.
-    #[error("memory region still has {handles} other handle(s); drop them before deregistering")]
-    RegionShared {
-        /// Other handles.
-        handles: usize,
-    },
     /// `ibv_create_comp_channel` failed.
     #[error("ibv_create_comp_channel failed: {0}")]
     CreateCompChannel(#[source] io::Error),

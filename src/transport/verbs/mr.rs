@@ -1,16 +1,16 @@
 //! Memory regions over host memory that the region owns.
 //!
 //! A region owns its buffer (anonymous, page-aligned mmap), so the memory the NIC may touch
-//! cannot be freed while it is registered. Every posted work request that references the
-//! region holds a [`MrRef`] (an `Arc` of the region plus an in-flight count) until its
-//! completion is polled; [`Mr::deregister`] refuses while that count is non-zero, and
-//! dropping the last user handle while work is in flight defers the real `ibv_dereg_mr`
-//! until the completion releases the last reference.
+//! cannot be freed while it is registered. [`Mr`] is the one user handle (not `Clone`);
+//! every posted work request that references the region holds a [`MrRef`] (another `Arc`
+//! of it) until its completion is polled. So the references beyond the user's are exactly
+//! the in-flight requests: [`Mr::deregister`] refuses while any exist, and dropping the user
+//! handle while work is in flight defers the real `ibv_dereg_mr` until the completion
+//! releases the last reference.
 
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use memmap2::MmapMut;
@@ -117,7 +117,6 @@ pub(crate) struct MrInner {
     buf: ManuallyDrop<MmapMut>,
     deregistered: bool,
     access: Access,
-    in_flight: AtomicUsize,
     pd: Arc<PdInner>,
 }
 
@@ -191,18 +190,13 @@ impl fmt::Debug for Mr {
 }
 
 /// A reference to a region held by a posted work request until its completion is polled.
-pub(crate) struct MrRef(Arc<MrInner>);
+pub(crate) struct MrRef {
+    _region: Arc<MrInner>,
+}
 
 impl MrRef {
     pub(crate) fn new(inner: &Arc<MrInner>) -> Self {
-        inner.in_flight.fetch_add(1, Ordering::AcqRel);
-        Self(inner.clone())
-    }
-}
-
-impl Drop for MrRef {
-    fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        Self { _region: inner.clone() }
     }
 }
 
@@ -231,7 +225,6 @@ impl Mr {
                 buf: ManuallyDrop::new(buf),
                 deregistered: false,
                 access,
-                in_flight: AtomicUsize::new(0),
                 pd: pd.inner.clone(),
             }),
         })
@@ -279,7 +272,7 @@ impl Mr {
 
     /// Posted work requests that still reference this region.
     pub fn in_flight(&self) -> usize {
-        self.inner.in_flight.load(Ordering::Acquire)
+        Arc::strong_count(&self.inner) - 1
     }
 
     pub(crate) fn inner(&self) -> &Arc<MrInner> {
@@ -337,17 +330,10 @@ impl Mr {
     ///
     /// # Errors
     /// Refused with [`Error::RegionBusy`] while posted work requests still reference the
-    /// region (poll their completions first), or [`Error::RegionShared`] while other handles
-    /// exist: the region comes back in [`DeregisterError::region`]. When `ibv_dereg_mr`
+    /// region (poll their completions first): the region comes back in
+    /// [`DeregisterError::region`]. When `ibv_dereg_mr`
     /// itself fails the memory is leaked rather than freed under the NIC.
     pub fn deregister(self) -> Result<(), DeregisterError> {
-        let in_flight = self.in_flight();
-        if in_flight > 0 {
-            return Err(DeregisterError {
-                region: Some(self),
-                error: Error::RegionBusy { in_flight },
-            });
-        }
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => match inner.dereg() {
                 Ok(()) => Ok(()), // Drop unmaps the buffer
@@ -360,10 +346,10 @@ impl Mr {
                 }
             },
             Err(inner) => {
-                let handles = Arc::strong_count(&inner) - 1;
+                let in_flight = Arc::strong_count(&inner) - 1;
                 Err(DeregisterError {
                     region: Some(Self { inner }),
-                    error: Error::RegionShared { handles },
+                    error: Error::RegionBusy { in_flight },
                 })
             }
         }
@@ -378,4 +364,46 @@ pub struct DeregisterError {
     pub region: Option<Mr>,
     /// Why.
     pub error: Error,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_write_implies_local_write() {
+        assert_eq!(
+            Access::REMOTE_WRITE.normalized(),
+            Access::REMOTE_WRITE | Access::LOCAL_WRITE
+        );
+        assert_eq!(Access::REMOTE_READ.normalized(), Access::REMOTE_READ);
+        assert_eq!(Access::NONE.normalized().bits(), 0);
+    }
+
+    #[test]
+    fn access_names() {
+        assert_eq!(Access::NONE.to_string(), "NONE");
+        assert_eq!(
+            (Access::REMOTE_READ | Access::LOCAL_WRITE).to_string(),
+            "LOCAL_WRITE|REMOTE_READ"
+        );
+        assert!((Access::REMOTE_READ | Access::REMOTE_WRITE).contains(Access::REMOTE_READ));
+        assert!(!Access::REMOTE_READ.contains(Access::REMOTE_WRITE));
+    }
+
+    #[test]
+    fn remote_region_bounds() {
+        let r = RemoteRegion {
+            addr: 0x1000,
+            len: 4096,
+            rkey: 7,
+        };
+        assert!(r.contains(0, 4096));
+        assert!(r.contains(4096, 0));
+        assert!(!r.contains(4090, 7));
+        assert!(
+            !r.contains(u64::MAX, 2),
+            "overflow must not wrap into range"
+        );
+    }
 }
