@@ -221,6 +221,19 @@ fn ports_and_gid_choice(t: &Topology, _: &PeerProcess, rail: usize) -> R {
             format!("{dev}: {dev_attr:?}")
         })?;
         let table = ctx.gid_table(1).map_err(s)?;
+        // entry-by-entry queries (the path for rdma-core < 32) see the same table
+        for e in &table {
+            let one = ctx
+                .gid_entry(1, e.index)
+                .map_err(s)?
+                .ok_or("entry vanished")?;
+            ensure(one.gid == e.gid && one.gid_type == e.gid_type, || {
+                format!("{dev}: {one:?} vs {e:?}")
+            })?;
+        }
+        ensure(ctx.gid_entry(1, 5).map_err(s)?.is_none(), || {
+            format!("{dev}: GID[5] should be empty")
+        })?;
         let g = ctx.choose_gid(1, None).map_err(s)?;
         println!("    {dev}: {} (table: {} entries)", g.reason, table.len());
         ensure(g.index == t.gid_index && g.gid.ipv4() == Some(ip), || {

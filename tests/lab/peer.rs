@@ -278,7 +278,18 @@ impl PeerProcess {
 impl Drop for PeerProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        // bounded: a child stuck in the kernel (uninterruptible) must not hang the suite
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!(
+            "verbs_lab: peer process {} did not exit within 20 s of SIGKILL",
+            self.child.id()
+        );
     }
 }
 

@@ -2,7 +2,12 @@
 //! panics, prints one line per case and a closing `N passed, N failed` line that CI reads.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::Instant;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A case that runs longer than this is reported as hung and the suite exits with failure
+/// (a hang must be bounded and explained, not wait for the VM's timeout).
+const CASE_LIMIT: Duration = Duration::from_secs(300);
 
 pub struct Runner {
     suite: &'static str,
@@ -38,7 +43,21 @@ impl Runner {
             return;
         }
         let t = Instant::now();
+        let (done, watch) = mpsc::channel::<()>();
+        let case = name.to_owned();
+        let suite = self.suite;
+        std::thread::spawn(move || {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = watch.recv_timeout(CASE_LIMIT) {
+                println!(
+                    "test {case} ... FAILED: HUNG for more than {} s; aborting the suite",
+                    CASE_LIMIT.as_secs()
+                );
+                println!("\n{suite}: 0 passed, 1 failed (hang)");
+                std::process::exit(2);
+            }
+        });
         let res = catch_unwind(AssertUnwindSafe(f));
+        let _ = done.send(());
         let secs = t.elapsed().as_secs_f64();
         match res {
             Ok(Ok(())) => {

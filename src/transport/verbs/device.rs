@@ -350,10 +350,11 @@ impl Context {
         })
     }
 
-    /// The GID table of a port (non-empty entries; `ibv_query_gid_table`).
+    /// The GID table of a port: its non-empty entries, from `ibv_query_gid_table`, or entry
+    /// by entry ([`Context::gid_entry`]) where that verb is missing (rdma-core < 32).
     ///
     /// # Errors
-    /// [`Error::QueryGid`].
+    /// [`Error::QueryPort`], [`Error::QueryDevice`], [`Error::QueryGid`].
     pub fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>, Error> {
         let attr = self.query_port(port)?;
         // The table covers all ports; size it for every port's entries.
@@ -363,6 +364,15 @@ impl Context {
         // SAFETY: the buffer has room for `cap` entries; the call writes at most that many
         // and returns how many it wrote.
         let n = unsafe { ffi::ibv_query_gid_table(self.raw(), raw.as_mut_ptr(), cap, 0) };
+        if n == -(libc::EOPNOTSUPP as isize) {
+            let mut out = Vec::new();
+            for index in 0..attr.gid_tbl_len {
+                if let Some(e) = self.gid_entry(port, index)? {
+                    out.push(e);
+                }
+            }
+            return Ok(out);
+        }
         if n < 0 {
             return Err(Error::QueryGid {
                 device: self.inner.name.clone(),
@@ -387,5 +397,67 @@ impl Context {
                 ndev_ifindex: e.ndev_ifindex,
             })
             .collect())
+    }
+
+    /// One GID table entry (`ibv_query_gid` + `ibv_query_gid_type`); `None` for an empty
+    /// slot. `ndev_ifindex` is not known this way and is 0.
+    ///
+    /// # Errors
+    /// [`Error::QueryPort`], [`Error::QueryGid`].
+    pub fn gid_entry(&self, port: u8, index: u32) -> Result<Option<GidEntry>, Error> {
+        let err = |source| Error::QueryGid {
+            device: self.inner.name.clone(),
+            port,
+            source,
+        };
+        let mut gid = ffi::ibv_gid { raw: [0; 16] };
+        // SAFETY: live context, valid out-pointer.
+        let ret = unsafe { ffi::ibv_query_gid(self.raw(), port, index as i32, &mut gid) };
+        if ret != 0 {
+            return Err(err(from_ret(ret)));
+        }
+        // SAFETY: `raw` is the union member ibv_query_gid wrote.
+        let gid = Gid(unsafe { gid.raw });
+        if gid.is_zero() {
+            return Ok(None);
+        }
+        let mut t: ffi::ibv_gid_type_sysfs = 0;
+        // SAFETY: live context, valid out-pointer.
+        let ret = unsafe { ffi::ibv_query_gid_type(self.raw(), port, index, &mut t) };
+        if ret != 0 {
+            return Err(err(from_ret(ret)));
+        }
+        let ethernet = self.query_port(port)?.link_layer == LinkLayer::Ethernet;
+        let gid_type = match (t, ethernet) {
+            (ffi::IBV_GID_TYPE_SYSFS_ROCE_V2, _) => GidType::RoceV2,
+            (_, true) => GidType::RoceV1,
+            (_, false) => GidType::Ib,
+        };
+        Ok(Some(GidEntry {
+            index,
+            gid,
+            gid_type,
+            ndev_ifindex: 0,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mtu_values() {
+        assert_eq!(Mtu::from_raw(5).map(Mtu::bytes), Some(4096));
+        assert_eq!(Mtu::from_raw(1).map(Mtu::bytes), Some(256));
+        assert_eq!(Mtu::from_raw(0), None);
+        assert_eq!(Mtu::from_raw(6), None);
+        assert!(Mtu::Mtu1024 < Mtu::Mtu4096, "path MTU = min of both ends");
+    }
+
+    #[test]
+    fn port_state_names() {
+        assert_eq!(PortState::Active.to_string(), "ACTIVE");
+        assert_eq!(PortState::Other(9).to_string(), "state 9");
     }
 }

@@ -196,7 +196,9 @@ pub(crate) struct MrRef {
 
 impl MrRef {
     pub(crate) fn new(inner: &Arc<MrInner>) -> Self {
-        Self { _region: inner.clone() }
+        Self {
+            _region: inner.clone(),
+        }
     }
 }
 
