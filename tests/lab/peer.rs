@@ -277,19 +277,25 @@ impl PeerProcess {
 
 impl Drop for PeerProcess {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        // bounded: a child stuck in the kernel (uninterruptible) must not hang the suite
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+        // Closing its stdin asks the peer to exit by itself (tearing its RDMA resources down
+        // the normal way); SIGKILL only if it has not exited after 10 s. Both waits are
+        // bounded: a child stuck in the kernel must not hang the suite.
+        drop(self.child.stdin.take());
+        let pid = self.child.id();
+        for (what, limit) in [("exit", 10u64), ("SIGKILL", 10)] {
+            if what == "SIGKILL" {
+                eprintln!("verbs_lab: peer process {pid} did not exit within {limit} s; killing it");
+                let _ = self.child.kill();
             }
-            std::thread::sleep(Duration::from_millis(20));
+            let deadline = Instant::now() + Duration::from_secs(limit);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
-        eprintln!(
-            "verbs_lab: peer process {} did not exit within 20 s of SIGKILL",
-            self.child.id()
-        );
+        eprintln!("verbs_lab: peer process {pid} is still there after SIGKILL; leaving it");
     }
 }
 
