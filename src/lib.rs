@@ -15,4 +15,5 @@
 //!   needs `cmake` and `libclang-dev`.
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod rails;
 pub mod transport;

@@ -284,7 +284,9 @@ impl Drop for PeerProcess {
         let pid = self.child.id();
         for (what, limit) in [("exit", 10u64), ("SIGKILL", 10)] {
             if what == "SIGKILL" {
-                eprintln!("verbs_lab: peer process {pid} did not exit within {limit} s; killing it");
+                eprintln!(
+                    "verbs_lab: peer process {pid} did not exit within {limit} s; killing it"
+                );
                 let _ = self.child.kill();
             }
             let deadline = Instant::now() + Duration::from_secs(limit);

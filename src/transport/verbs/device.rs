@@ -8,7 +8,7 @@ use std::sync::Arc;
 use rdma_mummy_sys as ffi;
 
 use super::error::{classify_device_list_errno, from_ret, last_os_error, Error, Unavailable};
-use super::gid::{Gid, GidEntry, GidType, LinkLayer};
+use crate::rails::gid::{Gid, GidEntry, GidType, LinkLayer};
 
 /// One RDMA device as `ibv_get_device_list` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -90,7 +90,7 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// No usable GID on the port (see [`super::select_gid`]).
+    /// No usable GID on the port (see [`crate::rails::gid::select_gid`]).
     #[error("{device} port {port}: {reason}")]
     NoUsableGid {
         /// Device name.

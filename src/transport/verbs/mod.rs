@@ -27,16 +27,15 @@
 mod cq;
 mod device;
 mod error;
-mod gid;
 mod mr;
 mod pd;
 mod qp;
 mod wr;
 
+pub use crate::rails::gid::{select_gid, Gid, GidChoice, GidEntry, GidType, LinkLayer};
 pub use cq::{Completion, Cq, WcError};
 pub use device::{devices, Context, DeviceAttr, DeviceInfo, Mtu, PortAttr, PortState};
 pub use error::{classify_device_list_errno, Error, Unavailable};
-pub use gid::{select_gid, Gid, GidChoice, GidEntry, GidType, LinkLayer};
 pub use mr::{Access, DeregisterError, Mr, RemoteRegion};
 pub use pd::Pd;
 pub use qp::{ConnectOptions, Endpoint, Qp, QpOptions, QpState};

@@ -11,10 +11,10 @@ use serde::{Deserialize, Serialize};
 use super::cq::{Cq, CqInner, WcError};
 use super::device::{Mtu, PortState};
 use super::error::{from_ret, last_os_error, Error};
-use super::gid::{Gid, LinkLayer};
 use super::mr::{Access, MrRef};
 use super::pd::{Pd, PdInner};
 use super::wr::{OpKind, Pending, RecvWr, SendOp, SendWr, WorkQueue, RECV_BIT};
+use crate::rails::gid::{Gid, LinkLayer};
 
 /// How to create a queue pair. Every port and GID index is explicit: there is no default
 /// port (multi-rail code must always say which one).
@@ -22,7 +22,7 @@ use super::wr::{OpKind, Pending, RecvWr, SendOp, SendWr, WorkQueue, RECV_BIT};
 pub struct QpOptions {
     /// Port number (1-based).
     pub port: u8,
-    /// Local GID index (see [`super::select_gid`]).
+    /// Local GID index (see [`crate::rails::gid::select_gid`]).
     pub gid_index: u32,
     /// Send queue depth.
     pub max_send_wr: u32,

@@ -1,0 +1,360 @@
+//! Reading what the kernel says about RDMA ports, from a sysfs/procfs tree under an
+//! injectable root (`/` on a real host, a fixture directory in tests).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io;
+use std::net::Ipv6Addr;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use super::addrs::{AddrSource, Ipv4If};
+use super::gid::{Gid, GidEntry, GidType};
+
+/// The root that `sys/` and `proc/` are read under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SysfsRoot(PathBuf);
+
+impl SysfsRoot {
+    /// `root` (`/` on a real host).
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self(root.into())
+    }
+
+    /// The host's own root, `/`.
+    pub fn system() -> Self {
+        Self::new("/")
+    }
+
+    /// The root path.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// True for `/`.
+    pub fn is_system(&self) -> bool {
+        self.0 == Path::new("/")
+    }
+
+    pub(crate) fn join(&self, rel: &str) -> PathBuf {
+        self.0.join(rel)
+    }
+
+    /// The trimmed contents of `rel`, or None when it does not exist / cannot be read.
+    pub(crate) fn read(&self, rel: &str) -> Option<String> {
+        fs::read_to_string(self.join(rel))
+            .ok()
+            .map(|s| s.trim().to_owned())
+    }
+
+    fn list(&self, rel: &str) -> io::Result<Vec<String>> {
+        let mut v: Vec<String> = fs::read_dir(self.join(rel))?
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect();
+        v.sort_by(|a, b| natural_cmp(a, b));
+        Ok(v)
+    }
+}
+
+/// Compare names so that `mlx5_2` sorts before `mlx5_10`.
+pub fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    fn key(s: &str) -> Vec<(String, u64)> {
+        let mut out = Vec::new();
+        let mut text = String::new();
+        let mut num = String::new();
+        for c in s.chars() {
+            if c.is_ascii_digit() {
+                num.push(c);
+            } else {
+                if !num.is_empty() {
+                    out.push((std::mem::take(&mut text), num.parse().unwrap_or(u64::MAX)));
+                    num.clear();
+                }
+                text.push(c);
+            }
+        }
+        out.push((
+            text,
+            if num.is_empty() {
+                0
+            } else {
+                num.parse().unwrap_or(u64::MAX)
+            },
+        ));
+        out
+    }
+    key(a).cmp(&key(b)).then_with(|| a.cmp(b))
+}
+
+/// One RDMA port as the kernel describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PortInfo {
+    /// RDMA device name (`mlx5_0`, `rxeA0`).
+    pub device: String,
+    /// Port number (1-based).
+    pub port: u8,
+    /// Port state word (`ACTIVE`, `DOWN`, …) from `ports/<p>/state` (`4: ACTIVE`).
+    pub state: String,
+    /// `Ethernet`, `InfiniBand`, or what the file says.
+    pub link_layer: String,
+    /// The RoCE active MTU derived from the netdev MTU (the largest IB MTU that fits a frame
+    /// with RoCEv2 headers); None on InfiniBand or without a netdev.
+    pub active_mtu: Option<u32>,
+    /// The Ethernet netdev of the port.
+    pub netdev: Option<String>,
+    /// Its IPv4 addresses.
+    pub ipv4: Vec<Ipv4If>,
+    /// `device/numa_node`: None when the file does not exist (Soft-RoCE), -1 when the
+    /// platform does not say.
+    pub numa_node: Option<i32>,
+    /// `parent` (Soft-RoCE devices name their netdev there).
+    pub parent: Option<String>,
+    /// The non-empty GID table entries.
+    #[serde(skip)]
+    pub gids: Vec<GidEntry>,
+    /// Netdev of each GID entry, by index (`gid_attrs/ndevs/<i>`).
+    #[serde(skip)]
+    pub gid_ndevs: BTreeMap<u32, String>,
+    /// The netdev carries the host's default route (a management interface).
+    pub default_route: bool,
+}
+
+impl PortInfo {
+    /// `device:port`.
+    pub fn name(&self) -> String {
+        format!("{}:{}", self.device, self.port)
+    }
+
+    /// True when the state is ACTIVE.
+    pub fn is_active(&self) -> bool {
+        self.state == "ACTIVE"
+    }
+}
+
+/// What discovery found on a host.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct HostView {
+    /// Every port of every RDMA device, sorted by device (natural order) and port.
+    pub ports: Vec<PortInfo>,
+    /// Interfaces that carry a default route (`proc/net/route`).
+    pub default_route_ifaces: Vec<String>,
+    /// Where the devices were looked for.
+    pub searched: String,
+}
+
+/// Parse a sysfs GID (`fe80:0000:…:0001`, 8 groups of 4 hex digits).
+pub fn parse_sysfs_gid(s: &str) -> Option<Gid> {
+    s.trim().parse::<Ipv6Addr>().ok().map(|ip| Gid(ip.octets()))
+}
+
+/// Interfaces with a default route in a `/proc/net/route` text.
+pub fn default_route_ifaces(route: &str) -> Vec<String> {
+    let mut out: Vec<String> = route
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // Iface Destination Gateway Flags RefCnt Use Metric Mask ...
+            (f.len() >= 8 && f[1] == "00000000" && f[7] == "00000000").then(|| f[0].to_owned())
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// The RoCE active MTU for a netdev MTU (what mlx5 and rxe report): the largest IB MTU
+/// that still fits in one Ethernet frame with the RoCEv2 headers.
+pub fn roce_mtu_for_netdev_mtu(netdev_mtu: u32) -> Option<u32> {
+    const OVERHEAD: u32 = 100; // Ethernet + IPv4/UDP + BTH/RETH + ICRC, rounded up
+    [4096, 2048, 1024, 512, 256]
+        .into_iter()
+        .find(|&m| m + OVERHEAD <= netdev_mtu)
+}
+
+/// Discover every RDMA port under `root`.
+///
+/// # Errors
+/// None for a host without RDMA (no `sys/class/infiniband`: no ports); an error only when
+/// a directory that exists cannot be listed.
+pub fn discover(root: &SysfsRoot, addrs: &AddrSource) -> io::Result<HostView> {
+    let ib = "sys/class/infiniband";
+    let defaults = root
+        .read("proc/net/route")
+        .map(|r| default_route_ifaces(&r))
+        .unwrap_or_default();
+    let mut view = HostView {
+        ports: Vec::new(),
+        default_route_ifaces: defaults.clone(),
+        searched: root.join(ib).display().to_string(),
+    };
+    let devices = match root.list(ib) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(view),
+        Err(e) => return Err(e),
+    };
+    let addr_map = addrs.load()?;
+    for dev in devices {
+        let base = format!("{ib}/{dev}");
+        let numa_node = root
+            .read(&format!("{base}/device/numa_node"))
+            .and_then(|s| s.parse().ok());
+        let parent = root.read(&format!("{base}/parent"));
+        let dev_netdevs = root.list(&format!("{base}/device/net")).unwrap_or_default();
+        let Ok(ports) = root.list(&format!("{base}/ports")) else {
+            continue;
+        };
+        for p in ports {
+            let Ok(port) = p.parse::<u8>() else { continue };
+            let pb = format!("{base}/ports/{port}");
+            let state = root
+                .read(&format!("{pb}/state"))
+                .map(|s| {
+                    s.split_once(':')
+                        .map_or(s.as_str(), |(_, w)| w)
+                        .trim()
+                        .to_owned()
+                })
+                .unwrap_or_else(|| "UNKNOWN".into());
+            let link_layer = root
+                .read(&format!("{pb}/link_layer"))
+                .unwrap_or_else(|| "unknown".into());
+            let ethernet = link_layer == "Ethernet";
+            let mut gids = Vec::new();
+            let mut gid_ndevs = BTreeMap::new();
+            for i in root.list(&format!("{pb}/gids")).unwrap_or_default() {
+                let Ok(index) = i.parse::<u32>() else {
+                    continue;
+                };
+                let Some(gid) = root
+                    .read(&format!("{pb}/gids/{index}"))
+                    .and_then(|g| parse_sysfs_gid(&g))
+                else {
+                    continue;
+                };
+                if gid.is_zero() {
+                    continue;
+                }
+                let t = root
+                    .read(&format!("{pb}/gid_attrs/types/{index}"))
+                    .unwrap_or_default();
+                let gid_type = match (t.as_str(), ethernet) {
+                    ("RoCE v2", _) => GidType::RoceV2,
+                    (_, true) => GidType::RoceV1,
+                    (_, false) => GidType::Ib,
+                };
+                if let Some(nd) = root
+                    .read(&format!("{pb}/gid_attrs/ndevs/{index}"))
+                    .filter(|s| !s.is_empty())
+                {
+                    gid_ndevs.insert(index, nd);
+                }
+                gids.push(GidEntry {
+                    index,
+                    gid,
+                    gid_type,
+                    ndev_ifindex: 0,
+                });
+            }
+            gids.sort_by_key(|g| g.index);
+            // The port's netdev: what its GIDs name, else the device's net/ dir (one port
+            // per netdev on multi-port devices: port order), else rxe's `parent`.
+            let netdev = if ethernet {
+                gid_ndevs
+                    .values()
+                    .next()
+                    .cloned()
+                    .or_else(|| {
+                        dev_netdevs
+                            .get(usize::from(port).saturating_sub(1))
+                            .cloned()
+                    })
+                    .or_else(|| parent.clone())
+            } else {
+                None
+            };
+            let active_mtu = netdev
+                .as_ref()
+                .and_then(|n| root.read(&format!("sys/class/net/{n}/mtu")))
+                .and_then(|m| m.parse().ok())
+                .and_then(roce_mtu_for_netdev_mtu);
+            let ipv4 = netdev
+                .as_ref()
+                .and_then(|n| addr_map.get(n))
+                .cloned()
+                .unwrap_or_default();
+            let default_route = netdev.as_ref().is_some_and(|n| defaults.contains(n));
+            view.ports.push(PortInfo {
+                device: dev.clone(),
+                port,
+                state,
+                link_layer,
+                active_mtu,
+                netdev,
+                ipv4,
+                numa_node,
+                parent: parent.clone(),
+                gids,
+                gid_ndevs,
+                default_route,
+            });
+        }
+    }
+    Ok(view)
+}
+
+/// The NUMA node of a PCI device (an accelerator), from `sys/bus/pci/devices/<bdf>/numa_node`.
+///
+/// # Errors
+/// A message naming the file when it is missing or not a number.
+pub fn pci_numa_node(root: &SysfsRoot, bdf: &str) -> Result<i32, String> {
+    let rel = format!("sys/bus/pci/devices/{bdf}/numa_node");
+    let text = root
+        .read(&rel)
+        .ok_or_else(|| format!("cannot read {}", root.join(&rel).display()))?;
+    text.parse()
+        .map_err(|_| format!("{}: {text:?} is not a NUMA node", root.join(&rel).display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn natural_order() {
+        let mut v = vec!["mlx5_10", "mlx5_2", "mlx5_1", "rxeB0", "rxeA1", "rxeA0"];
+        v.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            v,
+            ["mlx5_1", "mlx5_2", "mlx5_10", "rxeA0", "rxeA1", "rxeB0"]
+        );
+    }
+
+    #[test]
+    fn default_route_parsing() {
+        let route =
+            "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+                     eno1\t00000000\t0100000A\t0003\t0\t0\t0\t00000000\t0\t0\t0\n\
+                     eno1\t0000000A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n\
+                     ens1f0\t0000A8C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n";
+        assert_eq!(default_route_ifaces(route), ["eno1"]);
+        assert!(default_route_ifaces("Iface\tDestination\n").is_empty());
+    }
+
+    #[test]
+    fn sysfs_gid_format() {
+        let g = parse_sysfs_gid("0000:0000:0000:0000:0000:ffff:c612:0001").unwrap();
+        assert_eq!(g.ipv4(), Some(Ipv4Addr::new(198, 18, 0, 1)));
+        assert!(parse_sysfs_gid("zz").is_none());
+    }
+
+    #[test]
+    fn roce_mtu() {
+        assert_eq!(roce_mtu_for_netdev_mtu(9000), Some(4096));
+        assert_eq!(roce_mtu_for_netdev_mtu(1500), Some(1024));
+        assert_eq!(roce_mtu_for_netdev_mtu(4200), Some(4096));
+        assert_eq!(roce_mtu_for_netdev_mtu(200), None);
+    }
+}
