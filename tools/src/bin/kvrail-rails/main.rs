@@ -1,0 +1,148 @@
+//! `kvrail-rails`: which RDMA ports kvrail would use as rails, why the others are not
+//! usable, and whether each pair of rails between two hosts really moves bytes.
+//!
+//! ```text
+//! kvrail-rails list [--numa N | --accel BDF] [--devices D1,D2] [--json]
+//! kvrail-rails explain DEV[:PORT] [--numa N | --accel BDF]
+//! kvrail-rails serve [--listen ADDR:PORT] [--devices ...]
+//! kvrail-rails probe --peer HOST:PORT [--devices ...] [--all-pairs] [--json]
+//! ```
+//! Every subcommand takes `--sysfs-root DIR` (default `/`) so it runs on fixture trees.
+
+mod explain;
+mod list;
+mod probe;
+mod serve;
+mod wire;
+
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use kvrail::rails::{discover, judge_all, pci_numa_node, AddrSource, SysfsRoot, Verdict};
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "kvrail's rail diagnostics: list, explain, serve, probe"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// A table of every RDMA port with its verdict.
+    List {
+        #[command(flatten)]
+        host: HostArgs,
+        /// Print JSON instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Why a port is (not) usable, in plain words, with the command that checks each reason.
+    Explain {
+        /// DEVICE or DEVICE:PORT.
+        target: String,
+        #[command(flatten)]
+        host: HostArgs,
+    },
+    /// Answer probes from another host (one thread per prober).
+    Serve {
+        /// Address and port to listen on (the side channel).
+        #[arg(long, default_value = "0.0.0.0:18515")]
+        listen: String,
+        #[command(flatten)]
+        host: HostArgs,
+    },
+    /// Connect every pair of a local and a peer rail, move bytes, report per pair.
+    Probe {
+        /// The peer's `kvrail-rails serve` address.
+        #[arg(long)]
+        peer: String,
+        /// Try every local × peer pair, not only those in the same IPv4 subnet.
+        #[arg(long)]
+        all_pairs: bool,
+        /// Print JSON instead of the table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        host: HostArgs,
+    },
+}
+
+/// Where to look and which NUMA node to judge for.
+#[derive(Args, Debug, Clone)]
+struct HostArgs {
+    /// Root of the sysfs/procfs tree (fixture trees in tests).
+    #[arg(long, default_value = "/")]
+    sysfs_root: String,
+    /// The accelerator's NUMA node (-1: any).
+    #[arg(long, conflicts_with = "accel")]
+    numa: Option<i32>,
+    /// The accelerator's PCI address; its NUMA node is read from sysfs.
+    #[arg(long)]
+    accel: Option<String>,
+    /// Only these RDMA devices (comma separated).
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+}
+
+impl HostArgs {
+    fn root(&self) -> SysfsRoot {
+        SysfsRoot::new(&self.sysfs_root)
+    }
+
+    fn numa(&self) -> Result<i32, String> {
+        match (&self.accel, self.numa) {
+            (Some(bdf), _) => pci_numa_node(&self.root(), bdf),
+            (None, Some(n)) => Ok(n),
+            (None, None) => Ok(-1),
+        }
+    }
+
+    /// The verdicts on the selected devices' ports.
+    fn verdicts(&self) -> Result<(i32, Vec<Verdict>), String> {
+        self.verdicts_in().map(|(n, v, _)| (n, v))
+    }
+
+    /// The verdicts, and where the devices were looked for.
+    fn verdicts_in(&self) -> Result<(i32, Vec<Verdict>, String), String> {
+        let root = self.root();
+        let host = discover(&root, &AddrSource::for_root(&root))
+            .map_err(|e| format!("discovery failed: {e}"))?;
+        let numa = self.numa()?;
+        let mut v = judge_all(&host, numa);
+        if !self.devices.is_empty() {
+            for d in &self.devices {
+                if !v.iter().any(|v| &v.port.device == d) {
+                    return Err(format!("no RDMA device {d:?} under {}", host.searched));
+                }
+            }
+            v.retain(|v| self.devices.contains(&v.port.device));
+        }
+        Ok((numa, v, host.searched))
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let res = match cli.cmd {
+        Cmd::List { host, json } => list::run(&host, json),
+        Cmd::Explain { target, host } => explain::run(&host, &target),
+        Cmd::Serve { listen, host } => serve::run(&host, &listen),
+        Cmd::Probe {
+            peer,
+            all_pairs,
+            json,
+            host,
+        } => probe::run(&host, &peer, all_pairs, json),
+    };
+    match res {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kvrail-rails: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
