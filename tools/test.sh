@@ -2,7 +2,8 @@
 # tools/test.sh — every test kvrail has, the way CI runs them:
 #   1. tier 1 on this host: `cargo test --workspace` (lab suites print SKIPPED here);
 #   2. tier 2 in the lab: the verbs suite on real queue pairs (Soft-RoCE, two rails, host A
-#      and host B in separate processes), one VM boot per lab test binary.
+#      and host B in separate processes) and kvrail-rails list/probe/link-down, one VM boot
+#      per lab test binary.
 # Needs what tools/lab/setup.sh installs. KVRAIL_SKIP_LAB=1 runs tier 1 only (and says so).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -14,7 +15,11 @@ if [ "${KVRAIL_SKIP_LAB:-0}" = 1 ]; then
     echo "=== tier 2 (lab): SKIPPED because KVRAIL_SKIP_LAB=1"
     exit 0
 fi
-echo "=== tier 2: verbs suite inside the Soft-RoCE lab (tools/lab/run.sh)"
+# Each lab test binary runs in its own VM boot (cargo hands it to tools/lab/run.sh).
+export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/tools/lab/run.sh"
 T0=$(date +%s)
-CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/tools/lab/run.sh" cargo test --test verbs_lab
+echo "=== tier 2: verbs suite inside the Soft-RoCE lab"
+cargo test --test verbs_lab
+echo "=== tier 2: kvrail-rails (list, probe, link down) inside the Soft-RoCE lab"
+cargo test -p kvrail-tools --test rails_lab
 echo "=== tier 2 done in $(( $(date +%s) - T0 )) s"

@@ -1,0 +1,290 @@
+//! `kvrail-rails` inside the kvrail lab (tools/lab/): host A's rails are listed usable with
+//! their real GIDs and addresses (the VM has no default route and rxe has no NUMA node:
+//! neither may confuse the verdicts), `probe` from host A to `serve` on host B reports both
+//! rail pairs connected with numbers, and with one rail's link taken down that pair fails
+//! with its reason while the other still passes. Outside the lab every case is SKIPPED.
+
+#[path = "../../tests/lab/runner.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod runner;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use runner::Runner;
+
+type R = Result<(), String>;
+
+struct Lab {
+    rails: usize,
+    gid_index: u64,
+    a_devs: Vec<String>,
+    b_devs: Vec<String>,
+    a_ips: Vec<String>,
+    a_netdevs: Vec<String>,
+}
+
+fn lab() -> Option<Lab> {
+    std::env::var_os("LAB_GUEST")?;
+    let list = |k: &str| {
+        std::env::var(k)
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(String::from)
+            .collect()
+    };
+    Some(Lab {
+        rails: std::env::var("LAB_RAILS").ok()?.parse().ok()?,
+        gid_index: std::env::var("LAB_GID_INDEX").ok()?.parse().ok()?,
+        a_devs: list("LAB_A_DEVS"),
+        b_devs: list("LAB_B_DEVS"),
+        a_ips: list("LAB_A_IPS"),
+        a_netdevs: list("LAB_A_NETDEVS"),
+    })
+}
+
+fn rails(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvrail-rails"))
+        .args(args)
+        .output()
+        .expect("run kvrail-rails")
+}
+
+fn ensure(c: bool, msg: impl FnOnce() -> String) -> R {
+    if c {
+        Ok(())
+    } else {
+        Err(msg())
+    }
+}
+
+fn json(o: &Output) -> Result<serde_json::Value, String> {
+    serde_json::from_slice(&o.stdout).map_err(|e| {
+        format!(
+            "bad JSON ({e}): {}\n{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })
+}
+
+fn main() {
+    let mut r = Runner::new("rails_lab");
+    let cases = [
+        "list_shows_host_a_rails_usable",
+        "probe_connects_both_rail_pairs",
+        "link_down_fails_that_pair_only",
+    ];
+    let Some(lab) = lab() else {
+        println!("rails_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
+        for c in cases {
+            r.skip(c);
+        }
+        r.finish();
+    };
+    r.run(cases[0], || list(&lab));
+    let server = Server::start(&lab);
+    match server {
+        Ok(srv) => {
+            r.run(cases[1], || probe_all(&lab, &srv));
+            r.run(cases[2], || link_down(&lab, &srv));
+        }
+        Err(e) => r.run("start_kvrail_rails_serve", || Err(e)),
+    }
+    r.finish();
+}
+
+fn list(lab: &Lab) -> R {
+    let devs = lab.a_devs.join(",");
+    let o = rails(&["list", "--devices", &devs]);
+    print!("{}", String::from_utf8_lossy(&o.stdout));
+    ensure(o.status.success(), || {
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    })?;
+    let v = json(&rails(&["list", "--devices", &devs, "--json"]))?;
+    let ports = v["ports"].as_array().ok_or("no ports")?;
+    ensure(ports.len() == lab.rails, || {
+        format!("{} ports listed", ports.len())
+    })?;
+    for (i, p) in ports.iter().enumerate() {
+        let want_gid = format!("::ffff:{}", lab.a_ips[i]);
+        ensure(
+            p["usable"] == true
+                && p["port"]["device"] == lab.a_devs[i].as_str()
+                && p["port"]["state"] == "ACTIVE"
+                && p["port"]["netdev"] == lab.a_netdevs[i].as_str()
+                && p["port"]["ipv4"][0] == format!("{}/24", lab.a_ips[i]).as_str()
+                && p["port"]["numa_node"].is_null()
+                && p["port"]["default_route"] == false
+                && p["port"]["active_mtu"] == 4096
+                && p["gid"]["index"] == lab.gid_index
+                && p["gid"]["gid"] == want_gid.as_str(),
+            || format!("rail {i}: {p:#}"),
+        )?;
+    }
+    Ok(())
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(lab: &Lab) -> Result<Self, String> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvrail-rails"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--devices",
+                &lab.b_devs.join(","),
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        let addr = line
+            .trim()
+            .strip_prefix("kvrail-rails serve: listening on ")
+            .ok_or(format!("serve said {line:?}"))?;
+        Ok(Self {
+            addr: addr.to_owned(),
+            child,
+        })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn probe(lab: &Lab, srv: &Server) -> Result<(serde_json::Value, Duration), String> {
+    let t = Instant::now();
+    let o = rails(&[
+        "probe",
+        "--peer",
+        &srv.addr,
+        "--devices",
+        &lab.a_devs.join(","),
+        "--json",
+    ]);
+    let took = t.elapsed();
+    Ok((json(&o)?, took))
+}
+
+fn show(v: &serde_json::Value, took: Duration) {
+    println!("    probe took {:.2} s", took.as_secs_f64());
+    for p in v["pairs"].as_array().into_iter().flatten() {
+        println!(
+            "    {} -> {}: {} step={} write64={}us write1M={}MiB/s read1M={}MiB/s {}",
+            p["local"],
+            p["peer"],
+            if p["connected"] == true {
+                "connected"
+            } else {
+                "FAILED"
+            },
+            p["step"],
+            p["write_small_lat_us"],
+            p["write_large_mib_s"],
+            p["read_large_mib_s"],
+            p["error"]
+        );
+    }
+}
+
+fn probe_all(lab: &Lab, srv: &Server) -> R {
+    let o = rails(&[
+        "probe",
+        "--peer",
+        &srv.addr,
+        "--devices",
+        &lab.a_devs.join(","),
+    ]);
+    print!("{}", String::from_utf8_lossy(&o.stdout));
+    let (v, took) = probe(lab, srv)?;
+    show(&v, took);
+    let pairs = v["pairs"].as_array().ok_or("no pairs")?;
+    ensure(pairs.len() == lab.rails, || {
+        format!("{} pairs, expected one per rail", pairs.len())
+    })?;
+    for (i, p) in pairs.iter().enumerate() {
+        ensure(
+            p["local"] == format!("{}:1", lab.a_devs[i]).as_str()
+                && p["peer"] == format!("{}:1", lab.b_devs[i]).as_str()
+                && p["connected"] == true
+                && p["write_small_lat_us"].as_f64().is_some_and(|x| x > 0.0)
+                && p["write_large_mib_s"].as_f64().is_some_and(|x| x > 0.0)
+                && p["read_large_mib_s"].as_f64().is_some_and(|x| x > 0.0),
+            || format!("pair {i}: {p:#}"),
+        )?;
+    }
+    Ok(())
+}
+
+fn ip_link(netdev: &str, state: &str) -> R {
+    let o = Command::new("ip")
+        .args(["link", "set", netdev, state])
+        .output()
+        .map_err(|e| e.to_string())?;
+    ensure(o.status.success(), || {
+        format!(
+            "ip link set {netdev} {state}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })
+}
+
+fn wait_port(dev: &str, want: &str) -> R {
+    let path = format!("/sys/class/infiniband/{dev}/ports/1/state");
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(30) {
+        if std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .contains(want)
+        {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(format!("{dev} never became {want}"))
+}
+
+fn link_down(lab: &Lab, srv: &Server) -> R {
+    ensure(lab.rails >= 2, || "needs two rails".into())?;
+    let nd = &lab.a_netdevs[1];
+    ip_link(nd, "down")?;
+    // probe at once: whether the ports already say DOWN or not, the pair must fail in
+    // bounded time with a reason
+    let res = probe(lab, srv);
+    ip_link(nd, "up")?;
+    let (v, took) = res?;
+    show(&v, took);
+    wait_port(&lab.a_devs[1], "ACTIVE")?;
+    let pairs = v["pairs"].as_array().ok_or("no pairs")?;
+    let p0 = pairs
+        .iter()
+        .find(|p| p["local"] == format!("{}:1", lab.a_devs[0]).as_str())
+        .ok_or("no rail-0 pair")?;
+    let p1 = pairs
+        .iter()
+        .find(|p| p["local"] == format!("{}:1", lab.a_devs[1]).as_str())
+        .ok_or("no rail-1 pair")?;
+    ensure(p0["connected"] == true, || {
+        format!("rail 0 should still pass: {p0:#}")
+    })?;
+    ensure(
+        p1["connected"] == false
+            && p1["step"].is_string()
+            && p1["error"].as_str().is_some_and(|e| !e.is_empty()),
+        || format!("rail 1 should fail with a step and a reason: {p1:#}"),
+    )
+}
