@@ -4,7 +4,9 @@
 //!
 //! What is here so far: [`transport::verbs`], a safe layer over ibverbs (devices, GID
 //! choice, protection domains, memory regions that stay alive while work uses them,
-//! completion queues with event-driven waits, RC queue pairs, batched posting).
+//! completion queues with event-driven waits, RC queue pairs, batched posting), and
+//! [`rails`], which finds the RDMA ports of a host, judges each one usable as a data-plane
+//! rail or not (with every reason), and selects the rails for an accelerator's NUMA node.
 //!
 //! What kvrail does not do: it runs no engine and owns no scheduler; the protocol core will
 //! own no threads and read no clock.
