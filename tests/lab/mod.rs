@@ -16,6 +16,7 @@ pub struct Topology {
     pub b_devs: Vec<String>,
     pub a_ips: Vec<Ipv4Addr>,
     pub b_ips: Vec<Ipv4Addr>,
+    pub a_netdevs: Vec<String>,
 }
 
 impl Topology {
@@ -42,6 +43,7 @@ impl Topology {
             b_devs: list("LAB_B_DEVS"),
             a_ips: ips("LAB_A_IPS"),
             b_ips: ips("LAB_B_IPS"),
+            a_netdevs: list("LAB_A_NETDEVS"),
         })
     }
 }

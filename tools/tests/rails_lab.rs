@@ -4,45 +4,17 @@
 //! rail pairs connected with numbers, and with one rail's link taken down that pair fails
 //! with its reason while the other still passes. Outside the lab every case is SKIPPED.
 
-#[path = "../../tests/lab/runner.rs"]
-#[allow(dead_code, unreachable_pub)]
-mod runner;
+#[path = "../../tests/lab/mod.rs"]
+mod lab;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use runner::Runner;
+use lab::runner::Runner;
+use lab::Topology as Lab;
 
 type R = Result<(), String>;
-
-struct Lab {
-    rails: usize,
-    gid_index: u64,
-    a_devs: Vec<String>,
-    b_devs: Vec<String>,
-    a_ips: Vec<String>,
-    a_netdevs: Vec<String>,
-}
-
-fn lab() -> Option<Lab> {
-    std::env::var_os("LAB_GUEST")?;
-    let list = |k: &str| {
-        std::env::var(k)
-            .unwrap_or_default()
-            .split_whitespace()
-            .map(String::from)
-            .collect()
-    };
-    Some(Lab {
-        rails: std::env::var("LAB_RAILS").ok()?.parse().ok()?,
-        gid_index: std::env::var("LAB_GID_INDEX").ok()?.parse().ok()?,
-        a_devs: list("LAB_A_DEVS"),
-        b_devs: list("LAB_B_DEVS"),
-        a_ips: list("LAB_A_IPS"),
-        a_netdevs: list("LAB_A_NETDEVS"),
-    })
-}
 
 fn rails(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kvrail-rails"))
@@ -76,7 +48,7 @@ fn main() {
         "probe_connects_both_rail_pairs",
         "link_down_fails_that_pair_only",
     ];
-    let Some(lab) = lab() else {
+    let Some(lab) = Lab::from_env() else {
         println!("rails_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
         for c in cases {
             r.skip(c);
@@ -166,52 +138,29 @@ impl Drop for Server {
     }
 }
 
+/// `probe` from host A's rails to the server, as JSON, and how long it took.
 fn probe(lab: &Lab, srv: &Server) -> Result<(serde_json::Value, Duration), String> {
+    let devs = lab.a_devs.join(",");
     let t = Instant::now();
-    let o = rails(&[
-        "probe",
-        "--peer",
-        &srv.addr,
-        "--devices",
-        &lab.a_devs.join(","),
-        "--json",
-    ]);
+    let text = rails(&["probe", "--peer", &srv.addr, "--devices", &devs]);
     let took = t.elapsed();
-    Ok((json(&o)?, took))
-}
-
-fn show(v: &serde_json::Value, took: Duration) {
-    println!("    probe took {:.2} s", took.as_secs_f64());
-    for p in v["pairs"].as_array().into_iter().flatten() {
-        println!(
-            "    {} -> {}: {} step={} write64={}us write1M={}MiB/s read1M={}MiB/s {}",
-            p["local"],
-            p["peer"],
-            if p["connected"] == true {
-                "connected"
-            } else {
-                "FAILED"
-            },
-            p["step"],
-            p["write_small_lat_us"],
-            p["write_large_mib_s"],
-            p["read_large_mib_s"],
-            p["error"]
-        );
-    }
+    print!("{}", String::from_utf8_lossy(&text.stdout));
+    println!("    (probe took {:.2} s)", took.as_secs_f64());
+    Ok((
+        json(&rails(&[
+            "probe",
+            "--peer",
+            &srv.addr,
+            "--devices",
+            &devs,
+            "--json",
+        ]))?,
+        took,
+    ))
 }
 
 fn probe_all(lab: &Lab, srv: &Server) -> R {
-    let o = rails(&[
-        "probe",
-        "--peer",
-        &srv.addr,
-        "--devices",
-        &lab.a_devs.join(","),
-    ]);
-    print!("{}", String::from_utf8_lossy(&o.stdout));
-    let (v, took) = probe(lab, srv)?;
-    show(&v, took);
+    let (v, _) = probe(lab, srv)?;
     let pairs = v["pairs"].as_array().ok_or("no pairs")?;
     ensure(pairs.len() == lab.rails, || {
         format!("{} pairs, expected one per rail", pairs.len())
@@ -266,8 +215,7 @@ fn link_down(lab: &Lab, srv: &Server) -> R {
     // bounded time with a reason
     let res = probe(lab, srv);
     ip_link(nd, "up")?;
-    let (v, took) = res?;
-    show(&v, took);
+    let (v, _) = res?;
     wait_port(&lab.a_devs[1], "ACTIVE")?;
     let pairs = v["pairs"].as_array().ok_or("no pairs")?;
     let p0 = pairs
