@@ -171,11 +171,9 @@ impl Planner {
             let mut off = 0;
             while off < d.len {
                 let pos = stream + off;
-                let k = if share == 0 {
-                    0
-                } else {
-                    ((pos / share) as usize).min(rails.len() - 1)
-                };
+                let k = pos
+                    .checked_div(share)
+                    .map_or(0, |k| (k as usize).min(rails.len() - 1));
                 let share_end = if k + 1 == rails.len() {
                     u64::MAX
                 } else {
