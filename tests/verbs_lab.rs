@@ -51,6 +51,7 @@ fn main() {
         ),
         ("cq_channel_events_with_mio", cq_events_with_mio),
         ("path_mtu_is_the_smaller_of_both", path_mtu_min),
+        ("notif_channel_burst_of_100k_ordered_no_rnr", notif_burst),
     ];
     let Some(topo) = Topology::from_env() else {
         println!("verbs_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -786,4 +787,93 @@ fn path_mtu_min(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
         .map_err(s)?;
     expect_ok(&wait_completions(&cq, 1, WAIT)?, &[1])?;
     conn.ok(&Cmd::Verify { segments: segs })
+}
+
+/// Message `i` of a notification stream: its index, then position-dependent bytes; every
+/// 10,007th one is 20 KiB (many frames), the rest 8..104 bytes.
+fn notif_msg(stream: u64, i: u64) -> Vec<u8> {
+    let len = if i % 10_007 == 5 {
+        20 << 10
+    } else {
+        (i % 97) as usize
+    };
+    let mut m = i.to_le_bytes().to_vec();
+    m.extend(pattern(stream * 1_000_003 + i, len));
+    m
+}
+
+fn notif_burst(t: &Topology, _: &PeerProcess, rail: usize) -> R {
+    use kvrail::transport::notif::rdma::MsgChannel;
+    const N: u64 = 100_000;
+    const BACK: u64 = 1_000;
+    const SLOTS: u32 = 64;
+    // both ends in this process, one per device of the rail: the frames cross the wire
+    let end = |dev: &str| -> Result<(Cq, Qp, MsgChannel), String> {
+        let ctx = Context::open(dev).map_err(s)?;
+        let gid = ctx.choose_gid(1, None).map_err(s)?;
+        let pd = Pd::new(&ctx).map_err(s)?;
+        let cq = Cq::new(&ctx, 4 * SLOTS + 64).map_err(s)?;
+        let mut o = QpOptions::new(1, gid.index);
+        o.max_send_wr = SLOTS + 16;
+        o.max_recv_wr = SLOTS + 16;
+        let qp = Qp::new(&pd, &cq, &cq, &o).map_err(s)?;
+        let ch = MsgChannel::new(&pd, qp.clone(), SLOTS, 512).map_err(s)?;
+        Ok((cq, qp, ch))
+    };
+    let (cq_a, qp_a, mut a) = end(&t.a_devs[rail])?;
+    let (cq_b, qp_b, mut b) = end(&t.b_devs[rail])?;
+    // rnr_retry 0: a frame that found no receive posted fails at once instead of retrying
+    let opts = ConnectOptions {
+        rnr_retry: 0,
+        ..ConnectOptions::default()
+    };
+    qp_a.connect(&qp_b.endpoint(), &opts).map_err(s)?;
+    qp_b.connect(&qp_a.endpoint(), &opts).map_err(s)?;
+    for i in 0..N {
+        a.send(notif_msg(1, i)).map_err(s)?;
+    }
+    for i in 0..BACK {
+        b.send(notif_msg(2, i)).map_err(s)?;
+    }
+    let (mut got_b, mut got_a) = (0u64, 0u64);
+    let start = std::time::Instant::now();
+    let mut cs = Vec::new();
+    while got_b < N || got_a < BACK {
+        ensure(start.elapsed() < Duration::from_secs(240), || {
+            format!(
+                "stalled: B has {got_b} of {N}, A has {got_a} of {BACK}; backlogs {} / {}",
+                a.backlog(),
+                b.backlog()
+            )
+        })?;
+        for (cq, ch) in [(&cq_a, &mut a), (&cq_b, &mut b)] {
+            cs.clear();
+            cq.poll(&mut cs).map_err(s)?;
+            for c in &cs {
+                ch.handle(c).map_err(s)?;
+            }
+        }
+        while let Some(m) = b.recv() {
+            ensure(m == notif_msg(1, got_b), || {
+                format!(
+                    "B: message {got_b} wrong or out of order ({} bytes)",
+                    m.len()
+                )
+            })?;
+            got_b += 1;
+        }
+        while let Some(m) = a.recv() {
+            ensure(m == notif_msg(2, got_a), || {
+                format!("A: message {got_a} wrong or out of order")
+            })?;
+            got_a += 1;
+        }
+    }
+    let (fa, ca) = a.frames_sent();
+    let (fb, cb) = b.frames_sent();
+    println!(
+        "    {N} messages A->B and {BACK} B->A in {:.1} s; frames A {fa} ({ca} credit-only), B {fb} ({cb} credit-only)",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
 }

@@ -5,4 +5,5 @@
 #[allow(unsafe_code)]
 pub mod verbs;
 
+pub mod notif;
 pub mod stripe;

@@ -1,0 +1,220 @@
+//! Ordered messages over SEND/RECV on an RC queue pair, with the credits of [`super`]: the
+//! receiver never runs out of posted receives, so no frame is ever answered with RNR.
+
+use std::collections::VecDeque;
+
+use super::{fragments, Assembler, Credits, FrameError, Header, HEADER, MAX_MESSAGE};
+use crate::transport::verbs::{Access, Completion, Error, Mr, OpKind, Pd, Qp, RecvWr, SendWr, Sge};
+
+/// A failure of the message channel.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChannelError {
+    /// A verbs call failed.
+    #[error(transparent)]
+    Verbs(#[from] Error),
+    /// The peer sent something that is not a valid frame sequence.
+    #[error("malformed frame from the peer: {0}")]
+    Frame(#[from] FrameError),
+    /// A send or receive completed with an error; the channel is dead.
+    #[error("message channel failed: {0}")]
+    Failed(String),
+    /// The message is larger than [`MAX_MESSAGE`].
+    #[error("message of {0} bytes exceeds the {MAX_MESSAGE}-byte limit")]
+    TooLarge(usize),
+}
+
+/// Ordered, flow-controlled messages over one queue pair. Create it before the queue pair
+/// is connected (it posts its receives right away), feed it every SEND/RECV completion of
+/// that QP ([`MsgChannel::handle`]), and read messages with [`MsgChannel::recv`].
+///
+/// Uses `slots` receives and up to `slots` sends of the QP's queues (size them for that plus
+/// any other traffic), and one region of `2 × slots × slot_size` bytes. wr_ids: receive slot
+/// `i` is `i`, send slot `i` is `slots + i`.
+#[derive(Debug)]
+pub struct MsgChannel {
+    qp: Qp,
+    mr: Mr,
+    slots: u32,
+    slot: usize,
+    credits: Credits,
+    free_send: Vec<u32>,
+    backlog: VecDeque<Vec<u8>>,
+    /// Bytes of the front backlog message already framed.
+    cursor: usize,
+    asm: Assembler,
+    inbox: VecDeque<Vec<u8>>,
+    failed: Option<String>,
+    sent_frames: u64,
+    credit_frames: u64,
+}
+
+impl MsgChannel {
+    /// A channel with `slots` receive and send slots of `slot_size` bytes (at least 64).
+    ///
+    /// # Errors
+    /// Registration or posting the receives failed.
+    pub fn new(pd: &Pd, qp: Qp, slots: u32, slot_size: usize) -> Result<Self, ChannelError> {
+        let slots = slots.max(2);
+        let slot = slot_size.max(64);
+        let mr = Mr::alloc(pd, 2 * slots as usize * slot, Access::LOCAL_WRITE)?;
+        let recvs: Vec<RecvWr<'_>> = (0..slots)
+            .map(|i| RecvWr {
+                wr_id: u64::from(i),
+                local: vec![Sge::new(&mr, i as usize * slot, slot)],
+            })
+            .collect();
+        qp.post_recv(&recvs)?;
+        Ok(Self {
+            qp,
+            slots,
+            slot,
+            credits: Credits::new(slots),
+            free_send: (0..slots).rev().collect(),
+            backlog: VecDeque::new(),
+            cursor: 0,
+            asm: Assembler::default(),
+            inbox: VecDeque::new(),
+            failed: None,
+            sent_frames: 0,
+            credit_frames: 0,
+            mr,
+        })
+    }
+
+    /// Queue a message; frames go out as credits allow (call [`MsgChannel::handle`] with
+    /// completions to make progress).
+    ///
+    /// # Errors
+    /// [`ChannelError::TooLarge`], [`ChannelError::Failed`], or a posting error.
+    pub fn send(&mut self, msg: Vec<u8>) -> Result<(), ChannelError> {
+        self.check()?;
+        if msg.len() > MAX_MESSAGE {
+            return Err(ChannelError::TooLarge(msg.len()));
+        }
+        self.backlog.push_back(msg);
+        self.pump()
+    }
+
+    /// The next complete message, in the order the peer sent them.
+    pub fn recv(&mut self) -> Option<Vec<u8>> {
+        self.inbox.pop_front()
+    }
+
+    /// Messages queued and not yet fully framed onto the wire.
+    pub fn backlog(&self) -> usize {
+        self.backlog.len()
+    }
+
+    /// (data and credit frames sent, credit-only frames among them).
+    pub fn frames_sent(&self) -> (u64, u64) {
+        (self.sent_frames, self.credit_frames)
+    }
+
+    fn check(&self) -> Result<(), ChannelError> {
+        match &self.failed {
+            Some(e) => Err(ChannelError::Failed(e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Take one completion of this QP. Returns false for completions that are not the
+    /// channel's (RDMA WRITE/READ of the same QP), which the caller handles itself.
+    ///
+    /// # Errors
+    /// A failed SEND/RECV (the channel is then dead), a malformed frame, or a posting error.
+    pub fn handle(&mut self, c: &Completion) -> Result<bool, ChannelError> {
+        if !matches!(c.op, OpKind::Send | OpKind::Recv) {
+            return Ok(false);
+        }
+        if let Err(e) = &c.status {
+            self.failed.get_or_insert_with(|| e.to_string());
+            return Err(ChannelError::Failed(e.to_string()));
+        }
+        match c.op {
+            OpKind::Send => {
+                self.free_send
+                    .push((c.wr_id - u64::from(self.slots)) as u32);
+            }
+            _ => {
+                let i = c.wr_id as usize;
+                let len = (c.byte_len as usize).min(self.slot);
+                let mut frame = vec![0u8; len];
+                self.mr.read(i * self.slot, &mut frame)?;
+                // repost before the credit for this slot can be handed back
+                self.qp.post_recv(&[RecvWr {
+                    wr_id: c.wr_id,
+                    local: vec![Sge::new(&self.mr, i * self.slot, self.slot)],
+                }])?;
+                let h = Header::decode(&frame).inspect_err(|e| {
+                    self.failed.get_or_insert_with(|| e.to_string());
+                })?;
+                self.credits.received(h.credits)?;
+                if !h.credit_only {
+                    if let Some(msg) = self.asm.push(&h, &frame[HEADER..])? {
+                        self.inbox.push_back(msg);
+                    }
+                }
+            }
+        }
+        self.pump()?;
+        Ok(true)
+    }
+
+    /// Put frames on the wire while credits and send slots allow.
+    fn pump(&mut self) -> Result<(), ChannelError> {
+        while !self.backlog.is_empty() && self.credits.can_send_data() && !self.free_send.is_empty()
+        {
+            let msg = &self.backlog[0];
+            let (range, first, last) = fragments(msg.len() - self.cursor, self.slot)
+                .next()
+                .map(|(r, _, l)| {
+                    (
+                        self.cursor + r.start..self.cursor + r.end,
+                        self.cursor == 0,
+                        l,
+                    )
+                })
+                .expect("one fragment at least");
+            let payload = msg[range.clone()].to_vec();
+            self.cursor = range.end;
+            if last {
+                self.backlog.pop_front();
+                self.cursor = 0;
+            }
+            self.post_frame(first, last, false, &payload)?;
+        }
+        if self.credits.should_return() && !self.free_send.is_empty() {
+            self.post_frame(false, false, true, &[])?;
+            self.credit_frames += 1;
+        }
+        Ok(())
+    }
+
+    fn post_frame(
+        &mut self,
+        first: bool,
+        last: bool,
+        credit_only: bool,
+        payload: &[u8],
+    ) -> Result<(), ChannelError> {
+        let s = self.free_send.pop().expect("checked by the caller");
+        let credits = self.credits.spend();
+        let h = Header {
+            credits,
+            first,
+            last,
+            credit_only,
+        };
+        let off = (self.slots + s) as usize * self.slot;
+        self.mr.write(off, &h.encode())?;
+        self.mr.write(off + HEADER, payload)?;
+        let wr = SendWr::send(
+            u64::from(self.slots + s),
+            Sge::new(&self.mr, off, HEADER + payload.len()),
+        );
+        self.qp.post_send(&[wr])?;
+        self.sent_frames += 1;
+        Ok(())
+    }
+}
