@@ -17,5 +17,6 @@
 //!   needs `cmake` and `libclang-dev`.
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod proto;
 pub mod rails;
 pub mod transport;
