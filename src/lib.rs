@@ -17,6 +17,7 @@
 //!   needs `cmake` and `libclang-dev`.
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod agent;
 pub mod proto;
 pub mod rails;
 pub mod transport;
