@@ -1,4 +1,790 @@
-//! The agent (NIXL's semantics): what an engine embeds instead of libnixl. So far: the
-//! metadata an agent exports and a peer loads ([`metadata`]).
+//! The agent: what an engine embeds instead of libnixl (SPEC §1). It registers memory,
+//! exports its metadata, loads peers' metadata over a TCP side channel (checking the
+//! handshake), creates / posts / polls / releases READ and WRITE transfers of descriptor
+//! lists with optional notifications, and exchanges notifications.
+//!
+//! Backends: the TCP data path is here; the verbs data path (RC queue pairs per peer and
+//! rail) is being built on [`crate::transport::verbs`] and is not selectable yet — `Auto`
+//! uses TCP and logs why.
+//!
+//! ```no_run
+//! use kvrail::agent::{Agent, AgentConfig, Desc, RemoteAccess, XferOp, XferStatus};
+//! let p = Agent::new("prefill-0", AgentConfig::default())?;
+//! let d = Agent::new("decode-0", AgentConfig::default())?;
+//! let src = p.register(1 << 20, RemoteAccess::READ, vec![])?;
+//! p.write_region(src, 0, b"kv blocks")?;
+//! let dst = d.register(1 << 20, RemoteAccess::NONE, vec![])?;
+//! let peer = d.load_remote(p.side_channel_addr())?;
+//! let x = d.create_xfer(XferOp::Read, vec![Desc::new(dst, 0, 9)], &peer, vec![Desc::new(src, 0, 9)], Some(b"done".to_vec()))?;
+//! d.post(x)?;
+//! while d.status(x)? == XferStatus::InProgress { std::thread::yield_now() }
+//! # Ok::<(), kvrail::agent::AgentError>(())
+//! ```
 
+mod config;
 pub mod metadata;
+mod region;
+mod tcp;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use config::{AgentConfig, BackendChoice};
+pub use region::{RegionId, RemoteAccess};
+
+use crate::proto::handshake::{HandshakeError, HandshakeInfo};
+use metadata::{AgentMetadata, BackendKind, MemKind, MetadataError, RegionMeta};
+use region::Region;
+
+/// A descriptor: `len` bytes at `offset` of a region (local, or the peer's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Desc {
+    /// The region.
+    pub region: RegionId,
+    /// Offset in it.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl Desc {
+    /// `len` bytes at `offset` of `region`.
+    pub fn new(region: RegionId, offset: u64, len: u64) -> Self {
+        Self {
+            region,
+            offset,
+            len,
+        }
+    }
+}
+
+/// READ (pull the peer's bytes into local memory) or WRITE (push local bytes to the peer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XferOp {
+    /// Peer → local.
+    Read,
+    /// Local → peer.
+    Write,
+}
+
+/// A transfer request's id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct XferId(pub u64);
+
+/// Where a transfer stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum XferStatus {
+    /// Created or released-for-repost, not posted.
+    NotPosted,
+    /// Posted; bytes are moving.
+    InProgress,
+    /// Every byte is in place (and the notification, if any, was delivered after them).
+    Done,
+    /// Failed, with the cause; nothing reports success for bytes that did not land.
+    Error(String),
+}
+
+/// An agent error. Variants name what to fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AgentError {
+    /// No such local region.
+    #[error("no registered region {0}")]
+    NoRegion(u32),
+    /// A byte range outside a region.
+    #[error("range [{offset}, {offset}+{len}) is outside region {region} ({size} bytes)")]
+    OutOfRange {
+        /// Region id.
+        region: u32,
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Region size.
+        size: u64,
+    },
+    /// Deregistration refused: active transfers use the region.
+    #[error("region {region} is used by {transfers} active transfer(s); wait for them (or release them) first")]
+    RegionBusy {
+        /// Region id.
+        region: u32,
+        /// Active transfers.
+        transfers: usize,
+    },
+    /// A descriptor list is unusable; nothing was posted.
+    #[error("{side} descriptor #{index}: {reason}")]
+    InvalidDesc {
+        /// "local" or "remote".
+        side: &'static str,
+        /// Index in the list.
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The two lists differ in length.
+    #[error("descriptor lists differ in length: {local} local, {remote} remote")]
+    LengthMismatch {
+        /// Local count.
+        local: usize,
+        /// Remote count.
+        remote: usize,
+    },
+    /// No such peer (load its metadata first).
+    #[error("unknown peer {0:?}: load its metadata first")]
+    UnknownPeer(String),
+    /// No such transfer.
+    #[error("no transfer {0}")]
+    NoXfer(u64),
+    /// The transfer is in progress.
+    #[error("transfer {0} is in progress: wait until it is done or failed")]
+    Active(u64),
+    /// The peer was refused in the handshake.
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
+    /// The peer's metadata is unusable.
+    #[error(transparent)]
+    Metadata(#[from] MetadataError),
+    /// The side channel or data connection failed.
+    #[error("{what} {addr}: {message}")]
+    Connection {
+        /// What was attempted.
+        what: &'static str,
+        /// The address tried.
+        addr: String,
+        /// The error.
+        message: String,
+    },
+    /// The configuration asks for something this build cannot do.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+struct Xfer {
+    op: XferOp,
+    peer: String,
+    local: Vec<Desc>,
+    remote: Vec<Desc>,
+    notif: Option<Vec<u8>>,
+    status: XferStatus,
+    /// READ: bytes still to arrive.
+    remaining: u64,
+    /// Regions held busy while active.
+    held: Vec<Arc<Region>>,
+}
+
+struct Peer {
+    meta: AgentMetadata,
+    conn: tcp::PeerConn,
+    addr: SocketAddr,
+}
+
+pub(crate) struct Shared {
+    name: String,
+    config: AgentConfig,
+    addr: SocketAddr,
+    handshake: HandshakeInfo,
+    regions: Mutex<HashMap<u32, Arc<Region>>>,
+    next_region: Mutex<u32>,
+    peers: Mutex<HashMap<String, Peer>>,
+    xfers: Mutex<HashMap<u64, Xfer>>,
+    next_xfer: Mutex<u64>,
+    notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
+    shutdown: std::sync::atomic::AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An agent. Cheap to clone; the listener and connections stop when the last clone drops.
+#[derive(Clone)]
+pub struct Agent {
+    shared: Arc<Shared>,
+    _guard: Arc<tcp::Shutdown>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.shared.name)
+            .field("addr", &self.shared.addr)
+            .finish()
+    }
+}
+
+impl Agent {
+    /// Create an agent called `name`, listening for its side channel on `config.listen`.
+    ///
+    /// # Errors
+    /// [`AgentError::Unsupported`] for `BackendChoice::Verbs` (not built yet) or an invalid
+    /// `stripe_width`; [`AgentError::Connection`] when it cannot listen.
+    pub fn new(name: &str, config: AgentConfig) -> Result<Self, AgentError> {
+        crate::transport::stripe::StripeMode::from_stripe_width(config.stripe_width)
+            .map_err(|e| AgentError::Unsupported(format!("stripe_width: {e}")))?;
+        if name.is_empty() || name.len() > 256 {
+            return Err(AgentError::Unsupported(
+                "the agent name must be 1..=256 bytes".into(),
+            ));
+        }
+        match config.backend {
+            BackendChoice::Verbs => {
+                return Err(AgentError::Unsupported(
+                    "backend verbs: the agent's verbs data path is not built yet; use Auto or Tcp"
+                        .into(),
+                ))
+            }
+            BackendChoice::Tcp => tracing::info!(agent = name, "kvrail backend: tcp (configured)"),
+            BackendChoice::Auto => {
+                let why = rdma_status();
+                tracing::info!(agent = name, "kvrail backend: tcp ({why})");
+            }
+        }
+        let listener = TcpListener::bind(config.listen).map_err(|e| AgentError::Connection {
+            what: "cannot listen on",
+            addr: config.listen.to_string(),
+            message: e.to_string(),
+        })?;
+        let local = listener.local_addr().map_err(|e| AgentError::Connection {
+            what: "cannot listen on",
+            addr: config.listen.to_string(),
+            message: e.to_string(),
+        })?;
+        let addr = SocketAddr::new(config.side_channel_host, local.port());
+        let handshake = HandshakeInfo {
+            agent: name.to_owned(),
+            compat_hash: config.compat.hash(),
+            kv_layout: config.kv_layout.clone(),
+            block_size: config.block_size,
+            layers: config.layers.clone(),
+        };
+        let shared = Arc::new(Shared {
+            name: name.to_owned(),
+            config,
+            addr,
+            handshake,
+            regions: Mutex::new(HashMap::new()),
+            next_region: Mutex::new(1),
+            peers: Mutex::new(HashMap::new()),
+            xfers: Mutex::new(HashMap::new()),
+            next_xfer: Mutex::new(1),
+            notifs: Mutex::new(VecDeque::new()),
+            shutdown: std::sync::atomic::AtomicBool::new(false),
+        });
+        let guard = tcp::serve(shared.clone(), listener, local);
+        tracing::info!(agent = name, side_channel = %addr, "kvrail agent up");
+        Ok(Self {
+            shared,
+            _guard: Arc::new(guard),
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The side-channel address peers load this agent's metadata from.
+    pub fn side_channel_addr(&self) -> SocketAddr {
+        self.shared.addr
+    }
+
+    /// Register `len` bytes of zeroed host memory owned by the agent, with the least remote
+    /// access the role needs, holding `layers`.
+    ///
+    /// # Errors
+    /// [`AgentError::Unsupported`] for a zero length.
+    pub fn register(
+        &self,
+        len: usize,
+        access: RemoteAccess,
+        layers: Vec<String>,
+    ) -> Result<RegionId, AgentError> {
+        if len == 0 {
+            return Err(AgentError::Unsupported("cannot register 0 bytes".into()));
+        }
+        let id = {
+            let mut n = lock(&self.shared.next_region);
+            let id = *n;
+            *n += 1;
+            RegionId(id)
+        };
+        lock(&self.shared.regions).insert(id.0, Arc::new(Region::new(id, len, access, layers)));
+        tracing::debug!(agent = %self.shared.name, region = id.0, len, "memory registered (host)");
+        Ok(id)
+    }
+
+    /// Deregister a region.
+    ///
+    /// # Errors
+    /// [`AgentError::NoRegion`]; [`AgentError::RegionBusy`] while active transfers use it.
+    pub fn deregister(&self, id: RegionId) -> Result<(), AgentError> {
+        let mut regions = lock(&self.shared.regions);
+        let r = regions.get(&id.0).ok_or(AgentError::NoRegion(id.0))?;
+        let transfers = r.in_use();
+        if transfers > 0 {
+            return Err(AgentError::RegionBusy {
+                region: id.0,
+                transfers,
+            });
+        }
+        regions.remove(&id.0);
+        Ok(())
+    }
+
+    /// Copy `data` into a local region (the engine's CPU access to its own memory).
+    ///
+    /// # Errors
+    /// [`AgentError::NoRegion`], [`AgentError::OutOfRange`].
+    pub fn write_region(&self, id: RegionId, offset: u64, data: &[u8]) -> Result<(), AgentError> {
+        self.shared.region(id.0)?.write(offset, data)
+    }
+
+    /// Copy bytes out of a local region.
+    ///
+    /// # Errors
+    /// [`AgentError::NoRegion`], [`AgentError::OutOfRange`].
+    pub fn read_region(&self, id: RegionId, offset: u64, out: &mut [u8]) -> Result<(), AgentError> {
+        self.shared.region(id.0)?.read(offset, out)
+    }
+
+    /// This agent's metadata.
+    pub fn metadata(&self) -> AgentMetadata {
+        self.shared.metadata()
+    }
+
+    /// Fetch a peer's metadata from its side channel, check the handshake, and connect.
+    /// Returns the peer's name. Load again after the peer registered more memory: the
+    /// metadata is replaced and the connection kept.
+    ///
+    /// # Errors
+    /// [`AgentError::Connection`] naming the address tried; [`AgentError::Handshake`]
+    /// (including a loopback address advertised to a peer on another host);
+    /// [`AgentError::Metadata`].
+    pub fn load_remote(&self, addr: SocketAddr) -> Result<String, AgentError> {
+        crate::proto::handshake::check_advertised(self.shared.addr.ip(), addr.ip())?;
+        let bytes = tcp::fetch_metadata(addr)?;
+        self.load_remote_metadata(&bytes, Some(addr))
+    }
+
+    /// Load a peer's metadata given as bytes (exchanged some other way) and connect to the
+    /// data address it advertises (or `via`, when given).
+    ///
+    /// # Errors
+    /// As [`Agent::load_remote`].
+    pub fn load_remote_metadata(
+        &self,
+        bytes: &[u8],
+        via: Option<SocketAddr>,
+    ) -> Result<String, AgentError> {
+        let meta = AgentMetadata::decode(bytes)?;
+        crate::proto::handshake::check(
+            &self.shared.handshake,
+            &meta.handshake,
+            self.shared.config.enforce_handshake_compat,
+        )?;
+        let addr: SocketAddr = match (via, meta.tcp_data.as_deref()) {
+            (Some(a), _) => a,
+            (None, Some(s)) => s.parse().map_err(|_| AgentError::Connection {
+                what: "bad data address",
+                addr: s.to_owned(),
+                message: "not host:port".into(),
+            })?,
+            (None, None) => {
+                return Err(AgentError::Unsupported(format!(
+                    "peer {} has no TCP data address",
+                    meta.name()
+                )))
+            }
+        };
+        crate::proto::handshake::check_advertised(self.shared.addr.ip(), addr.ip())?;
+        let name = meta.name().to_owned();
+        // Reloading a connected peer (after it registered more memory) keeps its connection.
+        {
+            let mut peers = lock(&self.shared.peers);
+            if let Some(p) = peers.get_mut(&name) {
+                if p.addr == addr && p.conn.is_open() {
+                    p.meta = meta;
+                    tracing::debug!(agent = %self.shared.name, peer = %name, "peer metadata reloaded");
+                    return Ok(name);
+                }
+            }
+        }
+        let conn = tcp::PeerConn::connect(self.shared.clone(), addr, &name)?;
+        tracing::info!(agent = %self.shared.name, peer = %name, %addr, "handshake done; peer connected");
+        if let Some(old) = lock(&self.shared.peers).insert(name.clone(), Peer { meta, conn, addr })
+        {
+            old.conn.close();
+        }
+        Ok(name)
+    }
+
+    /// Forget a peer: its connection closes and its in-progress transfers fail.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownPeer`].
+    pub fn invalidate(&self, peer: &str) -> Result<(), AgentError> {
+        let p = lock(&self.shared.peers)
+            .remove(peer)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
+        p.conn.close();
+        self.shared.fail_peer(peer, "peer metadata invalidated");
+        Ok(())
+    }
+
+    /// Create a transfer: `op` between `local` descriptors and the peer's `remote` ones
+    /// (equal counts, pairwise equal sizes), with an optional notification the peer gets
+    /// after all bytes landed. Validated here; nothing moves until [`Agent::post`].
+    ///
+    /// # Errors
+    /// [`AgentError::LengthMismatch`], [`AgentError::InvalidDesc`] naming the index,
+    /// [`AgentError::UnknownPeer`].
+    pub fn create_xfer(
+        &self,
+        op: XferOp,
+        local: Vec<Desc>,
+        peer: &str,
+        remote: Vec<Desc>,
+        notif: Option<Vec<u8>>,
+    ) -> Result<XferId, AgentError> {
+        if local.len() != remote.len() {
+            return Err(AgentError::LengthMismatch {
+                local: local.len(),
+                remote: remote.len(),
+            });
+        }
+        {
+            let peers = lock(&self.shared.peers);
+            let p = peers
+                .get(peer)
+                .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
+            let regions = lock(&self.shared.regions);
+            for (i, (l, r)) in local.iter().zip(&remote).enumerate() {
+                if l.len != r.len {
+                    return Err(AgentError::InvalidDesc {
+                        side: "remote",
+                        index: i,
+                        reason: format!("{} bytes, the local descriptor has {}", r.len, l.len),
+                    });
+                }
+                let bad = |side, reason| AgentError::InvalidDesc {
+                    side,
+                    index: i,
+                    reason,
+                };
+                let lr = regions.get(&l.region.0).ok_or_else(|| {
+                    bad("local", format!("region {} is not registered", l.region.0))
+                })?;
+                if l.offset.checked_add(l.len).is_none_or(|e| e > lr.len()) {
+                    return Err(bad(
+                        "local",
+                        format!(
+                            "[{}, {}+{}) is outside region {} ({} bytes)",
+                            l.offset,
+                            l.offset,
+                            l.len,
+                            l.region.0,
+                            lr.len()
+                        ),
+                    ));
+                }
+                let rr = p
+                    .meta
+                    .regions
+                    .iter()
+                    .find(|m| m.id == r.region.0)
+                    .ok_or_else(|| {
+                        bad(
+                            "remote",
+                            format!("peer {peer} advertised no region {}", r.region.0),
+                        )
+                    })?;
+                if r.offset.checked_add(r.len).is_none_or(|e| e > rr.len) {
+                    return Err(bad(
+                        "remote",
+                        format!(
+                            "[{}, {}+{}) is outside {peer}'s region {} ({} bytes)",
+                            r.offset, r.offset, r.len, r.region.0, rr.len
+                        ),
+                    ));
+                }
+                let (need, ok) = match op {
+                    XferOp::Read => ("READ", rr.remote_read),
+                    XferOp::Write => ("WRITE", rr.remote_write),
+                };
+                if !ok {
+                    return Err(bad(
+                        "remote",
+                        format!(
+                            "{peer}'s region {} does not allow remote {need}",
+                            r.region.0
+                        ),
+                    ));
+                }
+            }
+        }
+        let id = {
+            let mut n = lock(&self.shared.next_xfer);
+            let id = *n;
+            *n += 1;
+            id
+        };
+        lock(&self.shared.xfers).insert(
+            id,
+            Xfer {
+                op,
+                peer: peer.into(),
+                local,
+                remote,
+                notif,
+                status: XferStatus::NotPosted,
+                remaining: 0,
+                held: Vec::new(),
+            },
+        );
+        Ok(XferId(id))
+    }
+
+    /// Post a transfer (again, once it is no longer active).
+    ///
+    /// # Errors
+    /// [`AgentError::NoXfer`], [`AgentError::Active`], [`AgentError::UnknownPeer`],
+    /// [`AgentError::InvalidDesc`] when a local region was deregistered since.
+    pub fn post(&self, id: XferId) -> Result<(), AgentError> {
+        let peers = lock(&self.shared.peers);
+        let mut xfers = lock(&self.shared.xfers);
+        let x = xfers.get_mut(&id.0).ok_or(AgentError::NoXfer(id.0))?;
+        if x.status == XferStatus::InProgress {
+            return Err(AgentError::Active(id.0));
+        }
+        let p = peers
+            .get(&x.peer)
+            .ok_or_else(|| AgentError::UnknownPeer(x.peer.clone()))?;
+        let mut held = Vec::with_capacity(x.local.len());
+        {
+            let regions = lock(&self.shared.regions);
+            for (i, d) in x.local.iter().enumerate() {
+                let r = regions
+                    .get(&d.region.0)
+                    .ok_or_else(|| AgentError::InvalidDesc {
+                        side: "local",
+                        index: i,
+                        reason: format!("region {} is no longer registered", d.region.0),
+                    })?;
+                if !held.iter().any(|h: &Arc<Region>| Arc::ptr_eq(h, r)) {
+                    held.push(r.clone());
+                }
+            }
+        }
+        for r in &held {
+            r.acquire();
+        }
+        x.held = held;
+        x.status = XferStatus::InProgress;
+        x.remaining = if x.op == XferOp::Read {
+            x.local.iter().map(|d| d.len).sum()
+        } else {
+            0
+        };
+        let work = tcp::Work::Xfer {
+            id: id.0,
+            op: x.op,
+            local: x
+                .local
+                .iter()
+                .map(|d| {
+                    (
+                        x.held
+                            .iter()
+                            .find(|h| h.id == d.region)
+                            .cloned()
+                            .expect("held"),
+                        d.offset,
+                        d.len,
+                    )
+                })
+                .collect(),
+            remote: x.remote.clone(),
+            notif: x.notif.clone(),
+        };
+        if x.op == XferOp::Read && x.remaining == 0 {
+            // nothing to read: done at once (the notification still goes)
+            drop(xfers);
+            self.shared.finish(id.0, Ok(()));
+            if let Some(n) = self.xfer_notif(id) {
+                p.conn.submit(tcp::Work::Notif(n));
+            }
+            return Ok(());
+        }
+        p.conn.submit(work);
+        Ok(())
+    }
+
+    fn xfer_notif(&self, id: XferId) -> Option<Vec<u8>> {
+        lock(&self.shared.xfers)
+            .get(&id.0)
+            .and_then(|x| x.notif.clone())
+    }
+
+    /// Where a transfer stands.
+    ///
+    /// # Errors
+    /// [`AgentError::NoXfer`].
+    pub fn status(&self, id: XferId) -> Result<XferStatus, AgentError> {
+        lock(&self.shared.xfers)
+            .get(&id.0)
+            .map(|x| x.status.clone())
+            .ok_or(AgentError::NoXfer(id.0))
+    }
+
+    /// Release a transfer that is not in progress.
+    ///
+    /// # Errors
+    /// [`AgentError::NoXfer`], [`AgentError::Active`].
+    pub fn release(&self, id: XferId) -> Result<(), AgentError> {
+        let mut xfers = lock(&self.shared.xfers);
+        match xfers.get(&id.0) {
+            None => Err(AgentError::NoXfer(id.0)),
+            Some(x) if x.status == XferStatus::InProgress => Err(AgentError::Active(id.0)),
+            Some(_) => {
+                xfers.remove(&id.0);
+                Ok(())
+            }
+        }
+    }
+
+    /// Send a notification to a peer; peers receive them in the order they were sent.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownPeer`].
+    pub fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), AgentError> {
+        let peers = lock(&self.shared.peers);
+        let p = peers
+            .get(peer)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
+        p.conn.submit(tcp::Work::Notif(bytes));
+        Ok(())
+    }
+
+    /// Notifications received since the last call, in arrival order (per peer: send order).
+    pub fn get_new_notifs(&self) -> Vec<(String, Vec<u8>)> {
+        lock(&self.shared.notifs).drain(..).collect()
+    }
+
+    /// Names of the loaded peers.
+    pub fn peers(&self) -> Vec<String> {
+        let mut v: Vec<String> = lock(&self.shared.peers).keys().cloned().collect();
+        v.sort();
+        v
+    }
+}
+
+/// Why the agent does not run on verbs (for the backend log line).
+fn rdma_status() -> String {
+    let root = crate::rails::SysfsRoot::system();
+    let host = crate::rails::discover(&root, &crate::rails::AddrSource::System);
+    match host.map(|h| crate::rails::select(&h, -1)) {
+        Ok(Ok(r)) => format!(
+            "{} usable RDMA rail(s) found, but the agent's verbs data path is not built yet",
+            r.len()
+        ),
+        Ok(Err(e)) => format!(
+            "verbs not usable: {}",
+            e.to_string().lines().next().unwrap_or_default()
+        ),
+        Err(e) => format!("verbs not usable: RDMA discovery failed: {e}"),
+    }
+}
+
+impl Shared {
+    fn region(&self, id: u32) -> Result<Arc<Region>, AgentError> {
+        lock(&self.regions)
+            .get(&id)
+            .cloned()
+            .ok_or(AgentError::NoRegion(id))
+    }
+
+    fn metadata(&self) -> AgentMetadata {
+        let regions = lock(&self.regions);
+        let mut rs: Vec<RegionMeta> = regions
+            .values()
+            .map(|r| RegionMeta {
+                id: r.id.0,
+                kind: MemKind::Host,
+                addr: 0,
+                len: r.len(),
+                rkeys: Vec::new(),
+                remote_read: r.access.read,
+                remote_write: r.access.write,
+                layers: r.layers.clone(),
+            })
+            .collect();
+        rs.sort_by_key(|r| r.id);
+        AgentMetadata {
+            version: metadata::VERSION,
+            handshake: self.handshake.clone(),
+            backend: BackendKind::Tcp,
+            side_channel: self.addr.to_string(),
+            rails: Vec::new(),
+            tcp_data: Some(self.addr.to_string()),
+            regions: rs,
+        }
+    }
+
+    /// A transfer ended: set its status and release its regions.
+    fn finish(&self, id: u64, res: Result<(), String>) {
+        let mut xfers = lock(&self.xfers);
+        if let Some(x) = xfers.get_mut(&id) {
+            if x.status != XferStatus::InProgress {
+                return;
+            }
+            x.status = match res {
+                Ok(()) => XferStatus::Done,
+                Err(e) => XferStatus::Error(e),
+            };
+            for r in x.held.drain(..) {
+                r.release();
+            }
+        }
+    }
+
+    /// READ bytes arrived for `id`: returns true when the transfer just completed.
+    fn read_arrived(&self, id: u64, n: u64) -> bool {
+        let mut xfers = lock(&self.xfers);
+        let Some(x) = xfers.get_mut(&id) else {
+            return false;
+        };
+        if x.status != XferStatus::InProgress {
+            return false;
+        }
+        x.remaining = x.remaining.saturating_sub(n);
+        x.remaining == 0
+    }
+
+    fn fail_peer(&self, peer: &str, why: &str) {
+        let ids: Vec<u64> = lock(&self.xfers)
+            .iter()
+            .filter(|(_, x)| x.peer == peer && x.status == XferStatus::InProgress)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.finish(id, Err(format!("connection to {peer} lost: {why}")));
+        }
+    }
+
+    fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
+        lock(&self.notifs).push_back((from.to_owned(), bytes));
+    }
+
+    /// The local descriptor `idx` of READ transfer `id`, to copy arriving bytes into.
+    fn read_target(&self, id: u64, idx: u32) -> Option<(Arc<Region>, u64, u64)> {
+        let xfers = lock(&self.xfers);
+        let x = xfers.get(&id)?;
+        let d = x.local.get(idx as usize)?;
+        let r = x.held.iter().find(|h| h.id == d.region)?.clone();
+        Some((r, d.offset, d.len))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,64 @@
+//! Agent configuration.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use crate::proto::handshake::{CompatInfo, Direction};
+
+/// Which data path to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// Verbs when a usable RDMA rail exists, else TCP (the agent logs which and why).
+    Auto,
+    /// RDMA verbs only.
+    Verbs,
+    /// TCP only.
+    Tcp,
+}
+
+/// How an agent is set up.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Address the side channel (and the TCP data path) listens on.
+    pub listen: SocketAddr,
+    /// Address advertised to peers in the metadata (`side_channel_host`); the default,
+    /// 127.0.0.1, only works when every peer is on this host — loading a peer on another
+    /// host with it is refused, naming this setting.
+    pub side_channel_host: IpAddr,
+    /// Backend choice.
+    pub backend: BackendChoice,
+    /// `stripe_width`: unset (one rail per transfer) or 0 (stripe across all rails).
+    pub stripe_width: Option<i64>,
+    /// `enforce_handshake_compat`: false skips the compatibility-hash check only.
+    pub enforce_handshake_compat: bool,
+    /// What the compatibility hash covers.
+    pub compat: CompatInfo,
+    /// KV layout (`HND`, `NHD`, …).
+    pub kv_layout: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Layer names this agent's regions hold (empty: no layer routing).
+    pub layers: Vec<String>,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+            side_channel_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            backend: BackendChoice::Auto,
+            stripe_width: None,
+            enforce_handshake_compat: true,
+            compat: CompatInfo {
+                model: String::new(),
+                dtype: String::new(),
+                attn_backend: String::new(),
+                connector_version: env!("CARGO_PKG_VERSION").into(),
+                direction: Direction::Pull,
+                draft_model: None,
+            },
+            kv_layout: "HND".into(),
+            block_size: 16,
+            layers: Vec::new(),
+        }
+    }
+}

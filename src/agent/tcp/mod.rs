@@ -1,0 +1,497 @@
+//! The TCP side channel and data path. One listener per agent serves both: a connection
+//! that starts with `GetMetadata` gets the metadata; one that starts with `Attach` is a peer's
+//! data connection. Each agent sends its own transfers and notifications on the connection
+//! it opened to the peer (so they stay in order), and serves the peer's on the connection the
+//! peer opened. A WRITE's notification is delivered only after every byte of the transfer
+//! was copied into the target's memory (same connection, processed in order), and the
+//! initiator reports done only on the target's acknowledgement.
+
+mod msg;
+
+use std::collections::HashMap;
+use std::net::{Shutdown as NetShutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use msg::{send, Msg, Reader, CHUNK};
+
+use super::region::Region;
+use super::{lock, AgentError, Desc, Shared, XferOp};
+use crate::proto::handshake;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Work for a peer connection's writer thread.
+pub(crate) enum Work {
+    /// Move a posted transfer's bytes (WRITE) or request them (READ).
+    Xfer {
+        id: u64,
+        op: XferOp,
+        /// Local region, offset, length per descriptor.
+        local: Vec<(Arc<Region>, u64, u64)>,
+        remote: Vec<Desc>,
+        notif: Option<Vec<u8>>,
+    },
+    /// Send a notification.
+    Notif(Vec<u8>),
+}
+
+fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToString) -> AgentError {
+    AgentError::Connection {
+        what,
+        addr: addr.to_string(),
+        message: message.to_string(),
+    }
+}
+
+/// Get a peer's metadata bytes from its side channel.
+pub(crate) fn fetch_metadata(addr: SocketAddr) -> Result<Vec<u8>, AgentError> {
+    let hint = "is the peer agent running, and is side_channel_host set to an address this host can reach?";
+    let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(|e| {
+        conn_err(
+            "side channel: cannot connect to",
+            addr,
+            format!("{e}; {hint}"),
+        )
+    })?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).ok();
+    let mut w = s
+        .try_clone()
+        .map_err(|e| conn_err("side channel", addr, e))?;
+    send(&mut w, &Msg::GetMetadata).map_err(|e| conn_err("side channel: send to", addr, e))?;
+    match Reader::new(s).next() {
+        Ok(Some(Msg::Metadata(b))) => Ok(b),
+        Ok(Some(other)) => Err(conn_err(
+            "side channel: unexpected reply from",
+            addr,
+            format!("{other:?}"),
+        )),
+        Ok(None) => Err(conn_err("side channel: closed by", addr, "no metadata")),
+        Err(e) => Err(conn_err("side channel: no metadata from", addr, e)),
+    }
+}
+
+/// This agent's data connection to one peer.
+pub(crate) struct PeerConn {
+    tx: mpsc::Sender<Work>,
+    stream: TcpStream,
+    shared: Arc<Shared>,
+    closed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl PeerConn {
+    pub(crate) fn connect(
+        shared: Arc<Shared>,
+        addr: SocketAddr,
+        peer: &str,
+    ) -> Result<Self, AgentError> {
+        let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+            .map_err(|e| conn_err("cannot connect to the data address of", addr, e))?;
+        s.set_nodelay(true).ok();
+        let mut w = s
+            .try_clone()
+            .map_err(|e| conn_err("data connection", addr, e))?;
+        send(
+            &mut w,
+            &Msg::Attach {
+                info: shared.handshake.clone(),
+            },
+        )
+        .map_err(|e| conn_err("attach to", addr, e))?;
+        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).ok();
+        let rs = s
+            .try_clone()
+            .map_err(|e| conn_err("data connection", addr, e))?;
+        let mut reader = Reader::new(rs);
+        match reader.next() {
+            Ok(Some(Msg::Attached)) => {}
+            Ok(Some(Msg::Refused { message })) => {
+                return Err(conn_err("peer refused us at", addr, message))
+            }
+            Ok(other) => {
+                return Err(conn_err(
+                    "attach to",
+                    addr,
+                    format!("unexpected reply {other:?}"),
+                ))
+            }
+            Err(e) => return Err(conn_err("attach to", addr, e)),
+        }
+        s.set_read_timeout(None).ok();
+        let (tx, rx) = mpsc::channel::<Work>();
+        let name = peer.to_owned();
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        {
+            let shared = shared.clone();
+            let tx = tx.clone();
+            let name = name.clone();
+            let closed = closed.clone();
+            std::thread::Builder::new()
+                .name(format!("kvrail-rd-{name}"))
+                .spawn(move || {
+                    initiator_reader(&shared, reader, &tx, &name);
+                    closed.store(true, Ordering::Release);
+                })
+                .map_err(|e| conn_err("thread for", addr, e))?;
+        }
+        {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("kvrail-wr-{name}"))
+                .spawn(move || writer(&shared, w, rx, &name))
+                .map_err(|e| conn_err("thread for", addr, e))?;
+        }
+        Ok(Self {
+            tx,
+            stream: s,
+            shared,
+            closed,
+        })
+    }
+
+    pub(crate) fn submit(&self, w: Work) {
+        if let Err(mpsc::SendError(Work::Xfer { id, .. })) = self.tx.send(w) {
+            self.shared
+                .finish(id, Err("the connection to the peer is closed".into()));
+        }
+    }
+
+    /// False once the connection's writer has stopped.
+    pub(crate) fn is_open(&self) -> bool {
+        self.stream.peer_addr().is_ok() && !self.closed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        let _ = self.stream.shutdown(NetShutdown::Both);
+    }
+}
+
+/// Sends this agent's transfers and notifications, in submission order.
+fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &str) {
+    for work in rx {
+        let res = match work {
+            Work::Notif(b) => send(&mut w, &Msg::Notif(b)),
+            Work::Xfer {
+                id,
+                op: XferOp::Write,
+                local,
+                remote,
+                notif,
+            } => (|| {
+                for ((r, off, len), rd) in local.iter().zip(&remote) {
+                    let mut at = 0;
+                    while at < *len {
+                        let n = (*len - at).min(CHUNK as u64);
+                        let data = match r.read_vec(off + at, n) {
+                            Ok(d) => d,
+                            Err(e) => {
+                                shared.finish(id, Err(e.to_string()));
+                                return Ok(());
+                            }
+                        };
+                        send(
+                            &mut w,
+                            &Msg::Write {
+                                xfer: id,
+                                region: rd.region.0,
+                                offset: rd.offset + at,
+                                data,
+                            },
+                        )?;
+                        at += n;
+                    }
+                }
+                send(&mut w, &Msg::WriteEnd { xfer: id, notif })
+            })(),
+            Work::Xfer {
+                id,
+                op: XferOp::Read,
+                remote,
+                ..
+            } => (|| {
+                for (i, rd) in remote.iter().enumerate() {
+                    if rd.len > 0 {
+                        send(
+                            &mut w,
+                            &Msg::ReadReq {
+                                xfer: id,
+                                idx: i as u32,
+                                region: rd.region.0,
+                                offset: rd.offset,
+                                len: rd.len,
+                            },
+                        )?;
+                    }
+                }
+                Ok(())
+            })(),
+        };
+        if let Err(e) = res {
+            shared.fail_peer(peer, &format!("send failed: {e}"));
+            let _ = w.shutdown(NetShutdown::Both);
+            return;
+        }
+    }
+}
+
+/// Reads the target's answers to this agent's transfers.
+fn initiator_reader(
+    shared: &Shared,
+    mut r: Reader<TcpStream>,
+    tx: &mpsc::Sender<Work>,
+    peer: &str,
+) {
+    let why = loop {
+        match r.next() {
+            Ok(Some(Msg::Ack { xfer })) => shared.finish(xfer, Ok(())),
+            Ok(Some(Msg::Fail { xfer, message })) => {
+                shared.finish(xfer, Err(format!("{peer}: {message}")))
+            }
+            Ok(Some(Msg::ReadResp {
+                xfer,
+                idx,
+                at,
+                data,
+            })) => {
+                let Some((region, off, len)) = shared.read_target(xfer, idx) else {
+                    continue;
+                };
+                let n = data.len() as u64;
+                if at.checked_add(n).is_none_or(|e| e > len) {
+                    shared.finish(
+                        xfer,
+                        Err(format!("{peer} sent bytes outside descriptor #{idx}")),
+                    );
+                    continue;
+                }
+                if let Err(e) = region.write(off + at, &data) {
+                    shared.finish(xfer, Err(e.to_string()));
+                    continue;
+                }
+                if shared.read_arrived(xfer, n) {
+                    shared.finish(xfer, Ok(()));
+                    let notif = lock(&shared.xfers).get(&xfer).and_then(|x| x.notif.clone());
+                    if let Some(n) = notif {
+                        let _ = tx.send(Work::Notif(n));
+                    }
+                }
+            }
+            Ok(Some(other)) => break format!("protocol error: unexpected {other:?}"),
+            Ok(None) => break "closed by the peer".to_string(),
+            Err(e) => break e,
+        }
+    };
+    shared.fail_peer(peer, &why);
+}
+
+/// Stops the listener and every connection when the last agent handle drops.
+pub(crate) struct Shutdown {
+    shared: Arc<Shared>,
+    wake: SocketAddr,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Drop for Shutdown {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        let _ = TcpStream::connect_timeout(&self.wake, Duration::from_secs(1));
+        for c in lock(&self.conns).drain(..) {
+            let _ = c.shutdown(NetShutdown::Both);
+        }
+        for (_, p) in std::mem::take(&mut *lock(&self.shared.peers)) {
+            p.conn.close();
+        }
+    }
+}
+
+pub(crate) fn serve(shared: Arc<Shared>, listener: TcpListener, local: SocketAddr) -> Shutdown {
+    let wake = if local.ip().is_unspecified() {
+        SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), local.port())
+    } else {
+        local
+    };
+    let conns = Arc::new(Mutex::new(Vec::new()));
+    {
+        let shared = shared.clone();
+        let conns = conns.clone();
+        std::thread::Builder::new()
+            .name(format!("kvrail-listen-{}", shared.name))
+            .spawn(move || {
+                for c in listener.incoming() {
+                    if shared.shutdown.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let Ok(c) = c else { continue };
+                    c.set_nodelay(true).ok();
+                    if let Ok(k) = c.try_clone() {
+                        lock(&conns).push(k);
+                    }
+                    let shared = shared.clone();
+                    let _ = std::thread::Builder::new().name("kvrail-serve".into()).spawn(move || {
+                        if let Err(e) = target(&shared, c) {
+                            tracing::warn!(agent = %shared.name, "side channel / data connection: {e}");
+                        }
+                    });
+                }
+            })
+            .expect("spawn the listener thread");
+    }
+    Shutdown {
+        shared,
+        wake,
+        conns,
+    }
+}
+
+/// Serve one incoming connection.
+fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
+    let mut w = s.try_clone().map_err(|e| e.to_string())?;
+    let mut r = Reader::new(s);
+    let from = match r.next()? {
+        None => return Ok(()),
+        Some(Msg::GetMetadata) => {
+            let b = shared.metadata().encode().map_err(|e| e.to_string())?;
+            return send(&mut w, &Msg::Metadata(b)).map_err(|e| e.to_string());
+        }
+        Some(Msg::Attach { info }) => {
+            if let Err(e) = handshake::check(
+                &shared.handshake,
+                &info,
+                shared.config.enforce_handshake_compat,
+            ) {
+                let _ = send(
+                    &mut w,
+                    &Msg::Refused {
+                        message: e.to_string(),
+                    },
+                );
+                return Err(format!("refused {}: {e}", info.agent));
+            }
+            send(&mut w, &Msg::Attached).map_err(|e| e.to_string())?;
+            info.agent
+        }
+        Some(other) => {
+            let _ = send(
+                &mut w,
+                &Msg::Refused {
+                    message: "expected GetMetadata or Attach".into(),
+                },
+            );
+            return Err(format!("unexpected first message {other:?}"));
+        }
+    };
+    let mut failed: HashMap<u64, String> = HashMap::new();
+    loop {
+        let m = match r.next() {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(format!("from {from}: {e}")),
+        };
+        let res = match m {
+            Msg::Write {
+                xfer,
+                region,
+                offset,
+                data,
+            } => {
+                if let std::collections::hash_map::Entry::Vacant(v) = failed.entry(xfer) {
+                    if let Err(e) = apply_write(shared, region, offset, &data) {
+                        v.insert(e);
+                    }
+                }
+                Ok(())
+            }
+            Msg::WriteEnd { xfer, notif } => match failed.remove(&xfer) {
+                Some(message) => send(&mut w, &Msg::Fail { xfer, message }),
+                None => {
+                    if let Some(n) = notif {
+                        shared.deliver_notif(&from, n);
+                    }
+                    send(&mut w, &Msg::Ack { xfer })
+                }
+            },
+            Msg::ReadReq {
+                xfer,
+                idx,
+                region,
+                offset,
+                len,
+            } => serve_read(shared, &mut w, xfer, idx, region, offset, len),
+            Msg::Notif(b) => {
+                shared.deliver_notif(&from, b);
+                Ok(())
+            }
+            other => return Err(format!("from {from}: unexpected {other:?}")),
+        };
+        res.map_err(|e| format!("to {from}: {e}"))?;
+    }
+}
+
+fn apply_write(shared: &Shared, region: u32, offset: u64, data: &[u8]) -> Result<(), String> {
+    let r = shared.region(region).map_err(|e| e.to_string())?;
+    if !r.access.write {
+        return Err(format!("region {region} does not allow remote WRITE"));
+    }
+    r.write(offset, data).map_err(|e| e.to_string())
+}
+
+fn serve_read(
+    shared: &Shared,
+    w: &mut TcpStream,
+    xfer: u64,
+    idx: u32,
+    region: u32,
+    offset: u64,
+    len: u64,
+) -> std::io::Result<()> {
+    let r = match shared.region(region) {
+        Ok(r) if r.access.read => r,
+        Ok(_) => {
+            return send(
+                w,
+                &Msg::Fail {
+                    xfer,
+                    message: format!("region {region} does not allow remote READ"),
+                },
+            )
+        }
+        Err(e) => {
+            return send(
+                w,
+                &Msg::Fail {
+                    xfer,
+                    message: e.to_string(),
+                },
+            )
+        }
+    };
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(CHUNK as u64);
+        match r.read_vec(offset + at, n) {
+            Ok(data) => send(
+                w,
+                &Msg::ReadResp {
+                    xfer,
+                    idx,
+                    at,
+                    data,
+                },
+            )?,
+            Err(e) => {
+                return send(
+                    w,
+                    &Msg::Fail {
+                        xfer,
+                        message: e.to_string(),
+                    },
+                )
+            }
+        }
+        at += n;
+    }
+    Ok(())
+}

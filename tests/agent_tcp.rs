@@ -1,0 +1,654 @@
+//! The agent on the TCP backend, end to end on real sockets: descriptor lists from 1 to
+//! 10,000 and sizes from 1 byte to 64 MiB, byte-exact both ways; notifications after data;
+//! a 100,000-notification burst in order; validation naming the descriptor; busy
+//! deregistration; handshake refusals; the loopback-advertise error; repost rules; a peer
+//! that dies mid-transfer; two agents in two processes.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvrail::agent::metadata::{AgentMetadata, BackendKind, MemKind, RegionMeta};
+use kvrail::agent::{
+    Agent, AgentConfig, AgentError, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus,
+};
+use kvrail::proto::handshake::HandshakeInfo;
+
+fn cfg() -> AgentConfig {
+    AgentConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ..AgentConfig::default()
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            (((i ^ seed.rotate_left(13)).wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 56) as u8 ^ i as u8
+        })
+        .collect()
+}
+
+fn wait(a: &Agent, x: XferId) -> XferStatus {
+    let t = Instant::now();
+    loop {
+        let s = a.status(x).unwrap();
+        if s != XferStatus::InProgress {
+            return s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "transfer {x:?} hung"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn pair() -> (Agent, Agent, String) {
+    let p = Agent::new("prefill-0", cfg()).unwrap();
+    let d = Agent::new("decode-0", cfg()).unwrap();
+    let name = d.load_remote(p.side_channel_addr()).unwrap();
+    assert_eq!(name, "prefill-0");
+    (p, d, name)
+}
+
+/// `a` (re)loads `b`'s metadata, e.g. after `b` registered memory.
+fn load(a: &Agent, b: &Agent) -> String {
+    a.load_remote(b.side_channel_addr()).unwrap()
+}
+
+/// Descriptors of `sizes` laid out one after another (64-byte gaps) in one region.
+fn layout(sizes: &[u64]) -> (Vec<(u64, u64)>, u64) {
+    let mut off = 3;
+    let mut v = Vec::new();
+    for &s in sizes {
+        v.push((off, s));
+        off += s + 64;
+    }
+    (v, off)
+}
+
+fn run_both_ways(sizes: &[u64]) {
+    let (p, d, peer) = pair();
+    let (segs, total) = layout(sizes);
+    let src = p
+        .register(total as usize, RemoteAccess::READ, vec![])
+        .unwrap();
+    let dst = d
+        .register(total as usize, RemoteAccess::NONE, vec![])
+        .unwrap();
+    load(&d, &p);
+    let mut want = vec![0u8; total as usize];
+    for (k, (off, len)) in segs.iter().enumerate() {
+        let bytes = pattern(k as u64, *len as usize);
+        p.write_region(src, *off, &bytes).unwrap();
+        want[*off as usize..(*off + *len) as usize].copy_from_slice(&bytes);
+    }
+    // READ: D pulls P's descriptors into the same offsets of its region
+    let ld: Vec<Desc> = segs.iter().map(|&(o, l)| Desc::new(dst, o, l)).collect();
+    let rd: Vec<Desc> = segs.iter().map(|&(o, l)| Desc::new(src, o, l)).collect();
+    let x = d.create_xfer(XferOp::Read, ld, &peer, rd, None).unwrap();
+    d.post(x).unwrap();
+    assert_eq!(wait(&d, x), XferStatus::Done);
+    let mut got = vec![0u8; total as usize];
+    d.read_region(dst, 0, &mut got).unwrap();
+    assert!(
+        got == want,
+        "READ: bytes differ at {:?}",
+        got.iter().zip(&want).position(|(a, b)| a != b)
+    );
+    // WRITE: P pushes them back into a fresh region of D's that allows remote WRITE
+    let back = d
+        .register(total as usize, RemoteAccess::WRITE, vec![])
+        .unwrap();
+    let dname = load(&p, &d);
+    let ld: Vec<Desc> = segs.iter().map(|&(o, l)| Desc::new(src, o, l)).collect();
+    let rd: Vec<Desc> = segs.iter().map(|&(o, l)| Desc::new(back, o, l)).collect();
+    let x = p.create_xfer(XferOp::Write, ld, &dname, rd, None).unwrap();
+    p.post(x).unwrap();
+    assert_eq!(wait(&p, x), XferStatus::Done);
+    d.read_region(back, 0, &mut got).unwrap();
+    assert!(
+        got == want,
+        "WRITE: bytes differ at {:?}",
+        got.iter().zip(&want).position(|(a, b)| a != b)
+    );
+}
+
+#[test]
+fn one_descriptor_sizes_1b_to_64mib() {
+    for s in [1u64, 7, 4096, 65_537, 1 << 20, 64 << 20] {
+        run_both_ways(&[s]);
+    }
+}
+
+#[test]
+fn descriptor_lists_up_to_10000() {
+    run_both_ways(&(0..10).map(|i| 1 + i * 1000).collect::<Vec<_>>());
+    run_both_ways(&(0..1000).map(|i| 1 + (i % 64) * 17).collect::<Vec<_>>());
+    run_both_ways(&vec![128; 10_000]);
+}
+
+#[test]
+fn notification_arrives_after_all_bytes() {
+    let (p, d, _) = pair();
+    const LEN: u64 = 8 << 20;
+    let src = p
+        .register(LEN as usize, RemoteAccess::NONE, vec![])
+        .unwrap();
+    let dst = d
+        .register(LEN as usize, RemoteAccess::WRITE, vec![])
+        .unwrap();
+    let dname = load(&p, &d);
+    for round in 0..5u64 {
+        let bytes = pattern(100 + round, LEN as usize);
+        p.write_region(src, 0, &bytes).unwrap();
+        let descs: Vec<(u64, u64)> = (0..8).map(|k| (k * (1 << 20), 1 << 20)).collect();
+        let x = p
+            .create_xfer(
+                XferOp::Write,
+                descs.iter().map(|&(o, l)| Desc::new(src, o, l)).collect(),
+                &dname,
+                descs.iter().map(|&(o, l)| Desc::new(dst, o, l)).collect(),
+                Some(format!("done-{round}").into_bytes()),
+            )
+            .unwrap();
+        p.post(x).unwrap();
+        // the receiver checks the bytes the moment the notification shows up
+        let t = Instant::now();
+        let n = loop {
+            let n = d.get_new_notifs();
+            if !n.is_empty() {
+                break n;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "no notification");
+            std::thread::yield_now();
+        };
+        let mut got = vec![0u8; LEN as usize];
+        d.read_region(dst, 0, &mut got).unwrap();
+        assert!(got == bytes, "notification {round} came before the data");
+        assert_eq!(
+            n,
+            vec![(
+                "prefill-0".to_string(),
+                format!("done-{round}").into_bytes()
+            )]
+        );
+        assert_eq!(wait(&p, x), XferStatus::Done);
+        p.release(x).unwrap();
+    }
+}
+
+#[test]
+fn read_with_notification_tells_the_target() {
+    let (p, d, peer) = pair();
+    let src = p.register(4096, RemoteAccess::READ, vec![]).unwrap();
+    let dst = d.register(4096, RemoteAccess::NONE, vec![]).unwrap();
+    load(&d, &p);
+    let x = d
+        .create_xfer(
+            XferOp::Read,
+            vec![Desc::new(dst, 0, 4096)],
+            &peer,
+            vec![Desc::new(src, 0, 4096)],
+            Some(b"req-7:1".to_vec()),
+        )
+        .unwrap();
+    d.post(x).unwrap();
+    assert_eq!(wait(&d, x), XferStatus::Done);
+    let t = Instant::now();
+    loop {
+        let n = p.get_new_notifs();
+        if !n.is_empty() {
+            assert_eq!(n, vec![("decode-0".to_string(), b"req-7:1".to_vec())]);
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the target never heard of the READ"
+        );
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn burst_of_100k_notifications_in_order() {
+    let (p, d, _) = pair();
+    let dname = load(&p, &d);
+    const N: u32 = 100_000;
+    for i in 0..N {
+        p.send_notif(&dname, format!("HB:{i}").into_bytes())
+            .unwrap();
+    }
+    let mut next = 0;
+    let t = Instant::now();
+    while next < N {
+        for (from, b) in d.get_new_notifs() {
+            assert_eq!(from, "prefill-0");
+            assert_eq!(b, format!("HB:{next}").into_bytes(), "out of order or lost");
+            next += 1;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "only {next} of {N} arrived"
+        );
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn bad_descriptors_are_rejected_naming_the_index() {
+    let (p, d, peer) = pair();
+    let src = p.register(4096, RemoteAccess::READ, vec![]).unwrap();
+    let wsrc = p.register(4096, RemoteAccess::WRITE, vec![]).unwrap();
+    let dst = d.register(8192, RemoteAccess::NONE, vec![]).unwrap();
+    load(&d, &p);
+    let ok = |o| Desc::new(dst, o, 100);
+    let e = d
+        .create_xfer(
+            XferOp::Read,
+            vec![ok(0), ok(100)],
+            &peer,
+            vec![Desc::new(src, 0, 100)],
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e,
+        AgentError::LengthMismatch {
+            local: 2,
+            remote: 1
+        }
+    );
+    let e = d
+        .create_xfer(
+            XferOp::Read,
+            vec![ok(0), ok(100)],
+            &peer,
+            vec![Desc::new(src, 0, 100), Desc::new(src, 4000, 100)],
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "remote descriptor #1: [4000, 4000+100) is outside prefill-0's region 1 (4096 bytes)"
+    );
+    let e = d
+        .create_xfer(
+            XferOp::Read,
+            vec![Desc::new(dst, 8100, 100)],
+            &peer,
+            vec![Desc::new(src, 0, 100)],
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "local descriptor #0: [8100, 8100+100) is outside region 1 (8192 bytes)"
+    );
+    let e = d
+        .create_xfer(
+            XferOp::Read,
+            vec![Desc::new(RegionId(99), 0, 100)],
+            &peer,
+            vec![Desc::new(src, 0, 100)],
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "local descriptor #0: region 99 is not registered"
+    );
+    let e = d
+        .create_xfer(
+            XferOp::Read,
+            vec![ok(0)],
+            &peer,
+            vec![Desc::new(RegionId(42), 0, 100)],
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "remote descriptor #0: peer prefill-0 advertised no region 42"
+    );
+    let e = d
+        .create_xfer(
+            XferOp::Read,
+            vec![ok(0)],
+            &peer,
+            vec![Desc::new(src, 0, 99)],
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "remote descriptor #0: 99 bytes, the local descriptor has 100"
+    );
+    // least access: a READ-only region cannot be written, a WRITE-only one not read
+    let e = d
+        .create_xfer(
+            XferOp::Write,
+            vec![ok(0)],
+            &peer,
+            vec![Desc::new(src, 0, 100)],
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "remote descriptor #0: prefill-0's region 1 does not allow remote WRITE"
+    );
+    let e = d
+        .create_xfer(
+            XferOp::Read,
+            vec![ok(0)],
+            &peer,
+            vec![Desc::new(wsrc, 0, 100)],
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "remote descriptor #0: prefill-0's region 2 does not allow remote READ"
+    );
+    assert_eq!(
+        d.create_xfer(
+            XferOp::Read,
+            vec![ok(0)],
+            "nobody",
+            vec![Desc::new(src, 0, 100)],
+            None
+        )
+        .unwrap_err(),
+        AgentError::UnknownPeer("nobody".into())
+    );
+}
+
+/// A peer that accepts the attach and then never answers (or dies when told): transfers to
+/// it stay in progress deterministically.
+struct SilentPeer {
+    addr: SocketAddr,
+    kill: std::sync::mpsc::Sender<()>,
+}
+
+impl SilentPeer {
+    fn start() -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let (kill, killed) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut len = [0u8; 4];
+            s.read_exact(&mut len).unwrap();
+            let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+            s.read_exact(&mut body).unwrap();
+            s.write_all(&[0, 0, 0, 9, 0xa8]).unwrap(); // msgpack "Attached" (a unit variant)
+            s.write_all(b"Attached").unwrap();
+            // swallow whatever comes until told to die
+            s.set_nonblocking(true).unwrap();
+            let mut sink = vec![0u8; 1 << 20];
+            while killed.try_recv().is_err() {
+                let _ = s.read(&mut sink);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        Self { addr, kill }
+    }
+
+    fn metadata(&self) -> Vec<u8> {
+        AgentMetadata {
+            version: kvrail::agent::metadata::VERSION,
+            handshake: HandshakeInfo {
+                agent: "silent".into(),
+                compat_hash: AgentConfig::default().compat.hash(),
+                kv_layout: "HND".into(),
+                block_size: 16,
+                layers: vec![],
+            },
+            backend: BackendKind::Tcp,
+            side_channel: self.addr.to_string(),
+            rails: vec![],
+            tcp_data: Some(self.addr.to_string()),
+            regions: vec![RegionMeta {
+                id: 1,
+                kind: MemKind::Host,
+                addr: 0,
+                len: 1 << 20,
+                rkeys: vec![],
+                remote_read: true,
+                remote_write: true,
+                layers: vec![],
+            }],
+        }
+        .encode()
+        .unwrap()
+    }
+}
+
+#[test]
+fn busy_deregistration_repost_rules_and_a_dying_peer() {
+    let a = Agent::new("initiator", cfg()).unwrap();
+    let silent = SilentPeer::start();
+    let peer = a
+        .load_remote_metadata(&silent.metadata(), Some(silent.addr))
+        .unwrap();
+    let src = a.register(1 << 20, RemoteAccess::NONE, vec![]).unwrap();
+    let x = a
+        .create_xfer(
+            XferOp::Write,
+            vec![Desc::new(src, 0, 4096)],
+            &peer,
+            vec![Desc::new(RegionId(1), 0, 4096)],
+            None,
+        )
+        .unwrap();
+    assert_eq!(a.status(x).unwrap(), XferStatus::NotPosted);
+    a.post(x).unwrap();
+    assert_eq!(a.status(x).unwrap(), XferStatus::InProgress);
+    // the silent peer never acknowledges: the region is busy, the transfer active
+    assert_eq!(
+        a.deregister(src).unwrap_err(),
+        AgentError::RegionBusy {
+            region: src.0,
+            transfers: 1
+        }
+    );
+    assert_eq!(a.post(x).unwrap_err(), AgentError::Active(x.0));
+    assert_eq!(a.release(x).unwrap_err(), AgentError::Active(x.0));
+    // the peer dies: the transfer fails (bounded, with the cause), never "done"
+    silent.kill.send(()).unwrap();
+    let st = wait(&a, x);
+    let XferStatus::Error(cause) = st else {
+        panic!("expected an error, got {st:?}")
+    };
+    assert!(cause.starts_with("connection to silent lost: "), "{cause}");
+    // now the region is free and the request can be released
+    a.release(x).unwrap();
+    assert_eq!(a.status(x).unwrap_err(), AgentError::NoXfer(x.0));
+    a.deregister(src).unwrap();
+}
+
+#[test]
+fn repost_after_done_moves_the_bytes_again() {
+    let (p, d, _) = pair();
+    let src = p.register(4096, RemoteAccess::NONE, vec![]).unwrap();
+    let dst = d.register(4096, RemoteAccess::WRITE, vec![]).unwrap();
+    let dname = load(&p, &d);
+    let x = p
+        .create_xfer(
+            XferOp::Write,
+            vec![Desc::new(src, 0, 4096)],
+            &dname,
+            vec![Desc::new(dst, 0, 4096)],
+            None,
+        )
+        .unwrap();
+    for round in 0..3 {
+        let bytes = pattern(round, 4096);
+        p.write_region(src, 0, &bytes).unwrap();
+        p.post(x).unwrap();
+        assert_eq!(wait(&p, x), XferStatus::Done);
+        let mut got = vec![0u8; 4096];
+        d.read_region(dst, 0, &mut got).unwrap();
+        assert_eq!(got, bytes, "round {round}");
+    }
+}
+
+#[test]
+fn handshake_refusals_name_both_values() {
+    let p = Agent::new("p", cfg()).unwrap();
+    let mut other = cfg();
+    other.compat.model = "another-model".into();
+    let d = Agent::new("d", other.clone()).unwrap();
+    let e = d
+        .load_remote(p.side_channel_addr())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("compatibility hash mismatch with p: ours "),
+        "{e}"
+    );
+    // enforce_handshake_compat = false skips only the hash...
+    other.enforce_handshake_compat = false;
+    let lax = Agent::new("lax", other.clone()).unwrap();
+    let e = lax
+        .load_remote(p.side_channel_addr())
+        .unwrap_err()
+        .to_string();
+    // ...and the peer, which enforces it, still refuses the attach
+    assert!(
+        e.contains("peer refused us at") && e.contains("compatibility hash mismatch with lax"),
+        "{e}"
+    );
+    let mut bs = cfg();
+    bs.block_size = 32;
+    let e = Agent::new("bs", bs)
+        .unwrap()
+        .load_remote(p.side_channel_addr())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "block_size mismatch with p: ours 32, theirs 16");
+    let mut lay = cfg();
+    lay.kv_layout = "NHD".into();
+    let e = Agent::new("lay", lay)
+        .unwrap()
+        .load_remote(p.side_channel_addr())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "KV layout mismatch with p: ours NHD, theirs HND");
+}
+
+#[test]
+fn loopback_advertised_to_another_host_is_refused_before_any_traffic() {
+    let a = Agent::new("a", cfg()).unwrap();
+    assert!(a.side_channel_addr().ip().is_loopback());
+    // 192.0.2.0/24 is TEST-NET-1: the check fails before anything is sent there
+    let e = a
+        .load_remote("192.0.2.10:5555".parse().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "this agent advertises 127.0.0.1 to peer 192.0.2.10, which is not on this host: set side_channel_host to an address the peer can reach"
+    );
+}
+
+#[test]
+fn a_dead_side_channel_says_which_address() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let a = Agent::new("a", cfg()).unwrap();
+    let e = a
+        .load_remote(format!("127.0.0.1:{port}").parse().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with(&format!(
+            "side channel: cannot connect to 127.0.0.1:{port}: "
+        )),
+        "{e}"
+    );
+    assert!(e.contains("side_channel_host"), "{e}");
+}
+
+#[test]
+fn garbage_on_the_side_channel_is_survived() {
+    let p = Agent::new("p", cfg()).unwrap();
+    for junk in [
+        &b"\x00\x00\x00\x03abc"[..],
+        &[0xff; 64][..],
+        &b"\x00\x00\x00\x01\xc1"[..],
+    ] {
+        let mut s = std::net::TcpStream::connect(p.side_channel_addr()).unwrap();
+        let _ = s.write_all(junk);
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    }
+    let d = Agent::new("d", cfg()).unwrap();
+    assert_eq!(d.load_remote(p.side_channel_addr()).unwrap(), "p");
+}
+
+/// Two agents in two processes: the child is the producer, the test the consumer.
+#[test]
+fn two_processes() {
+    if std::env::var_os("KVRAIL_AGENT_CHILD").is_some() {
+        let p = Agent::new("child-producer", cfg()).unwrap();
+        let src = p.register(1 << 20, RemoteAccess::READ, vec![]).unwrap();
+        p.write_region(src, 0, &pattern(77, 1 << 20)).unwrap();
+        println!("ADDR {}", p.side_channel_addr());
+        // wait for the consumer's notification, then exit
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(60) {
+            if p.get_new_notifs().iter().any(|(_, b)| b == b"bye") {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("no notification from the consumer");
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe)
+        .args(["--exact", "two_processes", "--nocapture"])
+        .env("KVRAIL_AGENT_CHILD", "1")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let addr: SocketAddr = loop {
+        let mut line = String::new();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "child said nothing"
+        );
+        if let Some(a) = line.trim().strip_prefix("ADDR ") {
+            break a.parse().unwrap();
+        }
+    };
+    let d = Agent::new("consumer", cfg()).unwrap();
+    let peer = d.load_remote(addr).unwrap();
+    let dst = d.register(1 << 20, RemoteAccess::NONE, vec![]).unwrap();
+    let x = d
+        .create_xfer(
+            XferOp::Read,
+            vec![Desc::new(dst, 0, 1 << 20)],
+            &peer,
+            vec![Desc::new(RegionId(1), 0, 1 << 20)],
+            Some(b"bye".to_vec()),
+        )
+        .unwrap();
+    d.post(x).unwrap();
+    assert_eq!(wait(&d, x), XferStatus::Done);
+    let mut got = vec![0u8; 1 << 20];
+    d.read_region(dst, 0, &mut got).unwrap();
+    assert!(got == pattern(77, 1 << 20));
+    assert!(
+        child.wait().unwrap().success(),
+        "the producer process failed"
+    );
+}
