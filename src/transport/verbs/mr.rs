@@ -1,7 +1,8 @@
 //! Memory regions over host memory that the region owns.
 //!
-//! A region owns its buffer (anonymous, page-aligned mmap), so the memory the NIC may touch
-//! cannot be freed while it is registered. [`Mr`] is the one user handle (not `Clone`);
+//! A region holds an `Arc` of its [`HostBuffer`] (anonymous, page-aligned mmap), so the
+//! memory the NIC may touch cannot be freed while it is registered; one buffer may be
+//! registered on several devices. [`Mr`] is the one user handle (not `Clone`);
 //! every posted work request that references the region holds a [`MrRef`] (another `Arc`
 //! of it) until its completion is polled. So the references beyond the user's are exactly
 //! the in-flight requests: [`Mr::deregister`] refuses while any exist, and dropping the user
@@ -9,14 +10,13 @@
 //! releases the last reference.
 
 use std::fmt;
-use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use memmap2::MmapMut;
 use rdma_mummy_sys as ffi;
 use serde::{Deserialize, Serialize};
 
+use super::buffer::HostBuffer;
 use super::error::{from_ret, last_os_error, Error};
 use super::pd::{Pd, PdInner};
 
@@ -112,9 +112,9 @@ impl RemoteRegion {
 
 pub(crate) struct MrInner {
     mr: NonNull<ffi::ibv_mr>,
-    // Unmapped by Drop only after `mr` was deregistered (leaked if that fails: the NIC
-    // may still reference the pages). The PD reference is released after both.
-    buf: ManuallyDrop<MmapMut>,
+    // Released by Drop only after `mr` was deregistered (leaked if that fails: the NIC may
+    // still reference the pages). The PD reference is released after both.
+    buf: Arc<HostBuffer>,
     deregistered: bool,
     access: Access,
     pd: Arc<PdInner>,
@@ -147,7 +147,7 @@ impl MrInner {
     }
 
     pub(crate) fn addr(&self) -> u64 {
-        self.buf.as_ptr() as u64
+        self.buf.addr()
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -161,14 +161,10 @@ impl MrInner {
 
 impl Drop for MrInner {
     fn drop(&mut self) {
-        match self.dereg() {
-            // SAFETY: deregistered, so the NIC no longer references the pages; `buf` is
-            // dropped exactly once, here.
-            Ok(()) => unsafe { ManuallyDrop::drop(&mut self.buf) },
-            // The NIC may still reference the pages: leaking them is the safe choice.
-            Err(e) => {
-                tracing::error!(device = %self.pd.ctx.name, "{e} (memory leaked, not unmapped)")
-            }
+        if let Err(e) = self.dereg() {
+            // The NIC may still reference the pages: keep them mapped forever.
+            std::mem::forget(self.buf.clone());
+            tracing::error!(device = %self.pd.ctx.name, "{e} (memory leaked, not unmapped)");
         }
     }
 }
@@ -208,14 +204,19 @@ impl Mr {
     /// # Errors
     /// [`Error::AllocMemory`], [`Error::RegisterMemory`].
     pub fn alloc(pd: &Pd, len: usize, access: Access) -> Result<Self, Error> {
-        let mut buf =
-            MmapMut::map_anon(len).map_err(|source| Error::AllocMemory { len, source })?;
+        Self::register(pd, &HostBuffer::new(len)?, access)
+    }
+
+    /// Register `buf` (all of it) in `pd` with `access`. The region keeps the buffer alive.
+    ///
+    /// # Errors
+    /// [`Error::RegisterMemory`].
+    pub fn register(pd: &Pd, buf: &Arc<HostBuffer>, access: Access) -> Result<Self, Error> {
         let access = access.normalized();
-        // SAFETY: the buffer is ours, valid for `len` bytes, and outlives the registration
-        // (MrInner's field order deregisters before unmapping).
-        let mr = unsafe {
-            ffi::ibv_reg_mr(pd.raw(), buf.as_mut_ptr().cast(), len, access.bits() as i32)
-        };
+        let len = buf.len();
+        // SAFETY: the buffer is valid for `len` bytes and outlives the registration (the
+        // region holds an Arc of it and releases it only after deregistering).
+        let mr = unsafe { ffi::ibv_reg_mr(pd.raw(), buf.ptr().cast(), len, access.bits() as i32) };
         let mr = NonNull::new(mr).ok_or_else(|| Error::RegisterMemory {
             len,
             access: access.to_string(),
@@ -224,12 +225,17 @@ impl Mr {
         Ok(Self {
             inner: Arc::new(MrInner {
                 mr,
-                buf: ManuallyDrop::new(buf),
+                buf: buf.clone(),
                 deregistered: false,
                 access,
                 pd: pd.inner.clone(),
             }),
         })
+    }
+
+    /// The memory behind the region.
+    pub fn buffer(&self) -> &Arc<HostBuffer> {
+        &self.inner.buf
     }
 
     /// Length in bytes.
@@ -281,34 +287,12 @@ impl Mr {
         &self.inner
     }
 
-    fn check_range(&self, offset: usize, len: usize) -> Result<(), Error> {
-        if offset.checked_add(len).is_some_and(|end| end <= self.len()) {
-            Ok(())
-        } else {
-            Err(Error::OutOfRange {
-                offset: offset as u64,
-                len: len as u64,
-                region_len: self.len() as u64,
-            })
-        }
-    }
-
     /// Copy `data` into the region at `offset`.
     ///
     /// # Errors
     /// [`Error::OutOfRange`].
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), Error> {
-        self.check_range(offset, data.len())?;
-        // SAFETY: range checked; the mapping is writable and lives as long as `self`.
-        // Raw copies (no `&mut [u8]`): the NIC may access the memory concurrently.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                data.as_ptr(),
-                (self.inner.buf.as_ptr() as *mut u8).add(offset),
-                data.len(),
-            )
-        };
-        Ok(())
+        self.inner.buf.write(offset, data)
     }
 
     /// Copy `out.len()` bytes at `offset` out of the region.
@@ -316,16 +300,7 @@ impl Mr {
     /// # Errors
     /// [`Error::OutOfRange`].
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
-        self.check_range(offset, out.len())?;
-        // SAFETY: range checked; the mapping lives as long as `self`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.inner.buf.as_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
-        Ok(())
+        self.inner.buf.read(offset, out)
     }
 
     /// Deregister the region and free its memory now.
