@@ -271,7 +271,7 @@ impl Agent {
             notifs: Mutex::new(VecDeque::new()),
             shutdown: std::sync::atomic::AtomicBool::new(false),
         });
-        let guard = tcp::serve(shared.clone(), listener, local);
+        let guard = tcp::serve(shared.clone(), listener, local)?;
         tracing::info!(agent = name, side_channel = %addr, "kvrail agent up");
         Ok(Self {
             shared,

@@ -307,7 +307,11 @@ impl Drop for Shutdown {
     }
 }
 
-pub(crate) fn serve(shared: Arc<Shared>, listener: TcpListener, local: SocketAddr) -> Shutdown {
+pub(crate) fn serve(
+    shared: Arc<Shared>,
+    listener: TcpListener,
+    local: SocketAddr,
+) -> Result<Shutdown, AgentError> {
     let wake = if local.ip().is_unspecified() {
         SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), local.port())
     } else {
@@ -337,13 +341,13 @@ pub(crate) fn serve(shared: Arc<Shared>, listener: TcpListener, local: SocketAdd
                     });
                 }
             })
-            .expect("spawn the listener thread");
+            .map_err(|e| conn_err("cannot start the listener thread for", local, e))?;
     }
-    Shutdown {
+    Ok(Shutdown {
         shared,
         wake,
         conns,
-    }
+    })
 }
 
 /// Serve one incoming connection.

@@ -124,7 +124,13 @@ impl MsgChannel {
     /// # Errors
     /// A failed SEND/RECV (the channel is then dead), a malformed frame, or a posting error.
     pub fn handle(&mut self, c: &Completion) -> Result<bool, ChannelError> {
-        if !matches!(c.op, OpKind::Send | OpKind::Recv) {
+        let slots = u64::from(self.slots);
+        let ours = match c.op {
+            OpKind::Send => (slots..2 * slots).contains(&c.wr_id),
+            OpKind::Recv => c.wr_id < slots,
+            _ => false,
+        };
+        if !ours {
             return Ok(false);
         }
         if let Err(e) = &c.status {
