@@ -18,6 +18,8 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod agent;
+#[allow(unsafe_code)]
+pub mod mem;
 pub mod proto;
 pub mod rails;
 pub mod transport;

@@ -309,7 +309,9 @@ impl Agent {
             *n += 1;
             RegionId(id)
         };
-        lock(&self.shared.regions).insert(id.0, Arc::new(Region::new(id, len, access, layers)));
+        let buf =
+            crate::mem::HostBuffer::new(len).map_err(|e| AgentError::Unsupported(e.to_string()))?;
+        lock(&self.shared.regions).insert(id.0, Arc::new(Region::new(id, buf, access, layers)));
         tracing::debug!(agent = %self.shared.name, region = id.0, len, "memory registered (host)");
         Ok(id)
     }

@@ -1,11 +1,13 @@
-//! Registered memory of an agent: host memory the agent owns, with the least remote access
-//! its role needs, and a count of active transfers that use it (deregistration is refused
-//! while it is non-zero).
+//! Registered memory of an agent: host memory the agent owns (a [`HostBuffer`], which the
+//! verbs backend registers on every rail's device), with the least remote access its role
+//! needs, and a count of active transfers that use it (deregistration is refused while it is
+//! non-zero).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::RwLock;
+use std::sync::Arc;
 
 use super::AgentError;
+use crate::mem::HostBuffer;
 
 /// What peers may do to a region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -48,52 +50,66 @@ pub(crate) struct Region {
     pub(crate) access: RemoteAccess,
     pub(crate) layers: Vec<String>,
     pub(crate) busy: AtomicUsize,
-    bytes: RwLock<Box<[u8]>>,
+    pub(crate) buf: Arc<HostBuffer>,
 }
 
 impl Region {
-    pub(crate) fn new(id: RegionId, len: usize, access: RemoteAccess, layers: Vec<String>) -> Self {
+    pub(crate) fn new(
+        id: RegionId,
+        buf: Arc<HostBuffer>,
+        access: RemoteAccess,
+        layers: Vec<String>,
+    ) -> Self {
         Self {
             id,
             access,
             layers,
             busy: AtomicUsize::new(0),
-            bytes: RwLock::new(vec![0u8; len].into_boxed_slice()),
+            buf,
         }
     }
 
     pub(crate) fn len(&self) -> u64 {
-        self.bytes.read().unwrap_or_else(|p| p.into_inner()).len() as u64
+        self.buf.len() as u64
     }
 
-    fn range(&self, offset: u64, len: u64) -> Result<std::ops::Range<usize>, AgentError> {
-        let size = self.len();
+    fn oob(&self, offset: u64, len: u64) -> AgentError {
+        AgentError::OutOfRange {
+            region: self.id.0,
+            offset,
+            len,
+            size: self.len(),
+        }
+    }
+
+    fn start(&self, offset: u64, len: u64) -> Result<usize, AgentError> {
         match offset.checked_add(len) {
-            Some(end) if end <= size => Ok(offset as usize..end as usize),
-            _ => Err(AgentError::OutOfRange {
-                region: self.id.0,
-                offset,
-                len,
-                size,
-            }),
+            Some(end) if end <= self.len() => Ok(offset as usize),
+            _ => Err(self.oob(offset, len)),
         }
     }
 
     pub(crate) fn write(&self, offset: u64, data: &[u8]) -> Result<(), AgentError> {
-        let r = self.range(offset, data.len() as u64)?;
-        self.bytes.write().unwrap_or_else(|p| p.into_inner())[r].copy_from_slice(data);
-        Ok(())
+        let at = self.start(offset, data.len() as u64)?;
+        self.buf
+            .write(at, data)
+            .map_err(|_| self.oob(offset, data.len() as u64))
     }
 
     pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), AgentError> {
-        let r = self.range(offset, out.len() as u64)?;
-        out.copy_from_slice(&self.bytes.read().unwrap_or_else(|p| p.into_inner())[r]);
-        Ok(())
+        let at = self.start(offset, out.len() as u64)?;
+        self.buf
+            .read(at, out)
+            .map_err(|_| self.oob(offset, out.len() as u64))
     }
 
     pub(crate) fn read_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>, AgentError> {
-        let r = self.range(offset, len)?;
-        Ok(self.bytes.read().unwrap_or_else(|p| p.into_inner())[r].to_vec())
+        let at = self.start(offset, len)?;
+        let mut v = vec![0u8; len as usize];
+        self.buf
+            .read(at, &mut v)
+            .map_err(|_| self.oob(offset, len))?;
+        Ok(v)
     }
 
     pub(crate) fn acquire(&self) {

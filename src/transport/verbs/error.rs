@@ -286,6 +286,19 @@ pub enum Error {
     },
 }
 
+impl From<crate::mem::MemError> for Error {
+    fn from(e: crate::mem::MemError) -> Self {
+        match e {
+            crate::mem::MemError::Alloc { len, source } => Self::AllocMemory { len, source },
+            crate::mem::MemError::OutOfRange { offset, len, size } => Self::OutOfRange {
+                offset,
+                len,
+                region_len: size,
+            },
+        }
+    }
+}
+
 /// The last OS error (`errno`) as an `io::Error`.
 pub(crate) fn last_os_error() -> io::Error {
     io::Error::last_os_error()

@@ -24,7 +24,6 @@
 //! All handles are `Send + Sync`. Posting on one QP from several threads is serialized by
 //! a per-queue lock (which also keeps completion order and bookkeeping order the same).
 
-mod buffer;
 mod cq;
 mod device;
 mod error;
@@ -33,8 +32,8 @@ mod pd;
 mod qp;
 mod wr;
 
+pub use crate::mem::HostBuffer;
 pub use crate::rails::gid::{select_gid, Gid, GidChoice, GidEntry, GidType, LinkLayer};
-pub use buffer::HostBuffer;
 pub use cq::{Completion, Cq, WcError};
 pub use device::{devices, Context, DeviceAttr, DeviceInfo, Mtu, PortAttr, PortState};
 pub use error::{classify_device_list_errno, Error, Unavailable};

@@ -16,9 +16,9 @@ use std::sync::Arc;
 use rdma_mummy_sys as ffi;
 use serde::{Deserialize, Serialize};
 
-use super::buffer::HostBuffer;
 use super::error::{from_ret, last_os_error, Error};
 use super::pd::{Pd, PdInner};
+use crate::mem::HostBuffer;
 
 /// Access rights of a memory region (a subset of `ibv_access_flags`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -204,7 +204,7 @@ impl Mr {
     /// # Errors
     /// [`Error::AllocMemory`], [`Error::RegisterMemory`].
     pub fn alloc(pd: &Pd, len: usize, access: Access) -> Result<Self, Error> {
-        Self::register(pd, &HostBuffer::new(len)?, access)
+        Self::register(pd, &HostBuffer::new(len).map_err(Error::from)?, access)
     }
 
     /// Register `buf` (all of it) in `pd` with `access`. The region keeps the buffer alive.
@@ -292,7 +292,7 @@ impl Mr {
     /// # Errors
     /// [`Error::OutOfRange`].
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), Error> {
-        self.inner.buf.write(offset, data)
+        Ok(self.inner.buf.write(offset, data)?)
     }
 
     /// Copy `out.len()` bytes at `offset` out of the region.
@@ -300,7 +300,7 @@ impl Mr {
     /// # Errors
     /// [`Error::OutOfRange`].
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
-        self.inner.buf.read(offset, out)
+        Ok(self.inner.buf.read(offset, out)?)
     }
 
     /// Deregister the region and free its memory now.

@@ -1,4 +1,5 @@
-//! Page-aligned host memory that memory regions register. One buffer can be registered on
+//! Page-aligned host memory: what the agent registers, and what verbs memory regions
+//! register. One buffer can be registered on
 //! several devices (one region per rail, each with its own rkey) — how a transfer striped
 //! over rails lands in one place. Every region holds an `Arc` of its buffer, so the pages
 //! outlive every registration; CPU access is by copy (the NIC may access the memory at the
@@ -9,7 +10,30 @@ use std::sync::Arc;
 
 use memmap2::MmapMut;
 
-use super::error::Error;
+/// A host-memory error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemError {
+    /// Allocating the memory failed.
+    #[error("allocating {len} bytes of host memory failed: {source}")]
+    Alloc {
+        /// Bytes asked for.
+        len: usize,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A byte range outside the buffer.
+    #[error("range [{offset}, {offset}+{len}) is outside the {size}-byte buffer")]
+    OutOfRange {
+        /// Start.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Buffer size.
+        size: u64,
+    },
+}
 
 /// Anonymous, zeroed, page-aligned host memory.
 pub struct HostBuffer {
@@ -29,16 +53,16 @@ impl HostBuffer {
     /// `len` zeroed bytes (pages are touched lazily).
     ///
     /// # Errors
-    /// [`Error::AllocMemory`] (also for `len == 0`).
-    pub fn new(len: usize) -> Result<Arc<Self>, Error> {
+    /// [`MemError::Alloc`] (also for `len == 0`).
+    pub fn new(len: usize) -> Result<Arc<Self>, MemError> {
         if len == 0 {
             let source = std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 "a region needs at least one byte",
             );
-            return Err(Error::AllocMemory { len, source });
+            return Err(MemError::Alloc { len, source });
         }
-        let map = MmapMut::map_anon(len).map_err(|source| Error::AllocMemory { len, source })?;
+        let map = MmapMut::map_anon(len).map_err(|source| MemError::Alloc { len, source })?;
         Ok(Arc::new(Self { map }))
     }
 
@@ -57,19 +81,20 @@ impl HostBuffer {
         self.map.as_ptr() as u64
     }
 
+    /// The mapping's first byte, for registration with a device.
     pub(crate) fn ptr(&self) -> *mut u8 {
         // memmap2 hands out the mapping's raw pointer (not one derived from a reference).
         self.map.as_ptr() as *mut u8
     }
 
-    fn check(&self, offset: usize, len: usize) -> Result<(), Error> {
+    fn check(&self, offset: usize, len: usize) -> Result<(), MemError> {
         if offset.checked_add(len).is_some_and(|end| end <= self.len()) {
             Ok(())
         } else {
-            Err(Error::OutOfRange {
+            Err(MemError::OutOfRange {
                 offset: offset as u64,
                 len: len as u64,
-                region_len: self.len() as u64,
+                size: self.len() as u64,
             })
         }
     }
@@ -77,8 +102,8 @@ impl HostBuffer {
     /// Copy `data` in at `offset`.
     ///
     /// # Errors
-    /// [`Error::OutOfRange`].
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), Error> {
+    /// [`MemError::OutOfRange`].
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
         self.check(offset, data.len())?;
         // SAFETY: range checked; the mapping is writable and lives as long as `self`; raw
         // copies because the NIC may access the memory concurrently.
@@ -89,8 +114,8 @@ impl HostBuffer {
     /// Copy `out.len()` bytes out from `offset`.
     ///
     /// # Errors
-    /// [`Error::OutOfRange`].
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
+    /// [`MemError::OutOfRange`].
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), MemError> {
         self.check(offset, out.len())?;
         // SAFETY: range checked; the mapping lives as long as `self`.
         unsafe {
@@ -114,7 +139,7 @@ mod tests {
         assert_eq!(&out, b"\0\0abcdef");
         assert!(matches!(
             b.write(8190, b"abc"),
-            Err(Error::OutOfRange { .. })
+            Err(MemError::OutOfRange { .. })
         ));
         assert!(b.read(usize::MAX, &mut out).is_err());
         assert!(HostBuffer::new(0).is_err());
