@@ -20,6 +20,8 @@ export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/tools/lab/run.sh"
 T0=$(date +%s)
 echo "=== tier 2: verbs suite inside the Soft-RoCE lab"
 cargo test --test verbs_lab
+echo "=== tier 2: the agent on the verbs backend inside the Soft-RoCE lab"
+cargo test --test agent_lab
 echo "=== tier 2: kvrail-rails (list, probe, link down) inside the Soft-RoCE lab"
 cargo test -p kvrail-tools --test rails_lab
 echo "=== tier 2 done in $(( $(date +%s) - T0 )) s"

@@ -38,6 +38,10 @@ pub struct AgentConfig {
     pub block_size: u32,
     /// Layer names this agent's regions hold (empty: no layer routing).
     pub layers: Vec<String>,
+    /// The accelerator's NUMA node for rail selection (-1: any).
+    pub numa: i32,
+    /// Use only these RDMA devices as rails (empty: every usable one).
+    pub devices: Vec<String>,
 }
 
 impl Default for AgentConfig {
@@ -59,6 +63,8 @@ impl Default for AgentConfig {
             kv_layout: "HND".into(),
             block_size: 16,
             layers: Vec::new(),
+            numa: -1,
+            devices: Vec::new(),
         }
     }
 }

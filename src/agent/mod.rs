@@ -25,6 +25,8 @@ mod config;
 pub mod metadata;
 mod region;
 mod tcp;
+#[cfg(feature = "verbs")]
+mod verbs;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpListener};
@@ -174,7 +176,7 @@ struct Xfer {
 }
 
 struct Peer {
-    meta: AgentMetadata,
+    meta: Arc<AgentMetadata>,
     conn: tcp::PeerConn,
     addr: SocketAddr,
 }
@@ -191,6 +193,9 @@ pub(crate) struct Shared {
     next_xfer: Mutex<u64>,
     notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
     shutdown: std::sync::atomic::AtomicBool,
+    /// The verbs data path, when the agent runs on RDMA.
+    #[cfg(feature = "verbs")]
+    verbs: Option<Arc<verbs::Verbs>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -227,18 +232,37 @@ impl Agent {
                 "the agent name must be 1..=256 bytes".into(),
             ));
         }
+        #[cfg(feature = "verbs")]
+        let verbs = match config.backend {
+            BackendChoice::Tcp => {
+                tracing::info!(agent = name, "kvrail backend: tcp (configured)");
+                None
+            }
+            choice => match verbs::Verbs::open(&config) {
+                Ok(v) => {
+                    let names: Vec<&str> = v.rails.iter().map(|r| r.name.as_str()).collect();
+                    tracing::info!(agent = name, rails = ?names, "kvrail backend: verbs");
+                    Some(Arc::new(v))
+                }
+                Err(why) if choice == BackendChoice::Auto => {
+                    let why = why.lines().next().unwrap_or("").to_owned();
+                    tracing::info!(
+                        agent = name,
+                        "kvrail backend: tcp (verbs not usable: {why})"
+                    );
+                    None
+                }
+                Err(why) => return Err(AgentError::Unsupported(format!("backend verbs: {why}"))),
+            },
+        };
+        #[cfg(not(feature = "verbs"))]
         match config.backend {
             BackendChoice::Verbs => {
                 return Err(AgentError::Unsupported(
-                    "backend verbs: the agent's verbs data path is not built yet; use Auto or Tcp"
-                        .into(),
+                    "backend verbs: this build has no verbs support (feature `verbs`)".into(),
                 ))
             }
-            BackendChoice::Tcp => tracing::info!(agent = name, "kvrail backend: tcp (configured)"),
-            BackendChoice::Auto => {
-                let why = rdma_status();
-                tracing::info!(agent = name, "kvrail backend: tcp ({why})");
-            }
+            _ => tracing::info!(agent = name, "kvrail backend: tcp (built without verbs)"),
         }
         let listener = TcpListener::bind(config.listen).map_err(|e| AgentError::Connection {
             what: "cannot listen on",
@@ -270,7 +294,13 @@ impl Agent {
             next_xfer: Mutex::new(1),
             notifs: Mutex::new(VecDeque::new()),
             shutdown: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(feature = "verbs")]
+            verbs,
         });
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &shared.verbs {
+            v.run(shared.clone())?;
+        }
         let guard = tcp::serve(shared.clone(), listener, local)?;
         tracing::info!(agent = name, side_channel = %addr, "kvrail agent up");
         Ok(Self {
@@ -311,7 +341,13 @@ impl Agent {
         };
         let buf =
             crate::mem::HostBuffer::new(len).map_err(|e| AgentError::Unsupported(e.to_string()))?;
-        lock(&self.shared.regions).insert(id.0, Arc::new(Region::new(id, buf, access, layers)));
+        #[allow(unused_mut)]
+        let mut region = Region::new(id, buf, access, layers);
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            region.mrs = v.register(&region)?;
+        }
+        lock(&self.shared.regions).insert(id.0, Arc::new(region));
         tracing::debug!(agent = %self.shared.name, region = id.0, len, "memory registered (host)");
         Ok(id)
     }
@@ -406,16 +442,22 @@ impl Agent {
             let mut peers = lock(&self.shared.peers);
             if let Some(p) = peers.get_mut(&name) {
                 if p.addr == addr && p.conn.is_open() {
-                    p.meta = meta;
+                    p.meta = Arc::new(meta);
                     tracing::debug!(agent = %self.shared.name, peer = %name, "peer metadata reloaded");
                     return Ok(name);
                 }
             }
         }
-        let conn = tcp::PeerConn::connect(self.shared.clone(), addr, &name)?;
+        let conn = tcp::PeerConn::connect(self.shared.clone(), addr, &name, &meta)?;
         tracing::info!(agent = %self.shared.name, peer = %name, %addr, "handshake done; peer connected");
-        if let Some(old) = lock(&self.shared.peers).insert(name.clone(), Peer { meta, conn, addr })
-        {
+        if let Some(old) = lock(&self.shared.peers).insert(
+            name.clone(),
+            Peer {
+                meta: Arc::new(meta),
+                conn,
+                addr,
+            },
+        ) {
             old.conn.close();
         }
         Ok(name)
@@ -588,6 +630,39 @@ impl Agent {
         } else {
             0
         };
+        #[cfg(feature = "verbs")]
+        if let Some(v) = self.shared.verbs.as_ref().filter(|v| v.has_peer(&x.peer)) {
+            let local: Vec<(Arc<Region>, Desc)> = x
+                .local
+                .iter()
+                .filter_map(|d| {
+                    x.held
+                        .iter()
+                        .find(|h| h.id == d.region)
+                        .map(|r| (r.clone(), *d))
+                })
+                .collect();
+            let (op, peer, remote, meta) = (x.op, x.peer.clone(), x.remote.clone(), p.meta.clone());
+            let v = v.clone();
+            drop(xfers);
+            drop(peers);
+            // Lock order: the verbs engine is taken without the agent's maps held.
+            if let Err(e) = v.post(
+                &self.shared,
+                verbs::PostReq {
+                    id: id.0,
+                    op,
+                    peer: &peer,
+                    local: &local,
+                    remote: &remote,
+                    meta: &meta,
+                },
+            ) {
+                self.shared.finish(id.0, Err(e.to_string()));
+                return Err(e);
+            }
+            return Ok(());
+        }
         let work = tcp::Work::Xfer {
             id: id.0,
             op: x.op,
@@ -673,28 +748,31 @@ impl Agent {
         lock(&self.shared.notifs).drain(..).collect()
     }
 
+    /// Bytes moved over each rail since the agent started (verbs backend; empty on TCP).
+    pub fn rail_bytes(&self) -> Vec<(String, u64)> {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            return v.rail_bytes();
+        }
+        Vec::new()
+    }
+
+    /// The local rails with a working queue pair to `peer` (empty when it is reached over
+    /// TCP).
+    pub fn peer_rails(&self, peer: &str) -> Vec<String> {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            return v.peer_rails(peer);
+        }
+        let _ = peer;
+        Vec::new()
+    }
+
     /// Names of the loaded peers.
     pub fn peers(&self) -> Vec<String> {
         let mut v: Vec<String> = lock(&self.shared.peers).keys().cloned().collect();
         v.sort();
         v
-    }
-}
-
-/// Why the agent does not run on verbs (for the backend log line).
-fn rdma_status() -> String {
-    let root = crate::rails::SysfsRoot::system();
-    let host = crate::rails::discover(&root, &crate::rails::AddrSource::System);
-    match host.map(|h| crate::rails::select(&h, -1)) {
-        Ok(Ok(r)) => format!(
-            "{} usable RDMA rail(s) found, but the agent's verbs data path is not built yet",
-            r.len()
-        ),
-        Ok(Err(e)) => format!(
-            "verbs not usable: {}",
-            e.to_string().lines().next().unwrap_or_default()
-        ),
-        Err(e) => format!("verbs not usable: RDMA discovery failed: {e}"),
     }
 }
 
@@ -707,14 +785,21 @@ impl Shared {
     }
 
     fn metadata(&self) -> AgentMetadata {
+        #[cfg(feature = "verbs")]
+        let verbs = self.verbs.as_ref();
+        #[cfg(not(feature = "verbs"))]
+        let verbs: Option<&()> = None;
         let regions = lock(&self.regions);
         let mut rs: Vec<RegionMeta> = regions
             .values()
             .map(|r| RegionMeta {
                 id: r.id.0,
                 kind: MemKind::Host,
-                addr: 0,
+                addr: if verbs.is_some() { r.buf.addr() } else { 0 },
                 len: r.len(),
+                #[cfg(feature = "verbs")]
+                rkeys: r.mrs.iter().map(|m| m.rkey()).collect(),
+                #[cfg(not(feature = "verbs"))]
                 rkeys: Vec::new(),
                 remote_read: r.access.read,
                 remote_write: r.access.write,
@@ -722,15 +807,46 @@ impl Shared {
             })
             .collect();
         rs.sort_by_key(|r| r.id);
+        #[cfg(feature = "verbs")]
+        let rails: Vec<metadata::RailAddr> = verbs
+            .map(|v| v.rails.iter().map(|r| r.addr.clone()).collect())
+            .unwrap_or_default();
+        #[cfg(not(feature = "verbs"))]
+        let rails = Vec::new();
         AgentMetadata {
             version: metadata::VERSION,
             handshake: self.handshake.clone(),
-            backend: BackendKind::Tcp,
+            backend: if verbs.is_some() {
+                BackendKind::Verbs
+            } else {
+                BackendKind::Tcp
+            },
             side_channel: self.addr.to_string(),
-            rails: Vec::new(),
+            rails,
             tcp_data: Some(self.addr.to_string()),
             regions: rs,
         }
+    }
+
+    /// A verbs transfer finished on every rail: done, and its notification goes now.
+    #[cfg(feature = "verbs")]
+    fn xfer_done(&self, id: u64) {
+        self.finish(id, Ok(()));
+        let (peer, notif) = match lock(&self.xfers).get(&id) {
+            Some(x) => (x.peer.clone(), x.notif.clone()),
+            None => return,
+        };
+        if let Some(n) = notif {
+            if let Some(p) = lock(&self.peers).get(&peer) {
+                p.conn.submit(tcp::Work::Notif(n));
+            }
+        }
+    }
+
+    /// A verbs transfer failed.
+    #[cfg(feature = "verbs")]
+    fn xfer_failed(&self, id: u64, why: String) {
+        self.finish(id, Err(why));
     }
 
     /// A transfer ended: set its status and release its regions.

@@ -51,6 +51,9 @@ pub(crate) struct Region {
     pub(crate) layers: Vec<String>,
     pub(crate) busy: AtomicUsize,
     pub(crate) buf: Arc<HostBuffer>,
+    /// The buffer registered on each rail (verbs backend; empty on TCP).
+    #[cfg(feature = "verbs")]
+    pub(crate) mrs: Vec<crate::transport::verbs::Mr>,
 }
 
 impl Region {
@@ -66,6 +69,8 @@ impl Region {
             layers,
             busy: AtomicUsize::new(0),
             buf,
+            #[cfg(feature = "verbs")]
+            mrs: Vec::new(),
         }
     }
 

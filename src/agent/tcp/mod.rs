@@ -86,6 +86,7 @@ impl PeerConn {
         shared: Arc<Shared>,
         addr: SocketAddr,
         peer: &str,
+        meta: &crate::agent::metadata::AgentMetadata,
     ) -> Result<Self, AgentError> {
         let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
             .map_err(|e| conn_err("cannot connect to the data address of", addr, e))?;
@@ -119,6 +120,10 @@ impl PeerConn {
             }
             Err(e) => return Err(conn_err("attach to", addr, e)),
         }
+        #[cfg(feature = "verbs")]
+        open_qps(&shared, &mut w, &mut reader, addr, peer, meta)?;
+        #[cfg(not(feature = "verbs"))]
+        let _ = meta;
         s.set_read_timeout(None).ok();
         let (tx, rx) = mpsc::channel::<Work>();
         let name = peer.to_owned();
@@ -167,6 +172,66 @@ impl PeerConn {
         self.closed.store(true, Ordering::Release);
         let _ = self.stream.shutdown(NetShutdown::Both);
     }
+}
+
+/// Verbs: one queue pair per paired rail, endpoints exchanged over the attach connection.
+#[cfg(feature = "verbs")]
+fn open_qps(
+    shared: &Shared,
+    w: &mut TcpStream,
+    reader: &mut Reader<TcpStream>,
+    addr: SocketAddr,
+    peer: &str,
+    meta: &crate::agent::metadata::AgentMetadata,
+) -> Result<(), AgentError> {
+    use crate::agent::metadata::BackendKind;
+    let Some(v) = &shared.verbs else {
+        return Ok(());
+    };
+    if meta.backend != BackendKind::Verbs {
+        return Ok(());
+    }
+    let pairs = v.pairs_with(meta);
+    let mut qps = Vec::new();
+    let mut req = Vec::new();
+    for (mine, theirs) in pairs {
+        let qp = v.new_qp(mine, crate::transport::verbs::Access::NONE)?;
+        req.push((mine as u32, theirs as u32, qp.endpoint()));
+        qps.push((mine, qp));
+    }
+    send(w, &Msg::QpOpen { pairs: req })
+        .map_err(|e| conn_err("queue pair exchange with", addr, e))?;
+    let eps = match reader.next() {
+        Ok(Some(Msg::QpOpened { endpoints })) if endpoints.len() == qps.len() => endpoints,
+        Ok(Some(Msg::Refused { message })) => {
+            return Err(conn_err(
+                "peer could not open queue pairs at",
+                addr,
+                message,
+            ))
+        }
+        Ok(other) => {
+            return Err(conn_err(
+                "queue pair exchange with",
+                addr,
+                format!("unexpected reply {other:?}"),
+            ))
+        }
+        Err(e) => return Err(conn_err("queue pair exchange with", addr, e)),
+    };
+    for ((rail, qp), ep) in qps.iter().zip(&eps) {
+        qp.connect(ep, &crate::transport::verbs::ConnectOptions::default())
+            .map_err(|e| {
+                conn_err(
+                    "connecting the queue pair on",
+                    addr,
+                    format!("{}: {e}", v.rails[*rail].name),
+                )
+            })?;
+    }
+    tracing::info!(agent = %shared.name, peer, pairs = qps.len(), "verbs queue pairs connected");
+    v.add_peer(peer, qps);
+    Ok(())
 }
 
 /// Sends this agent's transfers and notifications, in submission order.
@@ -304,6 +369,10 @@ impl Drop for Shutdown {
         for (_, p) in std::mem::take(&mut *lock(&self.shared.peers)) {
             p.conn.close();
         }
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            v.wake();
+        }
     }
 }
 
@@ -388,6 +457,9 @@ fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
         }
     };
     let mut failed: HashMap<u64, String> = HashMap::new();
+    // Queue pairs the initiator asked for live as long as its connection.
+    #[cfg(feature = "verbs")]
+    let mut _qps: Vec<crate::transport::verbs::Qp> = Vec::new();
     loop {
         let m = match r.next() {
             Ok(Some(m)) => m,
@@ -428,6 +500,24 @@ fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
                 shared.deliver_notif(&from, b);
                 Ok(())
             }
+            #[cfg(feature = "verbs")]
+            Msg::QpOpen { pairs } => match shared
+                .verbs
+                .as_ref()
+                .map(|v| crate::agent::verbs::open_target_qps(v, &pairs))
+            {
+                Some(Ok((qps, endpoints))) => {
+                    _qps = qps;
+                    send(&mut w, &Msg::QpOpened { endpoints })
+                }
+                Some(Err(message)) => send(&mut w, &Msg::Refused { message }),
+                None => send(
+                    &mut w,
+                    &Msg::Refused {
+                        message: "this agent runs on TCP".into(),
+                    },
+                ),
+            },
             other => return Err(format!("from {from}: unexpected {other:?}")),
         };
         res.map_err(|e| format!("to {from}: {e}"))?;

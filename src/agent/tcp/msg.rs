@@ -23,6 +23,16 @@ pub(crate) enum Msg {
     Attach { info: HandshakeInfo },
     /// Attach accepted.
     Attached,
+    /// Verbs: create queue pairs for (initiator rail, target rail, initiator endpoint).
+    #[cfg(feature = "verbs")]
+    QpOpen {
+        pairs: Vec<(u32, u32, crate::transport::verbs::Endpoint)>,
+    },
+    /// Verbs: the target's endpoints, in request order, already connected.
+    #[cfg(feature = "verbs")]
+    QpOpened {
+        endpoints: Vec<crate::transport::verbs::Endpoint>,
+    },
     /// Attach refused, or a request that cannot be served at all.
     Refused { message: String },
     /// Bytes of a WRITE for `region` at `offset`.

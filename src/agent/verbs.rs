@@ -1,0 +1,540 @@
+//! The agent's verbs data path: the selected rails (one PD and one CQ with a completion
+//! channel per rail), queue pairs per (peer, local rail) exchanged over the TCP attach
+//! connection, transfers planned by the stripe planner and posted in chunks that never
+//! exceed a queue's depth, and a progress thread that sleeps on the CQ channels (mio) and
+//! finishes a transfer only when every slice on every rail completed. A transfer's
+//! notification is sent only then (over the peer connection, in order with the others).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+
+use super::region::Region;
+use super::{AgentConfig, AgentError, Desc, Shared, XferOp};
+use crate::agent::metadata::{AgentMetadata, RailAddr};
+use crate::rails::{discover, select, AddrSource, Ipv4If, SysfsRoot};
+use crate::transport::stripe::{DescPair, Planner, Progress, StripeMode, XferState};
+use crate::transport::verbs::{
+    Access, Completion, ConnectOptions, Context, Cq, Endpoint, Mr, Pd, Qp, QpOptions, RemoteRegion,
+    SendWr, Sge,
+};
+
+/// Send-queue depth of a data queue pair.
+const DEPTH: u32 = 512;
+/// Work requests per posted chunk (the last one signaled).
+const CHUNK: usize = 64;
+const WAKE: Token = Token(usize::MAX);
+
+/// One selected rail.
+pub(crate) struct LocalRail {
+    pub(crate) name: String,
+    pub(crate) port: u8,
+    pub(crate) gid_index: u32,
+    pub(crate) addr: RailAddr,
+    pub(crate) ipv4: Option<Ipv4If>,
+    pub(crate) pd: Pd,
+    pub(crate) cq: Cq,
+    _ctx: Context,
+}
+
+pub(crate) struct Verbs {
+    pub(crate) rails: Vec<LocalRail>,
+    mode: StripeMode,
+    engine: Mutex<Engine>,
+    waker: Waker,
+    poll: Mutex<Option<Poll>>,
+}
+
+/// A transfer to post: `local[i]` pairs with `remote[i]` (regions of the peer, as its
+/// metadata advertises them).
+pub(crate) struct PostReq<'a> {
+    pub(crate) id: u64,
+    pub(crate) op: XferOp,
+    pub(crate) peer: &'a str,
+    pub(crate) local: &'a [(Arc<Region>, Desc)],
+    pub(crate) remote: &'a [Desc],
+    pub(crate) meta: &'a AgentMetadata,
+}
+
+/// One queued slice: bytes between a local region and a peer's region on one rail.
+struct Pending {
+    xfer: u64,
+    op: XferOp,
+    region: Arc<Region>,
+    local_off: u64,
+    remote: RemoteRegion,
+    remote_off: u64,
+    len: u64,
+}
+
+struct PairQ {
+    qp: Qp,
+    queue: VecDeque<Pending>,
+    in_flight: usize,
+    dead: Option<String>,
+}
+
+struct Run {
+    progress: Progress,
+    bytes: Vec<u64>,
+}
+
+#[derive(Default)]
+struct Engine {
+    planner: Option<Planner>,
+    /// (peer, local rail) → its queue pair and queue.
+    pairs: HashMap<(String, usize), PairQ>,
+    qpn: HashMap<u32, (String, usize)>,
+    runs: HashMap<u64, Run>,
+    /// Bytes completed on each rail since start.
+    done_bytes: Vec<u64>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn verr(e: impl ToString) -> AgentError {
+    AgentError::Unsupported(format!("verbs: {}", e.to_string()))
+}
+
+impl Verbs {
+    /// Open the usable rails (all of them, or `config.devices`), or say why none is usable.
+    pub(crate) fn open(config: &AgentConfig) -> Result<Self, String> {
+        let root = SysfsRoot::system();
+        let host = discover(&root, &AddrSource::System)
+            .map_err(|e| format!("RDMA discovery failed: {e}"))?;
+        let mut rails = select(&host, config.numa).map_err(|e| e.to_string())?;
+        if !config.devices.is_empty() {
+            rails.retain(|r| config.devices.contains(&r.port.device));
+            if rails.is_empty() {
+                return Err(format!(
+                    "none of the configured devices {:?} is a usable rail",
+                    config.devices
+                ));
+            }
+        }
+        let mode = StripeMode::from_stripe_width(config.stripe_width)?;
+        let mut out = Vec::new();
+        let poll = Poll::new().map_err(|e| e.to_string())?;
+        for (i, r) in rails.iter().enumerate() {
+            let ctx = Context::open(&r.port.device).map_err(|e| e.to_string())?;
+            let attr = ctx.query_port(r.port.port).map_err(|e| e.to_string())?;
+            let pd = Pd::new(&ctx).map_err(|e| e.to_string())?;
+            let cq = Cq::with_channel(&ctx, 4 * DEPTH).map_err(|e| e.to_string())?;
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&cq);
+            poll.registry()
+                .register(&mut SourceFd(&fd), Token(i), Interest::READABLE)
+                .map_err(|e| e.to_string())?;
+            let ipv4 = r.port.ipv4.first().copied();
+            out.push(LocalRail {
+                name: r.port.name(),
+                port: r.port.port,
+                gid_index: r.gid.index,
+                addr: RailAddr {
+                    name: r.port.name(),
+                    gid: r.gid.gid.0,
+                    lid: attr.lid,
+                    mtu: attr.active_mtu.map_or(1024, |m| m.bytes()),
+                    ipv4: ipv4.map(|a| a.to_string()),
+                },
+                ipv4,
+                pd,
+                cq,
+                _ctx: ctx,
+            });
+        }
+        let waker = Waker::new(poll.registry(), WAKE).map_err(|e| e.to_string())?;
+        let engine = Engine {
+            planner: Some(Planner::new(out.len())),
+            ..Engine::default()
+        };
+        Ok(Self {
+            rails: out,
+            mode,
+            engine: Mutex::new(engine),
+            waker,
+            poll: Mutex::new(Some(poll)),
+        })
+    }
+
+    /// Register a region's buffer on every rail.
+    pub(crate) fn register(&self, region: &Region) -> Result<Vec<Mr>, AgentError> {
+        let mut access = Access::LOCAL_WRITE;
+        if region.access.read {
+            access = access | Access::REMOTE_READ;
+        }
+        if region.access.write {
+            access = access | Access::REMOTE_WRITE;
+        }
+        self.rails
+            .iter()
+            .map(|r| Mr::register(&r.pd, &region.buf, access).map_err(verr))
+            .collect()
+    }
+
+    /// Pair local rails with the peer's: same IPv4 subnet, else by index.
+    pub(crate) fn pairs_with(&self, peer: &AgentMetadata) -> Vec<(usize, usize)> {
+        let mut v = Vec::new();
+        for (i, l) in self.rails.iter().enumerate() {
+            let by_subnet = peer.rails.iter().position(|p| {
+                let pa = p.ipv4.as_deref().and_then(|s| s.parse::<Ipv4If>().ok());
+                matches!((l.ipv4, pa), (Some(a), Some(b)) if a.same_subnet(b.addr))
+            });
+            if let Some(j) = by_subnet.or((i < peer.rails.len()).then_some(i)) {
+                v.push((i, j));
+            }
+        }
+        v
+    }
+
+    /// A queue pair on local rail `rail` (initiator side: no remote access).
+    pub(crate) fn new_qp(&self, rail: usize, remote_access: Access) -> Result<Qp, AgentError> {
+        let r = &self.rails[rail];
+        let mut o = QpOptions::new(r.port, r.gid_index);
+        o.max_send_wr = DEPTH;
+        o.max_recv_wr = 1;
+        o.remote_access = remote_access;
+        Qp::new(&r.pd, &r.cq, &r.cq, &o).map_err(verr)
+    }
+
+    /// Remember the connected queue pairs to `peer`.
+    pub(crate) fn add_peer(&self, peer: &str, qps: Vec<(usize, Qp)>) {
+        let mut e = lock(&self.engine);
+        e.pairs.retain(|(p, _), _| p != peer);
+        e.qpn.retain(|_, (p, _)| p != peer);
+        for (rail, qp) in qps {
+            e.qpn.insert(qp.qpn(), (peer.to_owned(), rail));
+            e.pairs.insert(
+                (peer.to_owned(), rail),
+                PairQ {
+                    qp,
+                    queue: VecDeque::new(),
+                    in_flight: 0,
+                    dead: None,
+                },
+            );
+        }
+    }
+
+    /// (rail name, bytes completed on it) for every rail.
+    pub(crate) fn rail_bytes(&self) -> Vec<(String, u64)> {
+        let e = lock(&self.engine);
+        self.rails
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.name.clone(), e.done_bytes.get(i).copied().unwrap_or(0)))
+            .collect()
+    }
+
+    /// The local rails with a connected queue pair to `peer`.
+    pub(crate) fn peer_rails(&self, peer: &str) -> Vec<String> {
+        let e = lock(&self.engine);
+        let mut v: Vec<usize> = e
+            .pairs
+            .iter()
+            .filter(|((p, _), q)| p == peer && q.dead.is_none())
+            .map(|((_, r), _)| *r)
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|r| self.rails[r].name.clone()).collect()
+    }
+
+    pub(crate) fn has_peer(&self, peer: &str) -> bool {
+        lock(&self.engine).pairs.keys().any(|(p, _)| p == peer)
+    }
+
+    /// Plan and post a transfer.
+    pub(crate) fn post(&self, shared: &Shared, req: PostReq<'_>) -> Result<(), AgentError> {
+        let PostReq {
+            id,
+            op,
+            peer,
+            local,
+            remote,
+            meta,
+        } = req;
+        let mut e = lock(&self.engine);
+        let rails: Vec<usize> = (0..self.rails.len())
+            .filter(|r| {
+                e.pairs
+                    .get(&(peer.to_owned(), *r))
+                    .is_some_and(|p| p.dead.is_none())
+            })
+            .collect();
+        if rails.is_empty() {
+            return Err(AgentError::Unsupported(format!(
+                "no working queue pair to {peer}"
+            )));
+        }
+        let descs: Vec<DescPair> = local
+            .iter()
+            .zip(remote)
+            .map(|((_, l), r)| DescPair {
+                local_region: l.region.0,
+                local_off: l.offset,
+                remote_region: r.region.0,
+                remote_off: r.offset,
+                len: l.len,
+            })
+            .collect();
+        let planner = e
+            .planner
+            .get_or_insert_with(|| Planner::new(self.rails.len()));
+        for r in 0..self.rails.len() {
+            planner.set_up(r, rails.contains(&r));
+        }
+        let plan = planner
+            .plan(&descs, self.mode)
+            .map_err(|x| AgentError::Unsupported(x.to_string()))?;
+        let bytes: Vec<u64> = plan
+            .per_rail
+            .iter()
+            .map(|s| s.iter().map(|x| x.len).sum())
+            .collect();
+        for (r, slices) in plan.per_rail.iter().enumerate() {
+            if slices.is_empty() {
+                continue;
+            }
+            let pair_rail = self
+                .pairs_with(meta)
+                .into_iter()
+                .find(|(l, _)| *l == r)
+                .map(|(_, j)| j)
+                .unwrap_or(r);
+            let q = e
+                .pairs
+                .get_mut(&(peer.to_owned(), r))
+                .expect("rails with a pair");
+            for s in slices {
+                let m = meta
+                    .regions
+                    .iter()
+                    .find(|m| m.id == s.remote_region)
+                    .expect("validated at create");
+                let rkey = m.rkeys.get(pair_rail).copied().unwrap_or_default();
+                q.queue.push_back(Pending {
+                    xfer: id,
+                    op,
+                    region: local[s.desc].0.clone(),
+                    local_off: s.local_off,
+                    remote: RemoteRegion {
+                        addr: m.addr,
+                        len: m.len,
+                        rkey,
+                    },
+                    remote_off: s.remote_off,
+                    len: s.len,
+                });
+            }
+        }
+        e.runs.insert(
+            id,
+            Run {
+                progress: Progress::new(&plan),
+                bytes,
+            },
+        );
+        if plan.slices() == 0 {
+            e.runs.remove(&id);
+            drop(e);
+            shared.xfer_done(id);
+            return Ok(());
+        }
+        let keys: Vec<(String, usize)> =
+            e.pairs.keys().filter(|(p, _)| p == peer).cloned().collect();
+        for k in keys {
+            self.pump(shared, &mut e, &k);
+        }
+        Ok(())
+    }
+
+    /// Post queued slices of one pair while its send queue has room, in chunks of one
+    /// transfer each, the last request of a chunk signaled.
+    fn pump(&self, shared: &Shared, e: &mut Engine, key: &(String, usize)) {
+        loop {
+            let Some(q) = e.pairs.get_mut(key) else {
+                return;
+            };
+            if q.dead.is_some() || q.queue.is_empty() {
+                return;
+            }
+            let room = (DEPTH as usize).saturating_sub(q.in_flight);
+            if room == 0 {
+                return;
+            }
+            let xfer = q.queue[0].xfer;
+            let n = q
+                .queue
+                .iter()
+                .take(CHUNK.min(room))
+                .take_while(|p| p.xfer == xfer)
+                .count();
+            let chunk: Vec<Pending> = q.queue.drain(..n).collect();
+            let rail = key.1;
+            let wrs: Vec<SendWr<'_>> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let mr = &p.region.mrs[rail];
+                    let sge = Sge::new(mr, p.local_off as usize, p.len as usize);
+                    let wr = match p.op {
+                        XferOp::Write => SendWr::write(0, sge, p.remote, p.remote_off),
+                        XferOp::Read => SendWr::read(0, sge, p.remote, p.remote_off),
+                    };
+                    if i + 1 == n {
+                        SendWr {
+                            wr_id: (xfer << 16) | n as u64,
+                            ..wr
+                        }
+                    } else {
+                        wr.unsignaled()
+                    }
+                })
+                .collect();
+            match q.qp.post_send(&wrs) {
+                Ok(()) => q.in_flight += n,
+                Err(err) => {
+                    let msg = format!("posting on {}: {err}", self.rails[rail].name);
+                    drop(wrs);
+                    self.kill_pair(shared, e, key, &msg);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A pair's queue pair failed: every transfer with slices on it fails.
+    fn kill_pair(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), why: &str) {
+        let mut victims: Vec<u64> = Vec::new();
+        if let Some(q) = e.pairs.get_mut(key) {
+            q.dead.get_or_insert_with(|| why.to_owned());
+            victims.extend(q.queue.drain(..).map(|p| p.xfer));
+        }
+        victims.extend(
+            e.runs
+                .iter()
+                .filter(|(_, r)| !r.progress.pending(key.1).is_empty())
+                .map(|(id, _)| *id),
+        );
+        victims.sort_unstable();
+        victims.dedup();
+        for id in victims {
+            if e.runs.remove(&id).is_some() {
+                shared.xfer_failed(id, why.to_owned());
+            }
+        }
+    }
+
+    fn on_completion(&self, shared: &Shared, e: &mut Engine, rail: usize, c: &Completion) {
+        let Some(key) = e.qpn.get(&c.qpn).cloned() else {
+            return;
+        };
+        if let Err(err) = &c.status {
+            self.kill_pair(
+                shared,
+                e,
+                &key,
+                &format!("{} on {}", err, self.rails[rail].name),
+            );
+            return;
+        }
+        let (xfer, n) = (c.wr_id >> 16, (c.wr_id & 0xffff) as usize);
+        if let Some(q) = e.pairs.get_mut(&key) {
+            q.in_flight = q.in_flight.saturating_sub(n);
+        }
+        let mut done = false;
+        if let Some(run) = e.runs.get_mut(&xfer) {
+            let b = run.progress.complete(rail, n);
+            if let Some(p) = e.planner.as_mut() {
+                p.release(rail, b);
+            }
+            if e.done_bytes.len() <= rail {
+                e.done_bytes.resize(rail + 1, 0);
+            }
+            e.done_bytes[rail] += b;
+            let _ = &run.bytes;
+            done = run.progress.state() == XferState::Done;
+        }
+        if done {
+            e.runs.remove(&xfer);
+            shared.xfer_done(xfer);
+        }
+        self.pump(shared, e, &key);
+    }
+
+    /// The progress thread: sleep on the rails' completion channels; dispatch completions.
+    pub(crate) fn run(self: &Arc<Self>, shared: Arc<Shared>) -> Result<(), AgentError> {
+        let mut poll = lock(&self.poll)
+            .take()
+            .ok_or_else(|| verr("progress thread already started"))?;
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name(format!("kvrail-progress-{}", shared.name))
+            .spawn(move || {
+                let mut events = Events::with_capacity(16);
+                let mut cs = Vec::with_capacity(64);
+                loop {
+                    if let Err(e) = poll.poll(&mut events, None) {
+                        if e.kind() == std::io::ErrorKind::Interrupted {
+                            continue;
+                        }
+                        tracing::error!("kvrail progress thread: poll failed: {e}");
+                        return;
+                    }
+                    if shared.shutdown.load(std::sync::atomic::Ordering::Acquire) {
+                        return;
+                    }
+                    for ev in events.iter() {
+                        let Token(rail) = ev.token();
+                        if rail >= me.rails.len() {
+                            continue;
+                        }
+                        let cq = &me.rails[rail].cq;
+                        let _ = cq.consume_event();
+                        cs.clear();
+                        if let Err(err) = cq.poll(&mut cs) {
+                            tracing::error!("kvrail: polling {}: {err}", me.rails[rail].name);
+                            continue;
+                        }
+                        let mut e = lock(&me.engine);
+                        for c in &cs {
+                            me.on_completion(&shared, &mut e, rail, c);
+                        }
+                    }
+                }
+            })
+            .map_err(verr)?;
+        Ok(())
+    }
+
+    /// Wake the progress thread (to see the shutdown flag).
+    pub(crate) fn wake(&self) {
+        let _ = self.waker.wake();
+    }
+}
+
+/// The target side: queue pairs the initiator asked for, connected to its endpoints.
+pub(crate) fn open_target_qps(
+    verbs: &Verbs,
+    pairs: &[(u32, u32, Endpoint)],
+) -> Result<(Vec<Qp>, Vec<Endpoint>), String> {
+    let mut qps = Vec::new();
+    let mut eps = Vec::new();
+    for &(_, mine, ep) in pairs {
+        let rail = mine as usize;
+        if rail >= verbs.rails.len() {
+            return Err(format!("no rail {rail} here"));
+        }
+        let qp = verbs
+            .new_qp(rail, Access::REMOTE_READ | Access::REMOTE_WRITE)
+            .map_err(|e| e.to_string())?;
+        qp.connect(&ep, &ConnectOptions::default())
+            .map_err(|e| e.to_string())?;
+        eps.push(qp.endpoint());
+        qps.push(qp);
+    }
+    Ok((qps, eps))
+}

@@ -1,0 +1,364 @@
+//! The agent on the verbs backend inside the kvrail lab: host A's agent (rxeA*) and host B's
+//! agent (rxeB*), byte-exact READ and WRITE of descriptor lists over both rails, one rail per
+//! transfer and striped, notifications after the data, and two agents in two processes.
+//! Outside the lab every case is SKIPPED.
+
+mod lab;
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvrail::agent::metadata::BackendKind;
+use kvrail::agent::{
+    Agent, AgentConfig, BackendChoice, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus,
+};
+use lab::runner::Runner;
+use lab::{pattern, Topology};
+
+type R = Result<(), String>;
+
+fn ensure(c: bool, msg: impl FnOnce() -> String) -> R {
+    if c {
+        Ok(())
+    } else {
+        Err(msg())
+    }
+}
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+fn agent(name: &str, devs: &[String], stripe: Option<i64>) -> Result<Agent, String> {
+    let cfg = AgentConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        backend: BackendChoice::Verbs,
+        devices: devs.to_vec(),
+        stripe_width: stripe,
+        ..AgentConfig::default()
+    };
+    Agent::new(name, cfg).map_err(s)
+}
+
+fn wait(a: &Agent, x: XferId) -> Result<XferStatus, String> {
+    let t = Instant::now();
+    loop {
+        let st = a.status(x).map_err(s)?;
+        if st != XferStatus::InProgress {
+            return Ok(st);
+        }
+        if t.elapsed() > Duration::from_secs(180) {
+            return Err(format!("transfer {x:?} still in progress after 180 s"));
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+}
+
+fn main() {
+    if std::env::var_os("KVRAIL_AGENT_LAB_CHILD").is_some() {
+        child();
+        return;
+    }
+    let mut r = Runner::new("agent_lab");
+    let cases = [
+        "verbs_backend_and_rails_in_metadata",
+        "one_rail_per_transfer_sizes_and_lists",
+        "striped_over_two_rails_with_notification_after_data",
+        "read_of_1000_descriptors_striped",
+        "two_processes",
+    ];
+    let Some(t) = Topology::from_env() else {
+        println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
+        for c in cases {
+            r.skip(c);
+        }
+        r.finish();
+    };
+    r.run(cases[0], || metadata_case(&t));
+    r.run(cases[1], || transfers(&t, None));
+    r.run(cases[2], || striped_notif(&t));
+    r.run(cases[3], || read_many(&t));
+    r.run(cases[4], || two_processes(&t));
+    r.finish();
+}
+
+fn metadata_case(t: &Topology) -> R {
+    let a = agent("host-a", &t.a_devs, None)?;
+    let m = a.metadata();
+    ensure(m.backend == BackendKind::Verbs, || {
+        format!("backend {:?}", m.backend)
+    })?;
+    let names: Vec<&str> = m.rails.iter().map(|r| r.name.as_str()).collect();
+    println!("    host A rails: {names:?}");
+    ensure(names == ["rxeA0:1", "rxeA1:1"], || {
+        format!("rails {names:?}")
+    })?;
+    let reg = a.register(4096, RemoteAccess::READ, vec![]).map_err(s)?;
+    let m = a.metadata();
+    let rm = m
+        .regions
+        .iter()
+        .find(|r| r.id == reg.0)
+        .ok_or("region missing")?;
+    ensure(
+        rm.rkeys.len() == 2 && rm.addr != 0 && rm.remote_read && !rm.remote_write,
+        || format!("{rm:?}"),
+    )
+}
+
+/// (region offset, length) of each descriptor, one after another with gaps.
+fn layout(sizes: &[u64]) -> (Vec<(u64, u64)>, u64) {
+    let mut off = 5;
+    let v = sizes
+        .iter()
+        .map(|&l| {
+            let d = (off, l);
+            off += l + 64;
+            d
+        })
+        .collect();
+    (v, off)
+}
+
+fn round_trip(p: &Agent, d: &Agent, sizes: &[u64], seed: u64) -> R {
+    let (segs, total) = layout(sizes);
+    let src = p
+        .register(total as usize, RemoteAccess::READ, vec![])
+        .map_err(s)?;
+    let dst = d
+        .register(total as usize, RemoteAccess::NONE, vec![])
+        .map_err(s)?;
+    let back = d
+        .register(total as usize, RemoteAccess::WRITE, vec![])
+        .map_err(s)?;
+    let peer_p = d.load_remote(p.side_channel_addr()).map_err(s)?;
+    let peer_d = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    // the data goes over queue pairs, not the TCP fallback
+    let rails = d.peer_rails(&peer_p);
+    ensure(rails == ["rxeA0:1", "rxeA1:1"], || {
+        format!("decode reaches prefill over {rails:?}")
+    })?;
+    ensure(p.peer_rails(&peer_d).len() == 2, || {
+        "prefill has no queue pairs to decode".into()
+    })?;
+    let mut want = vec![0u8; total as usize];
+    for (k, &(o, l)) in segs.iter().enumerate() {
+        let b = pattern(seed + k as u64, l as usize);
+        p.write_region(src, o, &b).map_err(s)?;
+        want[o as usize..(o + l) as usize].copy_from_slice(&b);
+    }
+    let descs = |r: RegionId| {
+        segs.iter()
+            .map(|&(o, l)| Desc::new(r, o, l))
+            .collect::<Vec<_>>()
+    };
+    // D READs P's descriptors
+    let x = d
+        .create_xfer(XferOp::Read, descs(dst), &peer_p, descs(src), None)
+        .map_err(s)?;
+    d.post(x).map_err(s)?;
+    ensure(wait(d, x)? == XferStatus::Done, || {
+        format!("READ: {:?}", d.status(x))
+    })?;
+    let mut got = vec![0u8; total as usize];
+    d.read_region(dst, 0, &mut got).map_err(s)?;
+    ensure(got == want, || {
+        format!(
+            "READ: {} wrong bytes",
+            got.iter().zip(&want).filter(|(a, b)| a != b).count()
+        )
+    })?;
+    // P WRITEs them into D's other region
+    let x = p
+        .create_xfer(XferOp::Write, descs(src), &peer_d, descs(back), None)
+        .map_err(s)?;
+    p.post(x).map_err(s)?;
+    ensure(wait(p, x)? == XferStatus::Done, || {
+        format!("WRITE: {:?}", p.status(x))
+    })?;
+    d.read_region(back, 0, &mut got).map_err(s)?;
+    ensure(got == want, || {
+        format!(
+            "WRITE: {} wrong bytes",
+            got.iter().zip(&want).filter(|(a, b)| a != b).count()
+        )
+    })
+}
+
+fn transfers(t: &Topology, stripe: Option<i64>) -> R {
+    let p = agent("prefill", &t.b_devs, stripe)?;
+    let d = agent("decode", &t.a_devs, stripe)?;
+    for sz in [1u64, 4097, 1 << 20, 8 << 20] {
+        round_trip(&p, &d, &[sz], sz)?;
+    }
+    round_trip(
+        &p,
+        &d,
+        &(0..100).map(|i| 1 + i * 311).collect::<Vec<_>>(),
+        7,
+    )?;
+    round_trip(&p, &d, &[4096; 1000], 9)?;
+    // one rail per transfer, spread by load: both rails carried transfers
+    let rb = d.rail_bytes();
+    println!("    bytes per rail (decode's READs): {rb:?}");
+    ensure(rb.iter().all(|(_, b)| *b > 0), || {
+        format!("a rail carried nothing: {rb:?}")
+    })
+}
+
+fn striped_notif(t: &Topology) -> R {
+    let p = agent("prefill", &t.b_devs, Some(0))?;
+    let d = agent("decode", &t.a_devs, Some(0))?;
+    const LEN: u64 = 8 << 20;
+    let src = p
+        .register(LEN as usize, RemoteAccess::NONE, vec![])
+        .map_err(s)?;
+    let dst = d
+        .register(LEN as usize, RemoteAccess::WRITE, vec![])
+        .map_err(s)?;
+    let peer_d = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    for round in 0..3u64 {
+        let bytes = pattern(500 + round, LEN as usize);
+        p.write_region(src, 0, &bytes).map_err(s)?;
+        let descs: Vec<(u64, u64)> = (0..8).map(|k| (k << 20, 1 << 20)).collect();
+        let x = p
+            .create_xfer(
+                XferOp::Write,
+                descs.iter().map(|&(o, l)| Desc::new(src, o, l)).collect(),
+                &peer_d,
+                descs.iter().map(|&(o, l)| Desc::new(dst, o, l)).collect(),
+                Some(format!("done-{round}").into_bytes()),
+            )
+            .map_err(s)?;
+        p.post(x).map_err(s)?;
+        let t0 = Instant::now();
+        let n = loop {
+            let n = d.get_new_notifs();
+            if !n.is_empty() {
+                break n;
+            }
+            ensure(t0.elapsed() < Duration::from_secs(120), || {
+                "no notification".into()
+            })?;
+            std::thread::sleep(Duration::from_micros(200));
+        };
+        // the bytes must all be there the moment the notification is
+        let mut got = vec![0u8; LEN as usize];
+        d.read_region(dst, 0, &mut got).map_err(s)?;
+        let bad = got.iter().zip(&bytes).filter(|(a, b)| a != b).count();
+        ensure(bad == 0, || {
+            format!("round {round}: notification before {bad} bytes landed")
+        })?;
+        ensure(
+            n == vec![("prefill".to_string(), format!("done-{round}").into_bytes())],
+            || format!("{n:?}"),
+        )?;
+        ensure(wait(&p, x)? == XferStatus::Done, || "not done".into())?;
+        p.release(x).map_err(s)?;
+    }
+    // striped: every transfer went half over each rail
+    let rb = p.rail_bytes();
+    println!("    bytes per rail (3 striped 8 MiB WRITEs): {rb:?}");
+    ensure(
+        rb.iter().map(|(_, b)| *b).collect::<Vec<_>>() == [12 << 20, 12 << 20],
+        || format!("{rb:?}"),
+    )
+}
+
+fn read_many(t: &Topology) -> R {
+    let p = agent("prefill", &t.b_devs, Some(0))?;
+    let d = agent("decode", &t.a_devs, Some(0))?;
+    round_trip(
+        &p,
+        &d,
+        &(0..1000).map(|i| 1 + (i % 50) * 97).collect::<Vec<_>>(),
+        77,
+    )
+}
+
+/// The child process: host B's agent; prints its address, serves until told "bye".
+fn child() {
+    let t = Topology::from_env().expect("lab");
+    let p = agent("child-b", &t.b_devs, None).expect("agent");
+    let src = p
+        .register(4 << 20, RemoteAccess::READ_WRITE, vec![])
+        .expect("register");
+    p.write_region(src, 0, &pattern(31337, 4 << 20))
+        .expect("fill");
+    println!("ADDR {}", p.side_channel_addr());
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(120) {
+        if p.get_new_notifs().iter().any(|(_, b)| b == b"bye") {
+            // the parent WROTE its pattern into [2 MiB, 4 MiB): check it here
+            let mut got = vec![0u8; 2 << 20];
+            p.read_region(src, 2 << 20, &mut got).expect("read");
+            std::process::exit(if got == pattern(4242, 2 << 20) { 0 } else { 3 });
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::process::exit(4);
+}
+
+fn two_processes(t: &Topology) -> R {
+    let exe = std::env::current_exe().map_err(s)?;
+    let mut c = Command::new(exe)
+        .env("KVRAIL_AGENT_LAB_CHILD", "1")
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(s)?;
+    let mut out = std::io::BufReader::new(c.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).map_err(s)?;
+    let addr: SocketAddr = line
+        .trim()
+        .strip_prefix("ADDR ")
+        .ok_or(format!("child said {line:?}"))?
+        .parse()
+        .map_err(s)?;
+    let d = agent("parent-a", &t.a_devs, Some(0))?;
+    let peer = d.load_remote(addr).map_err(s)?;
+    let buf = d.register(4 << 20, RemoteAccess::NONE, vec![]).map_err(s)?;
+    let x = d
+        .create_xfer(
+            XferOp::Read,
+            vec![Desc::new(buf, 0, 2 << 20)],
+            &peer,
+            vec![Desc::new(RegionId(1), 0, 2 << 20)],
+            None,
+        )
+        .map_err(s)?;
+    d.post(x).map_err(s)?;
+    ensure(wait(&d, x)? == XferStatus::Done, || "READ not done".into())?;
+    let mut got = vec![0u8; 2 << 20];
+    d.read_region(buf, 0, &mut got).map_err(s)?;
+    ensure(got == pattern(31337, 4 << 20)[..2 << 20], || {
+        "READ from the other process: wrong bytes".into()
+    })?;
+    d.write_region(buf, 2 << 20, &pattern(4242, 2 << 20))
+        .map_err(s)?;
+    let x = d
+        .create_xfer(
+            XferOp::Write,
+            vec![Desc::new(buf, 2 << 20, 2 << 20)],
+            &peer,
+            vec![Desc::new(RegionId(1), 2 << 20, 2 << 20)],
+            Some(b"bye".to_vec()),
+        )
+        .map_err(s)?;
+    d.post(x).map_err(s)?;
+    ensure(wait(&d, x)? == XferStatus::Done, || "WRITE not done".into())?;
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = c.try_wait().map_err(s)? {
+            return ensure(st.success(), || {
+                format!("the other process found wrong bytes or no notification ({st})")
+            });
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            let _ = c.kill();
+            return Err("the other process did not finish".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
