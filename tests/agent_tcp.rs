@@ -652,3 +652,40 @@ fn two_processes() {
         "the producer process failed"
     );
 }
+
+#[test]
+fn invalidate_forgets_the_peer_and_fails_its_transfers() {
+    let a = Agent::new("initiator", cfg()).unwrap();
+    let silent = SilentPeer::start();
+    let peer = a
+        .load_remote_metadata(&silent.metadata(), Some(silent.addr))
+        .unwrap();
+    assert_eq!(a.peers(), ["silent"]);
+    let src = a.register(4096, RemoteAccess::NONE, vec![]).unwrap();
+    let descs = || {
+        (
+            vec![Desc::new(src, 0, 4096)],
+            vec![Desc::new(RegionId(1), 0, 4096)],
+        )
+    };
+    let (l, r) = descs();
+    let x = a.create_xfer(XferOp::Write, l, &peer, r, None).unwrap();
+    a.post(x).unwrap();
+    a.invalidate(&peer).unwrap();
+    let st = wait(&a, x);
+    assert_eq!(
+        st,
+        XferStatus::Error("connection to silent lost: peer metadata invalidated".into())
+    );
+    let (l, r) = descs();
+    assert_eq!(
+        a.create_xfer(XferOp::Write, l, &peer, r, None).unwrap_err(),
+        AgentError::UnknownPeer("silent".into())
+    );
+    assert_eq!(
+        a.invalidate(&peer).unwrap_err(),
+        AgentError::UnknownPeer("silent".into())
+    );
+    assert!(a.peers().is_empty());
+    a.deregister(src).unwrap();
+}

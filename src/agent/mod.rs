@@ -472,6 +472,10 @@ impl Agent {
             .remove(peer)
             .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
         p.conn.close();
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            v.remove_peer(&self.shared, peer);
+        }
         self.shared.fail_peer(peer, "peer metadata invalidated");
         Ok(())
     }

@@ -43,6 +43,9 @@ pub(crate) struct Verbs {
     pub(crate) rails: Vec<LocalRail>,
     mode: StripeMode,
     engine: Mutex<Engine>,
+    /// Peers with queue pairs. A leaf lock: `has_peer` is called with the agent's maps
+    /// locked and must not take the engine (the progress thread takes the engine first).
+    peers: Mutex<std::collections::HashSet<String>>,
     waker: Waker,
     poll: Mutex<Option<Poll>>,
 }
@@ -86,7 +89,8 @@ struct Engine {
     planner: Option<Planner>,
     /// (peer, local rail) → its queue pair and queue.
     pairs: HashMap<(String, usize), PairQ>,
-    qpn: HashMap<u32, (String, usize)>,
+    /// (rail, qpn) → pair (QP numbers are per device, so the rail is part of the key).
+    qpn: HashMap<(usize, u32), (String, usize)>,
     runs: HashMap<u64, Run>,
     /// Bytes completed on each rail since start.
     done_bytes: Vec<u64>,
@@ -155,6 +159,7 @@ impl Verbs {
             rails: out,
             mode,
             engine: Mutex::new(engine),
+            peers: Mutex::new(std::collections::HashSet::new()),
             waker,
             poll: Mutex::new(Some(poll)),
         })
@@ -202,11 +207,12 @@ impl Verbs {
 
     /// Remember the connected queue pairs to `peer`.
     pub(crate) fn add_peer(&self, peer: &str, qps: Vec<(usize, Qp)>) {
+        lock(&self.peers).insert(peer.to_owned());
         let mut e = lock(&self.engine);
         e.pairs.retain(|(p, _), _| p != peer);
         e.qpn.retain(|_, (p, _)| p != peer);
         for (rail, qp) in qps {
-            e.qpn.insert(qp.qpn(), (peer.to_owned(), rail));
+            e.qpn.insert((rail, qp.qpn()), (peer.to_owned(), rail));
             e.pairs.insert(
                 (peer.to_owned(), rail),
                 PairQ {
@@ -242,8 +248,21 @@ impl Verbs {
         v.into_iter().map(|r| self.rails[r].name.clone()).collect()
     }
 
+    /// Forget `peer`: its transfers fail, its queue pairs are destroyed.
+    pub(crate) fn remove_peer(&self, shared: &Shared, peer: &str) {
+        lock(&self.peers).remove(peer);
+        let mut e = lock(&self.engine);
+        let keys: Vec<(String, usize)> =
+            e.pairs.keys().filter(|(p, _)| p == peer).cloned().collect();
+        for k in &keys {
+            self.kill_pair(shared, &mut e, k, "peer metadata invalidated");
+        }
+        e.pairs.retain(|(p, _), _| p != peer);
+        e.qpn.retain(|_, (p, _)| p != peer);
+    }
+
     pub(crate) fn has_peer(&self, peer: &str) -> bool {
-        lock(&self.engine).pairs.keys().any(|(p, _)| p == peer)
+        lock(&self.peers).contains(peer)
     }
 
     /// Plan and post a transfer.
@@ -421,6 +440,10 @@ impl Verbs {
         );
         victims.sort_unstable();
         victims.dedup();
+        // nothing more of a failed transfer goes out on the other rails either
+        for q in e.pairs.values_mut() {
+            q.queue.retain(|p| victims.binary_search(&p.xfer).is_err());
+        }
         for id in victims {
             if e.runs.remove(&id).is_some() {
                 shared.xfer_failed(id, why.to_owned());
@@ -429,7 +452,7 @@ impl Verbs {
     }
 
     fn on_completion(&self, shared: &Shared, e: &mut Engine, rail: usize, c: &Completion) {
-        let Some(key) = e.qpn.get(&c.qpn).cloned() else {
+        let Some(key) = e.qpn.get(&(rail, c.qpn)).cloned() else {
             return;
         };
         if let Err(err) = &c.status {
