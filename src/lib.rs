@@ -18,7 +18,6 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod agent;
-#[allow(unsafe_code)]
 pub mod mem;
 pub mod proto;
 pub mod rails;

@@ -3,10 +3,10 @@
 //! several devices (one region per rail, each with its own rkey) — how a transfer striped
 //! over rails lands in one place. Every region holds an `Arc` of its buffer, so the pages
 //! outlive every registration; CPU access is by copy (the NIC may access the memory at the
-//! same time, so no `&[u8]` into it is ever handed out).
+//! same time, so no `&[u8]` into it is ever handed out; CPU copies are serialized by a lock).
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use memmap2::MmapMut;
 
@@ -37,7 +37,11 @@ pub enum MemError {
 
 /// Anonymous, zeroed, page-aligned host memory.
 pub struct HostBuffer {
-    map: MmapMut,
+    /// CPU copies take the lock; the device reaches the pages through the registration.
+    map: Mutex<MmapMut>,
+    /// Address of the first byte (fixed for the mapping's life).
+    addr: usize,
+    len: usize,
 }
 
 impl fmt::Debug for HostBuffer {
@@ -62,40 +66,47 @@ impl HostBuffer {
             );
             return Err(MemError::Alloc { len, source });
         }
-        let map = MmapMut::map_anon(len).map_err(|source| MemError::Alloc { len, source })?;
-        Ok(Arc::new(Self { map }))
+        let mut map = MmapMut::map_anon(len).map_err(|source| MemError::Alloc { len, source })?;
+        let addr = map.as_mut_ptr() as usize;
+        Ok(Arc::new(Self {
+            map: Mutex::new(map),
+            addr,
+            len,
+        }))
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.len
     }
 
     /// True when empty (never: zero-length buffers cannot be made).
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.len == 0
     }
 
     /// Address of the first byte.
     pub fn addr(&self) -> u64 {
-        self.map.as_ptr() as u64
+        self.addr as u64
     }
 
     /// The mapping's first byte, for registration with a device.
     pub(crate) fn ptr(&self) -> *mut u8 {
-        // memmap2 hands out the mapping's raw pointer (not one derived from a reference).
-        self.map.as_ptr() as *mut u8
+        self.lock().as_mut_ptr()
     }
 
-    fn check(&self, offset: usize, len: usize) -> Result<(), MemError> {
-        if offset.checked_add(len).is_some_and(|end| end <= self.len()) {
-            Ok(())
-        } else {
-            Err(MemError::OutOfRange {
+    fn lock(&self) -> MutexGuard<'_, MmapMut> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<std::ops::Range<usize>, MemError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(offset..end),
+            _ => Err(MemError::OutOfRange {
                 offset: offset as u64,
                 len: len as u64,
-                size: self.len() as u64,
-            })
+                size: self.len as u64,
+            }),
         }
     }
 
@@ -104,10 +115,8 @@ impl HostBuffer {
     /// # Errors
     /// [`MemError::OutOfRange`].
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
-        self.check(offset, data.len())?;
-        // SAFETY: range checked; the mapping is writable and lives as long as `self`; raw
-        // copies because the NIC may access the memory concurrently.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr().add(offset), data.len()) };
+        let r = self.check(offset, data.len())?;
+        self.lock()[r].copy_from_slice(data);
         Ok(())
     }
 
@@ -116,11 +125,8 @@ impl HostBuffer {
     /// # Errors
     /// [`MemError::OutOfRange`].
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), MemError> {
-        self.check(offset, out.len())?;
-        // SAFETY: range checked; the mapping lives as long as `self`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr().add(offset), out.as_mut_ptr(), out.len())
-        };
+        let r = self.check(offset, out.len())?;
+        out.copy_from_slice(&self.lock()[r]);
         Ok(())
     }
 }
