@@ -67,6 +67,7 @@ fn main() {
         "striped_over_two_rails_with_notification_after_data",
         "read_of_1000_descriptors_striped",
         "two_processes",
+        "rail_down_mid_striped_transfer_completes_on_the_survivor",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -80,6 +81,7 @@ fn main() {
     r.run(cases[2], || striped_notif(&t));
     r.run(cases[3], || read_many(&t));
     r.run(cases[4], || two_processes(&t));
+    r.run(cases[5], || rail_down(&t));
     r.finish();
 }
 
@@ -361,4 +363,151 @@ fn two_processes(t: &Topology) -> R {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+fn ip_link(netdev: &str, state: &str) -> R {
+    let o = Command::new("ip")
+        .args(["link", "set", netdev, state])
+        .output()
+        .map_err(s)?;
+    ensure(o.status.success(), || {
+        format!(
+            "ip link set {netdev} {state}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })
+}
+
+fn wait_port(dev: &str, want: &str) -> R {
+    let path = format!("/sys/class/infiniband/{dev}/ports/1/state");
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(30) {
+        if std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .contains(want)
+        {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(format!("{dev} never became {want}"))
+}
+
+/// Take rail 1's link down while a striped 64 MiB WRITE is moving: the transfer must
+/// complete on rail 0 with every byte in place (or fail — never done with holes), the
+/// notification must come after it, and a later transfer must use the surviving rail.
+fn rail_down(t: &Topology) -> R {
+    const LEN: u64 = 256 << 20;
+    let p = agent("target", &t.b_devs, Some(0))?;
+    let d = agent("initiator", &t.a_devs, Some(0))?;
+    let src = d
+        .register(LEN as usize, RemoteAccess::NONE, vec![])
+        .map_err(s)?;
+    let dst = p
+        .register(LEN as usize, RemoteAccess::WRITE, vec![])
+        .map_err(s)?;
+    let peer = d.load_remote(p.side_channel_addr()).map_err(s)?;
+    // 256 blocks of 1 MiB, each the same pattern stamped with its index (cheap to make)
+    let block = pattern(9001, 1 << 20);
+    let mut bytes = Vec::with_capacity(LEN as usize);
+    for k in 0..256u64 {
+        let mut b = block.clone();
+        b[..8].copy_from_slice(&k.to_le_bytes());
+        bytes.extend_from_slice(&b);
+    }
+    d.write_region(src, 0, &bytes).map_err(s)?;
+    let descs: Vec<(u64, u64)> = (0..256).map(|k| (k << 20, 1 << 20)).collect();
+    let x = d
+        .create_xfer(
+            XferOp::Write,
+            descs.iter().map(|&(o, l)| Desc::new(src, o, l)).collect(),
+            &peer,
+            descs.iter().map(|&(o, l)| Desc::new(dst, o, l)).collect(),
+            Some(b"after-failover".to_vec()),
+        )
+        .map_err(s)?;
+    let t0 = Instant::now();
+    d.post(x).map_err(s)?;
+    // take the link down while both rails have slices in flight (striped, 128 MiB each;
+    // the whole transfer takes seconds here)
+    std::thread::sleep(Duration::from_millis(100));
+    let moved: u64 = d.rail_bytes().iter().map(|(_, b)| b).sum();
+    let netdev = &t.a_netdevs[1];
+    ip_link(netdev, "down")?;
+    let t_down = t0.elapsed();
+    let early = d.status(x).map_err(s)?;
+    let st = wait(&d, x);
+    println!("    link down after {:.2} s with {moved} bytes moved (status then {early:?}); finished after {:.2} s", t_down.as_secs_f64(), t0.elapsed().as_secs_f64());
+    ip_link(netdev, "up")?;
+    let st = st?;
+    wait_port(&t.a_devs[1], "ACTIVE")?;
+    let rb = d.rail_bytes();
+    println!(
+        "    status {st:?}; bytes per rail {rb:?}; rails still up to the peer: {:?}",
+        d.peer_rails(&peer)
+    );
+    let mut got = vec![0u8; LEN as usize];
+    p.read_region(dst, 0, &mut got).map_err(s)?;
+    // memcmp first; count the damage only when there is some
+    let bad = if got == bytes {
+        0
+    } else {
+        got.iter().zip(&bytes).filter(|(a, b)| a != b).count()
+    };
+    match st {
+        XferStatus::Done => ensure(bad == 0, || format!("done with {bad} wrong bytes"))?,
+        XferStatus::Error(e) => {
+            return Err(format!(
+                "failed instead of completing on the surviving rail: {e}"
+            ))
+        }
+        other => return Err(format!("{other:?}")),
+    }
+    ensure(d.peer_rails(&peer) == [t.a_devs[0].clone() + ":1"], || {
+        "rail 1 was never retired".into()
+    })?;
+    // rail 0 carried more than its striped half: rail 1's outstanding slices were redone there
+    ensure(rb[0].1 > LEN / 2 && rb[0].1 + rb[1].1 == LEN, || {
+        format!("no failover visible in {rb:?}")
+    })?;
+    let t0 = Instant::now();
+    loop {
+        let n = p.get_new_notifs();
+        if !n.is_empty() {
+            ensure(
+                n == vec![("initiator".to_string(), b"after-failover".to_vec())],
+                || format!("{n:?}"),
+            )?;
+            break;
+        }
+        ensure(t0.elapsed() < Duration::from_secs(30), || {
+            "no notification".into()
+        })?;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // a later transfer goes over the surviving rail only
+    let before = d.rail_bytes();
+    let bytes2 = pattern(9002, 4 << 20);
+    d.write_region(src, 0, &bytes2).map_err(s)?;
+    let x2 = d
+        .create_xfer(
+            XferOp::Write,
+            vec![Desc::new(src, 0, 4 << 20)],
+            &peer,
+            vec![Desc::new(dst, 0, 4 << 20)],
+            None,
+        )
+        .map_err(s)?;
+    d.post(x2).map_err(s)?;
+    ensure(wait(&d, x2)? == XferStatus::Done, || {
+        "later transfer not done".into()
+    })?;
+    let after = d.rail_bytes();
+    ensure(
+        after[0].1 - before[0].1 == 4 << 20 && after[1].1 == before[1].1,
+        || format!("{before:?} -> {after:?}"),
+    )?;
+    let mut got = vec![0u8; 4 << 20];
+    p.read_region(dst, 0, &mut got).map_err(s)?;
+    ensure(got == bytes2, || "later transfer: wrong bytes".into())
 }

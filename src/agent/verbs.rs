@@ -36,7 +36,7 @@ pub(crate) struct LocalRail {
     pub(crate) ipv4: Option<Ipv4If>,
     pub(crate) pd: Pd,
     pub(crate) cq: Cq,
-    _ctx: Context,
+    ctx: Context,
 }
 
 pub(crate) struct Verbs {
@@ -58,7 +58,7 @@ pub(crate) struct PostReq<'a> {
     pub(crate) peer: &'a str,
     pub(crate) local: &'a [(Arc<Region>, Desc)],
     pub(crate) remote: &'a [Desc],
-    pub(crate) meta: &'a AgentMetadata,
+    pub(crate) meta: &'a Arc<AgentMetadata>,
 }
 
 /// One queued slice: bytes between a local region and a peer's region on one rail.
@@ -81,7 +81,12 @@ struct PairQ {
 
 struct Run {
     progress: Progress,
-    bytes: Vec<u64>,
+    peer: String,
+    op: XferOp,
+    /// The local region of each descriptor.
+    local: Vec<Arc<Region>>,
+    /// The peer's metadata as of the post (regions, rkeys per peer rail).
+    meta: Arc<AgentMetadata>,
 }
 
 #[derive(Default)]
@@ -147,7 +152,7 @@ impl Verbs {
                 ipv4,
                 pd,
                 cq,
-                _ctx: ctx,
+                ctx,
             });
         }
         let waker = Waker::new(poll.registry(), WAKE).map_err(|e| e.to_string())?;
@@ -308,54 +313,15 @@ impl Verbs {
         let plan = planner
             .plan(&descs, self.mode)
             .map_err(|x| AgentError::Unsupported(x.to_string()))?;
-        let bytes: Vec<u64> = plan
-            .per_rail
-            .iter()
-            .map(|s| s.iter().map(|x| x.len).sum())
-            .collect();
-        for (r, slices) in plan.per_rail.iter().enumerate() {
-            if slices.is_empty() {
-                continue;
-            }
-            let pair_rail = self
-                .pairs_with(meta)
-                .into_iter()
-                .find(|(l, _)| *l == r)
-                .map(|(_, j)| j)
-                .unwrap_or(r);
-            let q = e
-                .pairs
-                .get_mut(&(peer.to_owned(), r))
-                .expect("rails with a pair");
-            for s in slices {
-                let m = meta
-                    .regions
-                    .iter()
-                    .find(|m| m.id == s.remote_region)
-                    .expect("validated at create");
-                let rkey = m.rkeys.get(pair_rail).copied().unwrap_or_default();
-                q.queue.push_back(Pending {
-                    xfer: id,
-                    op,
-                    region: local[s.desc].0.clone(),
-                    local_off: s.local_off,
-                    remote: RemoteRegion {
-                        addr: m.addr,
-                        len: m.len,
-                        rkey,
-                    },
-                    remote_off: s.remote_off,
-                    len: s.len,
-                });
-            }
-        }
-        e.runs.insert(
-            id,
-            Run {
-                progress: Progress::new(&plan),
-                bytes,
-            },
-        );
+        let run = Run {
+            progress: Progress::new(&plan),
+            peer: peer.to_owned(),
+            op,
+            local: local.iter().map(|(r, _)| r.clone()).collect(),
+            meta: meta.clone(),
+        };
+        self.enqueue(&mut e, id, &run, &plan);
+        e.runs.insert(id, run);
         if plan.slices() == 0 {
             e.runs.remove(&id);
             drop(e);
@@ -368,6 +334,103 @@ impl Verbs {
             self.pump(shared, &mut e, &k);
         }
         Ok(())
+    }
+
+    /// Queue a plan's slices on the pairs to the run's peer.
+    fn enqueue(&self, e: &mut Engine, id: u64, run: &Run, plan: &crate::transport::stripe::Plan) {
+        let pairs = self.pairs_with(&run.meta);
+        for (r, slices) in plan.per_rail.iter().enumerate() {
+            if slices.is_empty() {
+                continue;
+            }
+            let peer_rail = pairs.iter().find(|(l, _)| *l == r).map_or(r, |(_, j)| *j);
+            let Some(q) = e.pairs.get_mut(&(run.peer.clone(), r)) else {
+                continue;
+            };
+            for sl in slices {
+                let Some(m) = run.meta.regions.iter().find(|m| m.id == sl.remote_region) else {
+                    continue;
+                };
+                q.queue.push_back(Pending {
+                    xfer: id,
+                    op: run.op,
+                    region: run.local[sl.desc].clone(),
+                    local_off: sl.local_off,
+                    remote: RemoteRegion {
+                        addr: m.addr,
+                        len: m.len,
+                        rkey: m.rkeys.get(peer_rail).copied().unwrap_or_default(),
+                    },
+                    remote_off: sl.remote_off,
+                    len: sl.len,
+                });
+            }
+        }
+    }
+
+    /// A rail's queue pair to a peer failed on the path (retries exhausted, flushed): its
+    /// outstanding slices move to the rails still working to that peer; with none left the
+    /// transfers fail. The queue pair stays dead; later transfers use the survivors.
+    fn fail_over(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), why: &str) {
+        let (peer, rail) = (key.0.clone(), key.1);
+        if let Some(q) = e.pairs.get_mut(key) {
+            q.dead.get_or_insert_with(|| why.to_owned());
+            // Stop the device working on it before its work is redone elsewhere.
+            if let Err(err) = q.qp.set_error() {
+                tracing::error!(
+                    "cannot retire the queue pair on {}: {err}",
+                    self.rails[rail].name
+                );
+            }
+            q.queue.clear(); // every queued slice is also pending in its run: re-planned below
+        }
+        let survivors: Vec<usize> = (0..self.rails.len())
+            .filter(|r| {
+                e.pairs
+                    .get(&(peer.clone(), *r))
+                    .is_some_and(|q| q.dead.is_none())
+            })
+            .collect();
+        let ids: Vec<u64> = e
+            .runs
+            .iter()
+            .filter(|(_, r)| r.peer == peer && !r.progress.pending(rail).is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        tracing::warn!(
+            rail = %self.rails[rail].name, %peer, transfers = ids.len(),
+            "rail failed ({why}); moving its outstanding slices to {} surviving rail(s)", survivors.len()
+        );
+        for id in ids {
+            let Some(mut run) = e.runs.remove(&id) else {
+                continue;
+            };
+            let slices = run.progress.fail_rail(rail);
+            let planner = e
+                .planner
+                .get_or_insert_with(|| Planner::new(self.rails.len()));
+            planner.release(rail, slices.iter().map(|s| s.len).sum());
+            for r in 0..self.rails.len() {
+                planner.set_up(r, survivors.contains(&r));
+            }
+            match planner.replan(&slices) {
+                Ok(plan) => {
+                    run.progress.add(&plan);
+                    self.enqueue(e, id, &run, &plan);
+                    e.runs.insert(id, run);
+                }
+                Err(no_rail) => shared.xfer_failed(id, format!("{why}; {no_rail}")),
+            }
+        }
+        let keys: Vec<(String, usize)> = e
+            .pairs
+            .keys()
+            .filter(|(p, _)| *p == peer)
+            .cloned()
+            .collect();
+        for k in keys {
+            self.pump(shared, e, &k);
+        }
     }
 
     /// Post queued slices of one pair while its send queue has room, in chunks of one
@@ -455,13 +518,30 @@ impl Verbs {
         let Some(key) = e.qpn.get(&(rail, c.qpn)).cloned() else {
             return;
         };
+        if e.pairs.get(&key).is_some_and(|q| q.dead.is_some()) {
+            return; // flushes of a queue pair that already failed
+        }
         if let Err(err) = &c.status {
-            self.kill_pair(
-                shared,
-                e,
-                &key,
-                &format!("{} on {}", err, self.rails[rail].name),
-            );
+            let why = format!("{} on {}", err, self.rails[rail].name);
+            // Path failures move the work to other rails; anything else (a remote access
+            // error, say) fails the transfers: retrying elsewhere would fail the same way.
+            use crate::transport::verbs::WcError;
+            let path = |e: &WcError| {
+                matches!(
+                    e.status_name,
+                    "IBV_WC_RETRY_EXC_ERR"
+                        | "IBV_WC_RNR_RETRY_EXC_ERR"
+                        | "IBV_WC_WR_FLUSH_ERR"
+                        | "IBV_WC_FATAL_ERR"
+                        | "IBV_WC_RESP_TIMEOUT_ERR"
+                        | "IBV_WC_GENERAL_ERR"
+                )
+            };
+            if path(err) {
+                self.fail_over(shared, e, &key, &why);
+            } else {
+                self.kill_pair(shared, e, &key, &why);
+            }
             return;
         }
         let (xfer, n) = (c.wr_id >> 16, (c.wr_id & 0xffff) as usize);
@@ -478,7 +558,6 @@ impl Verbs {
                 e.done_bytes.resize(rail + 1, 0);
             }
             e.done_bytes[rail] += b;
-            let _ = &run.bytes;
             done = run.progress.state() == XferState::Done;
         }
         if done {
@@ -500,7 +579,12 @@ impl Verbs {
                 let mut events = Events::with_capacity(16);
                 let mut cs = Vec::with_capacity(64);
                 loop {
-                    if let Err(e) = poll.poll(&mut events, None) {
+                    // While transfers are in flight, look at the ports every 200 ms: a port
+                    // that went DOWN is retired and its work moved, without waiting for
+                    // the transport's retries to run out.
+                    let busy = !lock(&me.engine).runs.is_empty();
+                    let timeout = busy.then_some(std::time::Duration::from_millis(200));
+                    if let Err(e) = poll.poll(&mut events, timeout) {
                         if e.kind() == std::io::ErrorKind::Interrupted {
                             continue;
                         }
@@ -509,6 +593,9 @@ impl Verbs {
                     }
                     if shared.shutdown.load(std::sync::atomic::Ordering::Acquire) {
                         return;
+                    }
+                    if busy {
+                        me.check_ports(&shared);
                     }
                     for ev in events.iter() {
                         let Token(rail) = ev.token();
@@ -531,6 +618,27 @@ impl Verbs {
             })
             .map_err(verr)?;
         Ok(())
+    }
+
+    /// Retire every live queue pair on a rail whose port is no longer ACTIVE.
+    fn check_ports(&self, shared: &Shared) {
+        for (rail, r) in self.rails.iter().enumerate() {
+            let state = match r.ctx.query_port(r.port) {
+                Ok(a) if a.state == crate::transport::verbs::PortState::Active => continue,
+                Ok(a) => a.state.to_string(),
+                Err(err) => err.to_string(),
+            };
+            let mut e = lock(&self.engine);
+            let keys: Vec<(String, usize)> = e
+                .pairs
+                .iter()
+                .filter(|((_, rl), q)| *rl == rail && q.dead.is_none())
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in keys {
+                self.fail_over(shared, &mut e, &k, &format!("port {} is {state}", r.name));
+            }
+        }
     }
 
     /// Wake the progress thread (to see the shutdown flag).

@@ -494,6 +494,20 @@ impl Qp {
         Ok(a)
     }
 
+    /// Move the QP to the error state: the device stops working on it and flushes every
+    /// outstanding request (their completions come back with `IBV_WC_WR_FLUSH_ERR`). Used
+    /// to retire a rail for good before its work is moved elsewhere, so a stalled request
+    /// cannot resume later and touch memory that was reused since.
+    ///
+    /// # Errors
+    /// [`Error::ModifyQp`].
+    pub fn set_error(&self) -> Result<(), Error> {
+        // SAFETY: zeroed is valid; only the state is read.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
+        self.modify(&mut a, ffi::ibv_qp_attr_mask::IBV_QP_STATE, QpState::Error)
+    }
+
     /// The QP's state as the device reports it (`ibv_query_qp`).
     ///
     /// # Errors
