@@ -523,18 +523,21 @@ impl Verbs {
         }
         if let Err(err) = &c.status {
             let why = format!("{} on {}", err, self.rails[rail].name);
-            // Path failures move the work to other rails; anything else (a remote access
-            // error, say) fails the transfers: retrying elsewhere would fail the same way.
+            // Errors that say the request itself is wrong (lengths, keys, protections, remote
+            // access) would fail on any rail: those fail the transfers. Everything else —
+            // retries exhausted, flushes, a local QP error when the link went away (what rxe
+            // reports), fatal errors — is the path's fault: the work moves to other rails.
             use crate::transport::verbs::WcError;
             let path = |e: &WcError| {
-                matches!(
+                !matches!(
                     e.status_name,
-                    "IBV_WC_RETRY_EXC_ERR"
-                        | "IBV_WC_RNR_RETRY_EXC_ERR"
-                        | "IBV_WC_WR_FLUSH_ERR"
-                        | "IBV_WC_FATAL_ERR"
-                        | "IBV_WC_RESP_TIMEOUT_ERR"
-                        | "IBV_WC_GENERAL_ERR"
+                    "IBV_WC_LOC_LEN_ERR"
+                        | "IBV_WC_LOC_PROT_ERR"
+                        | "IBV_WC_LOC_ACCESS_ERR"
+                        | "IBV_WC_REM_INV_REQ_ERR"
+                        | "IBV_WC_REM_ACCESS_ERR"
+                        | "IBV_WC_REM_OP_ERR"
+                        | "IBV_WC_REM_INV_RD_REQ_ERR"
                 )
             };
             if path(err) {
