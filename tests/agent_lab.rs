@@ -14,7 +14,7 @@ use kvrail::agent::{
     Agent, AgentConfig, BackendChoice, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus,
 };
 use lab::runner::Runner;
-use lab::{pattern, Topology};
+use lab::{ip_link, pattern, wait_port, Topology};
 
 type R = Result<(), String>;
 
@@ -363,34 +363,6 @@ fn two_processes(t: &Topology) -> R {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn ip_link(netdev: &str, state: &str) -> R {
-    let o = Command::new("ip")
-        .args(["link", "set", netdev, state])
-        .output()
-        .map_err(s)?;
-    ensure(o.status.success(), || {
-        format!(
-            "ip link set {netdev} {state}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        )
-    })
-}
-
-fn wait_port(dev: &str, want: &str) -> R {
-    let path = format!("/sys/class/infiniband/{dev}/ports/1/state");
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(30) {
-        if std::fs::read_to_string(&path)
-            .unwrap_or_default()
-            .contains(want)
-        {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Err(format!("{dev} never became {want}"))
 }
 
 /// Take rail 1's link down while a striped 64 MiB WRITE is moving: the transfer must

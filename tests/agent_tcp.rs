@@ -245,123 +245,75 @@ fn bad_descriptors_are_rejected_naming_the_index() {
     let dst = d.register(8192, RemoteAccess::NONE, vec![]).unwrap();
     load(&d, &p);
     let ok = |o| Desc::new(dst, o, 100);
-    let e = d
-        .create_xfer(
+    let reject = |op, local: Vec<Desc>, peer: &str, remote: Vec<Desc>| {
+        d.create_xfer(op, local, peer, remote, None).unwrap_err()
+    };
+    let read = |local: Vec<Desc>, remote: Vec<Desc>| {
+        reject(XferOp::Read, local, &peer, remote).to_string()
+    };
+    assert_eq!(
+        reject(
             XferOp::Read,
             vec![ok(0), ok(100)],
             &peer,
-            vec![Desc::new(src, 0, 100)],
-            None,
-        )
-        .unwrap_err();
-    assert_eq!(
-        e,
+            vec![Desc::new(src, 0, 100)]
+        ),
         AgentError::LengthMismatch {
             local: 2,
             remote: 1
         }
     );
-    let e = d
-        .create_xfer(
-            XferOp::Read,
-            vec![ok(0), ok(100)],
-            &peer,
-            vec![Desc::new(src, 0, 100), Desc::new(src, 4000, 100)],
-            None,
-        )
-        .unwrap_err();
     assert_eq!(
-        e.to_string(),
+        read(
+            vec![ok(0), ok(100)],
+            vec![Desc::new(src, 0, 100), Desc::new(src, 4000, 100)]
+        ),
         "remote descriptor #1: [4000, 4000+100) is outside prefill-0's region 1 (4096 bytes)"
     );
-    let e = d
-        .create_xfer(
-            XferOp::Read,
-            vec![Desc::new(dst, 8100, 100)],
-            &peer,
-            vec![Desc::new(src, 0, 100)],
-            None,
-        )
-        .unwrap_err();
     assert_eq!(
-        e.to_string(),
+        read(
+            vec![Desc::new(dst, 8100, 100)],
+            vec![Desc::new(src, 0, 100)]
+        ),
         "local descriptor #0: [8100, 8100+100) is outside region 1 (8192 bytes)"
     );
-    let e = d
-        .create_xfer(
-            XferOp::Read,
-            vec![Desc::new(RegionId(99), 0, 100)],
-            &peer,
-            vec![Desc::new(src, 0, 100)],
-            None,
-        )
-        .unwrap_err();
     assert_eq!(
-        e.to_string(),
+        read(
+            vec![Desc::new(RegionId(99), 0, 100)],
+            vec![Desc::new(src, 0, 100)]
+        ),
         "local descriptor #0: region 99 is not registered"
     );
-    let e = d
-        .create_xfer(
-            XferOp::Read,
-            vec![ok(0)],
-            &peer,
-            vec![Desc::new(RegionId(42), 0, 100)],
-            None,
-        )
-        .unwrap_err();
     assert_eq!(
-        e.to_string(),
+        read(vec![ok(0)], vec![Desc::new(RegionId(42), 0, 100)]),
         "remote descriptor #0: peer prefill-0 advertised no region 42"
     );
-    let e = d
-        .create_xfer(
-            XferOp::Read,
-            vec![ok(0)],
-            &peer,
-            vec![Desc::new(src, 0, 99)],
-            None,
-        )
-        .unwrap_err();
     assert_eq!(
-        e.to_string(),
+        read(vec![ok(0)], vec![Desc::new(src, 0, 99)]),
         "remote descriptor #0: 99 bytes, the local descriptor has 100"
     );
     // least access: a READ-only region cannot be written, a WRITE-only one not read
-    let e = d
-        .create_xfer(
+    assert_eq!(
+        reject(
             XferOp::Write,
             vec![ok(0)],
             &peer,
-            vec![Desc::new(src, 0, 100)],
-            None,
+            vec![Desc::new(src, 0, 100)]
         )
-        .unwrap_err();
-    assert_eq!(
-        e.to_string(),
+        .to_string(),
         "remote descriptor #0: prefill-0's region 1 does not allow remote WRITE"
     );
-    let e = d
-        .create_xfer(
-            XferOp::Read,
-            vec![ok(0)],
-            &peer,
-            vec![Desc::new(wsrc, 0, 100)],
-            None,
-        )
-        .unwrap_err();
     assert_eq!(
-        e.to_string(),
+        read(vec![ok(0)], vec![Desc::new(wsrc, 0, 100)]),
         "remote descriptor #0: prefill-0's region 2 does not allow remote READ"
     );
     assert_eq!(
-        d.create_xfer(
+        reject(
             XferOp::Read,
             vec![ok(0)],
             "nobody",
-            vec![Desc::new(src, 0, 100)],
-            None
-        )
-        .unwrap_err(),
+            vec![Desc::new(src, 0, 100)]
+        ),
         AgentError::UnknownPeer("nobody".into())
     );
 }

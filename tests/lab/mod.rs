@@ -6,6 +6,8 @@ pub mod peer;
 pub mod runner;
 
 use std::net::Ipv4Addr;
+use std::process::Command;
+use std::time::{Duration, Instant};
 
 /// The lab's topology, from the environment `tools/lab/run.sh` sets inside the VM.
 #[derive(Debug, Clone)]
@@ -115,4 +117,36 @@ pub fn layout(sizes: &[usize], first_seed: u64) -> (Vec<Segment>, usize) {
         off += len + 64;
     }
     (segs, off)
+}
+
+/// `ip link set NETDEV STATE` (take a rail down or up).
+pub fn ip_link(netdev: &str, state: &str) -> Result<(), String> {
+    let o = Command::new("ip")
+        .args(["link", "set", netdev, state])
+        .output()
+        .map_err(|e| e.to_string())?;
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip link set {netdev} {state}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        ))
+    }
+}
+
+/// Wait (up to 30 s) until port 1 of `dev` reports `want` (e.g. `ACTIVE`).
+pub fn wait_port(dev: &str, want: &str) -> Result<(), String> {
+    let path = format!("/sys/class/infiniband/{dev}/ports/1/state");
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(30) {
+        if std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .contains(want)
+        {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(format!("{dev} never became {want}"))
 }

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use lab::runner::Runner;
-use lab::Topology as Lab;
+use lab::{ip_link, wait_port, Topology as Lab};
 
 type R = Result<(), String>;
 
@@ -177,34 +177,6 @@ fn probe_all(lab: &Lab, srv: &Server) -> R {
         )?;
     }
     Ok(())
-}
-
-fn ip_link(netdev: &str, state: &str) -> R {
-    let o = Command::new("ip")
-        .args(["link", "set", netdev, state])
-        .output()
-        .map_err(|e| e.to_string())?;
-    ensure(o.status.success(), || {
-        format!(
-            "ip link set {netdev} {state}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        )
-    })
-}
-
-fn wait_port(dev: &str, want: &str) -> R {
-    let path = format!("/sys/class/infiniband/{dev}/ports/1/state");
-    let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(30) {
-        if std::fs::read_to_string(&path)
-            .unwrap_or_default()
-            .contains(want)
-        {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Err(format!("{dev} never became {want}"))
 }
 
 fn link_down(lab: &Lab, srv: &Server) -> R {
