@@ -368,6 +368,7 @@ fn two_processes(t: &Topology) -> R {
 /// Take rail 1's link down while a striped 64 MiB WRITE is moving: the transfer must
 /// complete on rail 0 with every byte in place (or fail — never done with holes), the
 /// notification must come after it, and a later transfer must use the surviving rail.
+/// Once the link is back, the rail's queue pair is rebuilt and striping uses both again.
 fn rail_down(t: &Topology) -> R {
     const LEN: u64 = 256 << 20;
     let p = agent("target", &t.b_devs, Some(0))?;
@@ -410,21 +411,77 @@ fn rail_down(t: &Topology) -> R {
     let early = d.status(x).map_err(s)?;
     let st = wait(&d, x);
     println!("    link down after {:.2} s with {moved} bytes moved (status then {early:?}); finished after {:.2} s", t_down.as_secs_f64(), t0.elapsed().as_secs_f64());
+    let res = after_failover(t, &d, &p, &peer, (src, dst), &bytes, st);
     ip_link(netdev, "up")?;
-    let st = st?;
+    res?;
+    // the link is back: rail 1's queue pair is rebuilt and striped transfers use it again
     wait_port(&t.a_devs[1], "ACTIVE")?;
+    let t0 = Instant::now();
+    while d.peer_rails(&peer).len() < 2 {
+        ensure(t0.elapsed() < Duration::from_secs(60), || {
+            format!(
+                "rail 1 not rebuilt 60 s after its link came back: {:?}",
+                d.peer_rails(&peer)
+            )
+        })?;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "    rail 1 rebuilt {:.2} s after its port was ACTIVE again",
+        t0.elapsed().as_secs_f64()
+    );
+    let before = d.rail_bytes();
+    let bytes3 = pattern(9003, 8 << 20);
+    d.write_region(src, 0, &bytes3).map_err(s)?;
+    let x3 = d
+        .create_xfer(
+            XferOp::Write,
+            vec![Desc::new(src, 0, 8 << 20)],
+            &peer,
+            vec![Desc::new(dst, 0, 8 << 20)],
+            None,
+        )
+        .map_err(s)?;
+    d.post(x3).map_err(s)?;
+    ensure(wait(&d, x3)? == XferStatus::Done, || {
+        format!("transfer after the rebuild: {:?}", d.status(x3))
+    })?;
+    let after = d.rail_bytes();
+    ensure(
+        after[0].1 - before[0].1 == 4 << 20 && after[1].1 - before[1].1 == 4 << 20,
+        || format!("not striped over both rails after the rebuild: {before:?} -> {after:?}"),
+    )?;
+    let mut got = vec![0u8; 8 << 20];
+    p.read_region(dst, 0, &mut got).map_err(s)?;
+    ensure(got == bytes3, || {
+        "transfer after the rebuild: wrong bytes".into()
+    })
+}
+
+/// The checks of `rail_down` made while rail 1's link is still down.
+fn after_failover(
+    t: &Topology,
+    d: &Agent,
+    p: &Agent,
+    peer: &str,
+    (src, dst): (RegionId, RegionId),
+    bytes: &[u8],
+    st: Result<XferStatus, String>,
+) -> R {
+    const LEN: u64 = 256 << 20;
+    let st = st?;
     let rb = d.rail_bytes();
     println!(
         "    status {st:?}; bytes per rail {rb:?}; rails still up to the peer: {:?}",
-        d.peer_rails(&peer)
+        d.peer_rails(peer)
     );
     let mut got = vec![0u8; LEN as usize];
     p.read_region(dst, 0, &mut got).map_err(s)?;
     // memcmp first; count the damage only when there is some
-    let bad = if got == bytes {
+    let bad = if got == *bytes {
         0
     } else {
-        got.iter().zip(&bytes).filter(|(a, b)| a != b).count()
+        got.iter().zip(bytes).filter(|(a, b)| a != b).count()
     };
     match st {
         XferStatus::Done => ensure(bad == 0, || format!("done with {bad} wrong bytes"))?,
@@ -435,7 +492,7 @@ fn rail_down(t: &Topology) -> R {
         }
         other => return Err(format!("{other:?}")),
     }
-    ensure(d.peer_rails(&peer) == [t.a_devs[0].clone() + ":1"], || {
+    ensure(d.peer_rails(peer) == [t.a_devs[0].clone() + ":1"], || {
         "rail 1 was never retired".into()
     })?;
     // rail 0 carried more than its striped half: rail 1's outstanding slices were redone there
@@ -465,7 +522,7 @@ fn rail_down(t: &Topology) -> R {
         .create_xfer(
             XferOp::Write,
             vec![Desc::new(src, 0, 4 << 20)],
-            &peer,
+            peer,
             vec![Desc::new(dst, 0, 4 << 20)],
             None,
         )

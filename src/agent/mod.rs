@@ -847,6 +847,21 @@ impl Shared {
         }
     }
 
+    /// Verbs: ask `peer` for queue pairs (a rail's rebuild); the answer comes back through
+    /// the connection's reader.
+    #[cfg(feature = "verbs")]
+    fn request_qps(&self, peer: &str, req: verbs::QpRequest) {
+        // Lock order: the verbs engine (taken by `rebuilt`) is never taken under `peers`.
+        let sent = lock(&self.peers)
+            .get(peer)
+            .is_some_and(|p| p.conn.try_submit(tcp::Work::QpOpen(req)));
+        if !sent {
+            if let Some(v) = &self.verbs {
+                v.rebuilt(peer, Err("no open connection to the peer".into()));
+            }
+        }
+    }
+
     /// A verbs transfer failed.
     #[cfg(feature = "verbs")]
     fn xfer_failed(&self, id: u64, why: String) {

@@ -36,6 +36,9 @@ pub(crate) enum Work {
     },
     /// Send a notification.
     Notif(Vec<u8>),
+    /// Verbs: ask the peer for queue pairs (rebuilding a rail).
+    #[cfg(feature = "verbs")]
+    QpOpen(crate::agent::verbs::QpRequest),
 }
 
 fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToString) -> AgentError {
@@ -157,10 +160,18 @@ impl PeerConn {
     }
 
     pub(crate) fn submit(&self, w: Work) {
-        if let Err(mpsc::SendError(Work::Xfer { id, .. })) = self.tx.send(w) {
-            self.shared
-                .finish(id, Err("the connection to the peer is closed".into()));
+        match self.tx.send(w) {
+            Err(mpsc::SendError(Work::Xfer { id, .. })) => self
+                .shared
+                .finish(id, Err("the connection to the peer is closed".into())),
+            _ => {}
         }
+    }
+
+    /// Queue work for the writer; false when the connection is closed.
+    #[cfg(feature = "verbs")]
+    pub(crate) fn try_submit(&self, w: Work) -> bool {
+        self.tx.send(w).is_ok()
     }
 
     /// False once the connection's writer has stopped.
@@ -197,7 +208,7 @@ fn open_qps(
     for (mine, theirs) in pairs {
         let qp = v.new_qp(mine, crate::transport::verbs::Access::NONE)?;
         req.push((mine as u32, theirs as u32, qp.endpoint()));
-        qps.push((mine, qp));
+        qps.push((mine, theirs, qp));
     }
     send(w, &Msg::QpOpen { pairs: req })
         .map_err(|e| conn_err("queue pair exchange with", addr, e))?;
@@ -219,7 +230,7 @@ fn open_qps(
         }
         Err(e) => return Err(conn_err("queue pair exchange with", addr, e)),
     };
-    for ((rail, qp), ep) in qps.iter().zip(&eps) {
+    for ((rail, _, qp), ep) in qps.iter().zip(&eps) {
         qp.connect(ep, &crate::transport::verbs::ConnectOptions::default())
             .map_err(|e| {
                 conn_err(
@@ -239,6 +250,8 @@ fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &st
     for work in rx {
         let res = match work {
             Work::Notif(b) => send(&mut w, &Msg::Notif(b)),
+            #[cfg(feature = "verbs")]
+            Work::QpOpen(pairs) => send(&mut w, &Msg::QpOpen { pairs }),
             Work::Xfer {
                 id,
                 op: XferOp::Write,
@@ -342,6 +355,18 @@ fn initiator_reader(
                     if let Some(n) = notif {
                         let _ = tx.send(Work::Notif(n));
                     }
+                }
+            }
+            #[cfg(feature = "verbs")]
+            Ok(Some(Msg::QpOpened { endpoints })) => {
+                if let Some(v) = &shared.verbs {
+                    v.rebuilt(peer, Ok(endpoints));
+                }
+            }
+            #[cfg(feature = "verbs")]
+            Ok(Some(Msg::Refused { message })) => {
+                if let Some(v) = &shared.verbs {
+                    v.rebuilt(peer, Err(message));
                 }
             }
             Ok(Some(other)) => break format!("protocol error: unexpected {other:?}"),
@@ -457,9 +482,10 @@ fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
         }
     };
     let mut failed: HashMap<u64, String> = HashMap::new();
-    // Queue pairs the initiator asked for live as long as its connection.
+    // Queue pairs the initiator asked for live as long as its connection; a rebuilt one
+    // replaces the old one of its initiator rail.
     #[cfg(feature = "verbs")]
-    let mut _qps: Vec<crate::transport::verbs::Qp> = Vec::new();
+    let mut qps: HashMap<u32, crate::transport::verbs::Qp> = HashMap::new();
     loop {
         let m = match r.next() {
             Ok(Some(m)) => m,
@@ -506,8 +532,8 @@ fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
                 .as_ref()
                 .map(|v| crate::agent::verbs::open_target_qps(v, &pairs))
             {
-                Some(Ok((qps, endpoints))) => {
-                    _qps = qps;
+                Some(Ok((new, endpoints))) => {
+                    qps.extend(pairs.iter().map(|p| p.0).zip(new));
                     send(&mut w, &Msg::QpOpened { endpoints })
                 }
                 Some(Err(message)) => send(&mut w, &Msg::Refused { message }),

@@ -7,9 +7,13 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
+
+mod rebuild;
+pub(crate) use rebuild::QpRequest;
 
 use super::region::Region;
 use super::{AgentConfig, AgentError, Desc, Shared, XferOp};
@@ -26,6 +30,10 @@ const DEPTH: u32 = 512;
 /// Work requests per posted chunk (the last one signaled).
 const CHUNK: usize = 64;
 const WAKE: Token = Token(usize::MAX);
+/// First wait before a dead pair is rebuilt; it doubles up to [`REBUILD_MAX`] while
+/// rebuilt pairs keep failing, and resets once one completes work.
+const REBUILD_FIRST: Duration = Duration::from_secs(1);
+const REBUILD_MAX: Duration = Duration::from_secs(60);
 
 /// One selected rail.
 pub(crate) struct LocalRail {
@@ -74,6 +82,8 @@ struct Pending {
 
 struct PairQ {
     qp: Qp,
+    /// The peer's rail this queue pair is connected to.
+    peer_rail: usize,
     queue: VecDeque<Pending>,
     in_flight: usize,
     dead: Option<String>,
@@ -99,6 +109,49 @@ struct Engine {
     runs: HashMap<u64, Run>,
     /// Bytes completed on each rail since start.
     done_bytes: Vec<u64>,
+    /// Rebuilds of dead pairs: new queue pairs sent to each peer, answered in order.
+    rebuilding: HashMap<String, VecDeque<Vec<(usize, usize, Qp)>>>,
+    /// Dead pairs: when the next rebuild may start, and the backoff after that.
+    retry: HashMap<(String, usize), (Instant, Duration)>,
+}
+
+impl Engine {
+    /// Make `qp` the pair to `peer` on `rail` (replacing a dead one).
+    fn install(&mut self, peer: &str, rail: usize, peer_rail: usize, qp: Qp) {
+        let key = (peer.to_owned(), rail);
+        if let Some(old) = self.pairs.get(&key) {
+            self.qpn.remove(&(rail, old.qp.qpn()));
+        }
+        self.qpn.insert((rail, qp.qpn()), key.clone());
+        self.pairs.insert(
+            key,
+            PairQ {
+                qp,
+                peer_rail,
+                queue: VecDeque::new(),
+                in_flight: 0,
+                dead: None,
+            },
+        );
+    }
+
+    /// Mark a pair dead (once) and schedule its rebuild. False when it already was.
+    fn mark_dead(&mut self, key: &(String, usize), why: &str) -> bool {
+        let Some(q) = self.pairs.get_mut(key) else {
+            return false;
+        };
+        if q.dead.is_some() {
+            return false;
+        }
+        q.dead = Some(why.to_owned());
+        let backoff = self
+            .retry
+            .get(key)
+            .map_or(REBUILD_FIRST, |(_, b)| (*b * 2).min(REBUILD_MAX));
+        self.retry
+            .insert(key.clone(), (Instant::now() + backoff, backoff));
+        true
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -210,23 +263,16 @@ impl Verbs {
         Qp::new(&r.pd, &r.cq, &r.cq, &o).map_err(verr)
     }
 
-    /// Remember the connected queue pairs to `peer`.
-    pub(crate) fn add_peer(&self, peer: &str, qps: Vec<(usize, Qp)>) {
+    /// Remember the connected queue pairs to `peer`: (local rail, peer rail, queue pair).
+    pub(crate) fn add_peer(&self, peer: &str, qps: Vec<(usize, usize, Qp)>) {
         lock(&self.peers).insert(peer.to_owned());
         let mut e = lock(&self.engine);
         e.pairs.retain(|(p, _), _| p != peer);
         e.qpn.retain(|_, (p, _)| p != peer);
-        for (rail, qp) in qps {
-            e.qpn.insert((rail, qp.qpn()), (peer.to_owned(), rail));
-            e.pairs.insert(
-                (peer.to_owned(), rail),
-                PairQ {
-                    qp,
-                    queue: VecDeque::new(),
-                    in_flight: 0,
-                    dead: None,
-                },
-            );
+        e.retry.retain(|(p, _), _| p != peer);
+        e.rebuilding.remove(peer);
+        for (rail, peer_rail, qp) in qps {
+            e.install(peer, rail, peer_rail, qp);
         }
     }
 
@@ -264,6 +310,8 @@ impl Verbs {
         }
         e.pairs.retain(|(p, _), _| p != peer);
         e.qpn.retain(|_, (p, _)| p != peer);
+        e.retry.retain(|(p, _), _| p != peer);
+        e.rebuilding.remove(peer);
     }
 
     pub(crate) fn has_peer(&self, peer: &str) -> bool {
@@ -373,8 +421,8 @@ impl Verbs {
     /// transfers fail. The queue pair stays dead; later transfers use the survivors.
     fn fail_over(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), why: &str) {
         let (peer, rail) = (key.0.clone(), key.1);
+        e.mark_dead(key, why);
         if let Some(q) = e.pairs.get_mut(key) {
-            q.dead.get_or_insert_with(|| why.to_owned());
             // Stop the device working on it before its work is redone elsewhere.
             if let Err(err) = q.qp.set_error() {
                 tracing::error!(
@@ -491,8 +539,8 @@ impl Verbs {
     /// A pair's queue pair failed: every transfer with slices on it fails.
     fn kill_pair(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), why: &str) {
         let mut victims: Vec<u64> = Vec::new();
+        e.mark_dead(key, why);
         if let Some(q) = e.pairs.get_mut(key) {
-            q.dead.get_or_insert_with(|| why.to_owned());
             victims.extend(q.queue.drain(..).map(|p| p.xfer));
         }
         victims.extend(
@@ -547,6 +595,9 @@ impl Verbs {
             }
             return;
         }
+        if !e.retry.is_empty() {
+            e.retry.remove(&key); // this pair works: a later failure starts a fresh backoff
+        }
         let (xfer, n) = (c.wr_id >> 16, (c.wr_id & 0xffff) as usize);
         if let Some(q) = e.pairs.get_mut(&key) {
             q.in_flight = q.in_flight.saturating_sub(n);
@@ -585,8 +636,12 @@ impl Verbs {
                     // While transfers are in flight, look at the ports every 200 ms: a port
                     // that went DOWN is retired and its work moved, without waiting for
                     // the transport's retries to run out.
-                    let busy = !lock(&me.engine).runs.is_empty();
-                    let timeout = busy.then_some(std::time::Duration::from_millis(200));
+                    // A dead pair is looked at too, to be rebuilt when its port is back.
+                    let watch = {
+                        let e = lock(&me.engine);
+                        !e.runs.is_empty() || e.pairs.values().any(|q| q.dead.is_some())
+                    };
+                    let timeout = watch.then_some(Duration::from_millis(200));
                     if let Err(e) = poll.poll(&mut events, timeout) {
                         if e.kind() == std::io::ErrorKind::Interrupted {
                             continue;
@@ -597,7 +652,7 @@ impl Verbs {
                     if shared.shutdown.load(std::sync::atomic::Ordering::Acquire) {
                         return;
                     }
-                    if busy {
+                    if watch {
                         me.check_ports(&shared);
                     }
                     for ev in events.iter() {
@@ -623,11 +678,16 @@ impl Verbs {
         Ok(())
     }
 
-    /// Retire every live queue pair on a rail whose port is no longer ACTIVE.
+    /// Retire every live queue pair on a rail whose port is no longer ACTIVE; start
+    /// rebuilding dead pairs on rails whose port is.
     fn check_ports(&self, shared: &Shared) {
+        let mut active = Vec::new();
         for (rail, r) in self.rails.iter().enumerate() {
             let state = match r.ctx.query_port(r.port) {
-                Ok(a) if a.state == crate::transport::verbs::PortState::Active => continue,
+                Ok(a) if a.state == crate::transport::verbs::PortState::Active => {
+                    active.push(rail);
+                    continue;
+                }
                 Ok(a) => a.state.to_string(),
                 Err(err) => err.to_string(),
             };
@@ -641,6 +701,9 @@ impl Verbs {
             for k in keys {
                 self.fail_over(shared, &mut e, &k, &format!("port {} is {state}", r.name));
             }
+        }
+        for (peer, req) in self.start_rebuilds(&active) {
+            shared.request_qps(&peer, req);
         }
     }
 
