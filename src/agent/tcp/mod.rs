@@ -160,11 +160,9 @@ impl PeerConn {
     }
 
     pub(crate) fn submit(&self, w: Work) {
-        match self.tx.send(w) {
-            Err(mpsc::SendError(Work::Xfer { id, .. })) => self
-                .shared
-                .finish(id, Err("the connection to the peer is closed".into())),
-            _ => {}
+        if let Err(mpsc::SendError(Work::Xfer { id, .. })) = self.tx.send(w) {
+            self.shared
+                .finish(id, Err("the connection to the peer is closed".into()));
         }
     }
 

@@ -99,6 +99,9 @@ struct Run {
     meta: Arc<AgentMetadata>,
 }
 
+/// A queue pair being rebuilt: (local rail, peer rail, the new queue pair).
+type NewPair = (usize, usize, Qp);
+
 #[derive(Default)]
 struct Engine {
     planner: Option<Planner>,
@@ -110,7 +113,7 @@ struct Engine {
     /// Bytes completed on each rail since start.
     done_bytes: Vec<u64>,
     /// Rebuilds of dead pairs: new queue pairs sent to each peer, answered in order.
-    rebuilding: HashMap<String, VecDeque<Vec<(usize, usize, Qp)>>>,
+    rebuilding: HashMap<String, VecDeque<Vec<NewPair>>>,
     /// Dead pairs: when the next rebuild may start, and the backoff after that.
     retry: HashMap<(String, usize), (Instant, Duration)>,
 }
