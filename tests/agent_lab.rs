@@ -528,7 +528,7 @@ fn after_failover(
         )
         .map_err(s)?;
     d.post(x2).map_err(s)?;
-    ensure(wait(&d, x2)? == XferStatus::Done, || {
+    ensure(wait(d, x2)? == XferStatus::Done, || {
         "later transfer not done".into()
     })?;
     let after = d.rail_bytes();
