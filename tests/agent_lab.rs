@@ -68,6 +68,7 @@ fn main() {
         "read_of_1000_descriptors_striped",
         "two_processes",
         "rail_down_mid_striped_transfer_completes_on_the_survivor",
+        "notif_channel_rail_down_resends_over_tcp_once_in_order",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -82,6 +83,7 @@ fn main() {
     r.run(cases[3], || read_many(&t));
     r.run(cases[4], || two_processes(&t));
     r.run(cases[5], || rail_down(&t));
+    r.run(cases[6], || notif_rail_down(&t));
     r.finish();
 }
 
@@ -220,6 +222,9 @@ fn striped_notif(t: &Topology) -> R {
         .register(LEN as usize, RemoteAccess::WRITE, vec![])
         .map_err(s)?;
     let peer_d = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    ensure(p.notif_rail(&peer_d).is_some(), || {
+        "notifications do not go over verbs".into()
+    })?;
     for round in 0..3u64 {
         let bytes = pattern(500 + round, LEN as usize);
         p.write_region(src, 0, &bytes).map_err(s)?;
@@ -539,4 +544,65 @@ fn after_failover(
     let mut got = vec![0u8; 4 << 20];
     p.read_region(dst, 0, &mut got).map_err(s)?;
     ensure(got == bytes2, || "later transfer: wrong bytes".into())
+}
+
+fn notif_msg(i: u64) -> Vec<u8> {
+    let mut m = i.to_le_bytes().to_vec();
+    m.extend(pattern(i, (i % 97) as usize));
+    if i % 5000 == 0 {
+        m.extend(pattern(i + 1, 3000)); // a few longer than one slot: several frames
+    }
+    m
+}
+
+/// Receive `n` notifications from `from` at `d`, checking each in order.
+fn expect_notifs(d: &Agent, from: &str, n: u64, limit: Duration) -> R {
+    let t0 = Instant::now();
+    let mut got = 0u64;
+    while got < n {
+        for (who, m) in d.get_new_notifs() {
+            ensure(who == from, || format!("notification from {who}"))?;
+            ensure(m == notif_msg(got), || {
+                format!(
+                    "notification {got} wrong, missing or out of order ({} bytes)",
+                    m.len()
+                )
+            })?;
+            got += 1;
+        }
+        ensure(t0.elapsed() < limit, || {
+            format!("{got} of {n} notifications arrived")
+        })?;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let extra = d.get_new_notifs();
+    ensure(extra.is_empty(), || {
+        format!("{} notifications too many", extra.len())
+    })
+}
+
+/// Rail 0 (the channel's) goes down while notifications are in flight: the undelivered ones
+/// go again over TCP; the receiver gets every one exactly once, in order.
+fn notif_rail_down(t: &Topology) -> R {
+    const N: u64 = 20_000;
+    let p = agent("sender", &t.a_devs, None)?;
+    let d = agent("receiver", &t.b_devs, None)?;
+    let peer = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    for i in 0..N / 2 {
+        p.send_notif(&peer, notif_msg(i)).map_err(s)?;
+    }
+    let netdev = &t.a_netdevs[0];
+    ip_link(netdev, "down")?;
+    for i in N / 2..N {
+        p.send_notif(&peer, notif_msg(i)).map_err(s)?;
+    }
+    let res = expect_notifs(&d, "sender", N, Duration::from_secs(120));
+    let rail = p.notif_rail(&peer);
+    ip_link(netdev, "up")?;
+    wait_port(&t.a_devs[0], "ACTIVE")?;
+    res?;
+    ensure(rail.is_none(), || {
+        format!("channel still on {rail:?} with its link down")
+    })
 }

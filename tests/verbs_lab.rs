@@ -875,6 +875,26 @@ fn notif_burst(t: &Topology, _: &PeerProcess, rail: usize) -> R {
             got_a += 1;
         }
     }
+    // every message's last SEND completes at its sender: both count all of theirs delivered
+    while a.delivered() < N || b.delivered() < BACK {
+        ensure(start.elapsed() < Duration::from_secs(240), || {
+            format!(
+                "delivered {} of {N} / {} of {BACK}",
+                a.delivered(),
+                b.delivered()
+            )
+        })?;
+        for (cq, ch) in [(&cq_a, &mut a), (&cq_b, &mut b)] {
+            cs.clear();
+            cq.poll(&mut cs).map_err(s)?;
+            for c in &cs {
+                ch.handle(c).map_err(s)?;
+            }
+        }
+    }
+    ensure(a.delivered() == N && b.delivered() == BACK, || {
+        format!("delivered {} / {}", a.delivered(), b.delivered())
+    })?;
     let (fa, ca) = a.frames_sent();
     let (fb, cb) = b.frames_sent();
     println!(

@@ -3,9 +3,10 @@
 //! handshake), creates / posts / polls / releases READ and WRITE transfers of descriptor
 //! lists with optional notifications, and exchanges notifications.
 //!
-//! Backends: the TCP data path is here; the verbs data path (RC queue pairs per peer and
-//! rail) is being built on [`crate::transport::verbs`] and is not selectable yet — `Auto`
-//! uses TCP and logs why.
+//! Backends: verbs (RC queue pairs per peer and rail on [`crate::transport::verbs`], striping,
+//! rail failover and rebuild, notifications on a flow-controlled SEND/RECV channel) and TCP
+//! (real sockets, the same semantics). `Auto` takes verbs when a usable rail exists and TCP
+//! otherwise, and logs which and why.
 //!
 //! ```no_run
 //! use kvrail::agent::{Agent, AgentConfig, Desc, RemoteAccess, XferOp, XferStatus};
@@ -23,6 +24,7 @@
 
 mod config;
 pub mod metadata;
+mod notifs;
 mod region;
 mod tcp;
 #[cfg(feature = "verbs")]
@@ -192,6 +194,10 @@ pub(crate) struct Shared {
     xfers: Mutex<HashMap<u64, Xfer>>,
     next_xfer: Mutex<u64>,
     notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
+    /// Numbered notifications per target connection (see [`notifs`]).
+    seqs: Mutex<HashMap<u64, notifs::Ordered>>,
+    /// Ids of target connections.
+    next_conn: std::sync::atomic::AtomicU64,
     shutdown: std::sync::atomic::AtomicBool,
     /// The verbs data path, when the agent runs on RDMA.
     #[cfg(feature = "verbs")]
@@ -293,6 +299,8 @@ impl Agent {
             xfers: Mutex::new(HashMap::new()),
             next_xfer: Mutex::new(1),
             notifs: Mutex::new(VecDeque::new()),
+            seqs: Mutex::new(HashMap::new()),
+            next_conn: std::sync::atomic::AtomicU64::new(1),
             shutdown: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "verbs")]
             verbs,
@@ -739,17 +747,34 @@ impl Agent {
     /// # Errors
     /// [`AgentError::UnknownPeer`].
     pub fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), AgentError> {
-        let peers = lock(&self.shared.peers);
-        let p = peers
-            .get(peer)
-            .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
-        p.conn.submit(tcp::Work::Notif(bytes));
+        if !lock(&self.shared.peers).contains_key(peer) {
+            return Err(AgentError::UnknownPeer(peer.into()));
+        }
+        // Lock order: the verbs engine is taken without `peers` held.
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            v.notify(&self.shared, peer, bytes);
+            return Ok(());
+        }
+        self.shared.send_tcp_notif(peer, None, bytes);
         Ok(())
     }
 
     /// Notifications received since the last call, in arrival order (per peer: send order).
     pub fn get_new_notifs(&self) -> Vec<(String, Vec<u8>)> {
         lock(&self.shared.notifs).drain(..).collect()
+    }
+
+    /// The rail that carries notifications to `peer` (verbs backend, on a SEND/RECV channel
+    /// of its own); `None` when they go over the TCP connection (TCP backend, or after that
+    /// channel failed).
+    pub fn notif_rail(&self, peer: &str) -> Option<String> {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            return v.notif_rail(peer);
+        }
+        let _ = peer;
+        None
     }
 
     /// Bytes moved over each rail since the agent started (verbs backend; empty on TCP).
@@ -832,19 +857,14 @@ impl Shared {
         }
     }
 
-    /// A verbs transfer finished on every rail: done, and its notification goes now.
+    /// A verbs transfer finished on every rail: done. Returns its notification (and the
+    /// peer), which the caller sends now.
     #[cfg(feature = "verbs")]
-    fn xfer_done(&self, id: u64) {
+    fn xfer_done(&self, id: u64) -> Option<(String, Vec<u8>)> {
         self.finish(id, Ok(()));
-        let (peer, notif) = match lock(&self.xfers).get(&id) {
-            Some(x) => (x.peer.clone(), x.notif.clone()),
-            None => return,
-        };
-        if let Some(n) = notif {
-            if let Some(p) = lock(&self.peers).get(&peer) {
-                p.conn.submit(tcp::Work::Notif(n));
-            }
-        }
+        let xfers = lock(&self.xfers);
+        let x = xfers.get(&id)?;
+        Some((x.peer.clone(), x.notif.clone()?))
     }
 
     /// Verbs: ask `peer` for queue pairs (a rail's rebuild); the answer comes back through

@@ -36,6 +36,8 @@ pub(crate) enum Work {
     },
     /// Send a notification.
     Notif(Vec<u8>),
+    /// Send a numbered notification.
+    SeqNotif(u64, Vec<u8>),
     /// Verbs: ask the peer for queue pairs (rebuilding a rail).
     #[cfg(feature = "verbs")]
     QpOpen(crate::agent::verbs::QpRequest),
@@ -239,7 +241,52 @@ fn open_qps(
             })?;
     }
     tracing::info!(agent = %shared.name, peer, pairs = qps.len(), "verbs queue pairs connected");
+    let first = qps.first().map(|(mine, theirs, _)| (*mine, *theirs));
     v.add_peer(peer, qps);
+    if let Some((mine, theirs)) = first {
+        open_chan(v, w, reader, addr, peer, (mine, theirs))?;
+    }
+    Ok(())
+}
+
+/// Verbs: the notification channel to the peer, on the first paired rail.
+#[cfg(feature = "verbs")]
+fn open_chan(
+    v: &crate::agent::verbs::Verbs,
+    w: &mut TcpStream,
+    reader: &mut Reader<TcpStream>,
+    addr: SocketAddr,
+    peer: &str,
+    (mine, theirs): (usize, usize),
+) -> Result<(), AgentError> {
+    let (qp, ch) = v
+        .new_chan(mine)
+        .map_err(|e| conn_err("notification channel to", addr, e))?;
+    send(
+        w,
+        &Msg::ChanOpen {
+            rail: theirs as u32,
+            ep: qp.endpoint(),
+        },
+    )
+    .map_err(|e| conn_err("notification channel to", addr, e))?;
+    let ep = match reader.next() {
+        Ok(Some(Msg::ChanOpened { ep })) => ep,
+        Ok(Some(Msg::Refused { message })) => {
+            return Err(conn_err("notification channel refused by", addr, message))
+        }
+        Ok(other) => {
+            return Err(conn_err(
+                "notification channel to",
+                addr,
+                format!("unexpected reply {other:?}"),
+            ))
+        }
+        Err(e) => return Err(conn_err("notification channel to", addr, e)),
+    };
+    qp.connect(&ep, &crate::agent::verbs::chan_connect_options())
+        .map_err(|e| conn_err("notification channel to", addr, e))?;
+    v.add_out_chan(peer, mine, &qp, ch);
     Ok(())
 }
 
@@ -248,6 +295,7 @@ fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &st
     for work in rx {
         let res = match work {
             Work::Notif(b) => send(&mut w, &Msg::Notif(b)),
+            Work::SeqNotif(seq, bytes) => send(&mut w, &Msg::SeqNotif { seq, bytes }),
             #[cfg(feature = "verbs")]
             Work::QpOpen(pairs) => send(&mut w, &Msg::QpOpen { pairs }),
             Work::Xfer {
@@ -479,6 +527,24 @@ fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
             return Err(format!("unexpected first message {other:?}"));
         }
     };
+    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let res = target_loop(shared, &mut r, &mut w, &from, conn);
+    shared.forget_conn(conn);
+    #[cfg(feature = "verbs")]
+    if let Some(v) = &shared.verbs {
+        v.drop_in_chan(conn);
+    }
+    res
+}
+
+/// Serve an attached initiator's requests until its connection ends.
+fn target_loop(
+    shared: &Shared,
+    r: &mut Reader<TcpStream>,
+    w: &mut TcpStream,
+    from: &str,
+    conn: u64,
+) -> Result<(), String> {
     let mut failed: HashMap<u64, String> = HashMap::new();
     // Queue pairs the initiator asked for live as long as its connection; a rebuilt one
     // replaces the old one of its initiator rail.
@@ -505,12 +571,12 @@ fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
                 Ok(())
             }
             Msg::WriteEnd { xfer, notif } => match failed.remove(&xfer) {
-                Some(message) => send(&mut w, &Msg::Fail { xfer, message }),
+                Some(message) => send(w, &Msg::Fail { xfer, message }),
                 None => {
                     if let Some(n) = notif {
-                        shared.deliver_notif(&from, n);
+                        shared.deliver_notif(from, n);
                     }
-                    send(&mut w, &Msg::Ack { xfer })
+                    send(w, &Msg::Ack { xfer })
                 }
             },
             Msg::ReadReq {
@@ -519,11 +585,30 @@ fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
                 region,
                 offset,
                 len,
-            } => serve_read(shared, &mut w, xfer, idx, region, offset, len),
+            } => serve_read(shared, w, xfer, idx, region, offset, len),
             Msg::Notif(b) => {
-                shared.deliver_notif(&from, b);
+                shared.deliver_notif(from, b);
                 Ok(())
             }
+            Msg::SeqNotif { seq, bytes } => {
+                shared.deliver_seq_notif(conn, from, seq, bytes);
+                Ok(())
+            }
+            #[cfg(feature = "verbs")]
+            Msg::ChanOpen { rail, ep } => match shared
+                .verbs
+                .as_ref()
+                .map(|v| v.accept_chan(conn, from, rail, &ep))
+            {
+                Some(Ok(ep)) => send(w, &Msg::ChanOpened { ep }),
+                Some(Err(message)) => send(w, &Msg::Refused { message }),
+                None => send(
+                    w,
+                    &Msg::Refused {
+                        message: "this agent runs on TCP".into(),
+                    },
+                ),
+            },
             #[cfg(feature = "verbs")]
             Msg::QpOpen { pairs } => match shared
                 .verbs
@@ -532,11 +617,11 @@ fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
             {
                 Some(Ok((new, endpoints))) => {
                     qps.extend(pairs.iter().map(|p| p.0).zip(new));
-                    send(&mut w, &Msg::QpOpened { endpoints })
+                    send(w, &Msg::QpOpened { endpoints })
                 }
-                Some(Err(message)) => send(&mut w, &Msg::Refused { message }),
+                Some(Err(message)) => send(w, &Msg::Refused { message }),
                 None => send(
-                    &mut w,
+                    w,
                     &Msg::Refused {
                         message: "this agent runs on TCP".into(),
                     },

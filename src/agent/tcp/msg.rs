@@ -33,6 +33,18 @@ pub(crate) enum Msg {
     QpOpened {
         endpoints: Vec<crate::transport::verbs::Endpoint>,
     },
+    /// Verbs: open the receiving end of a notification channel on target rail `rail`,
+    /// connected to the initiator's endpoint.
+    #[cfg(feature = "verbs")]
+    ChanOpen {
+        rail: u32,
+        ep: crate::transport::verbs::Endpoint,
+    },
+    /// Verbs: the target's channel endpoint, connected.
+    #[cfg(feature = "verbs")]
+    ChanOpened {
+        ep: crate::transport::verbs::Endpoint,
+    },
     /// Attach refused, or a request that cannot be served at all.
     Refused { message: String },
     /// Bytes of a WRITE for `region` at `offset`.
@@ -67,6 +79,13 @@ pub(crate) enum Msg {
     },
     /// A notification.
     Notif(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// A numbered notification (after the verbs notification channel failed; numbers
+    /// continue the channel's, so the target delivers each once, in order).
+    SeqNotif {
+        seq: u64,
+        #[serde(with = "serde_bytes")]
+        bytes: Vec<u8>,
+    },
     /// `xfer`'s WRITE landed (and its notification, if any, was delivered).
     Ack { xfer: u64 },
     /// `xfer` failed on the target.

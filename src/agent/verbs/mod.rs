@@ -3,7 +3,8 @@
 //! connection, transfers planned by the stripe planner and posted in chunks that never
 //! exceed a queue's depth, and a progress thread that sleeps on the CQ channels (mio) and
 //! finishes a transfer only when every slice on every rail completed. A transfer's
-//! notification is sent only then (over the peer connection, in order with the others).
+//! notification is sent only then, on the peer's notification channel ([`notif`]), in order
+//! with the others.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -12,7 +13,9 @@ use std::time::{Duration, Instant};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
+mod notif;
 mod rebuild;
+pub(crate) use notif::chan_connect_options;
 pub(crate) use rebuild::QpRequest;
 
 use super::region::Region;
@@ -116,6 +119,12 @@ struct Engine {
     rebuilding: HashMap<String, VecDeque<Vec<NewPair>>>,
     /// Dead pairs: when the next rebuild may start, and the backoff after that.
     retry: HashMap<(String, usize), (Instant, Duration)>,
+    /// Notification channels we send on, per peer.
+    outs: HashMap<String, notif::OutChan>,
+    /// Notification channels we receive on, per target connection.
+    ins: HashMap<u64, notif::InChan>,
+    /// (rail, qpn) → the channel a queue pair carries.
+    chan_qpn: HashMap<(usize, u32), notif::ChanKey>,
 }
 
 impl Engine {
@@ -315,6 +324,9 @@ impl Verbs {
         e.qpn.retain(|_, (p, _)| p != peer);
         e.retry.retain(|(p, _), _| p != peer);
         e.rebuilding.remove(peer);
+        e.outs.remove(peer);
+        e.chan_qpn
+            .retain(|_, k| *k != notif::ChanKey::Out(peer.to_owned()));
     }
 
     pub(crate) fn has_peer(&self, peer: &str) -> bool {
@@ -375,8 +387,9 @@ impl Verbs {
         e.runs.insert(id, run);
         if plan.slices() == 0 {
             e.runs.remove(&id);
-            drop(e);
-            shared.xfer_done(id);
+            if let Some((peer, n)) = shared.xfer_done(id) {
+                self.notify_locked(shared, &mut e, &peer, n);
+            }
             return Ok(());
         }
         let keys: Vec<(String, usize)> =
@@ -566,6 +579,10 @@ impl Verbs {
     }
 
     fn on_completion(&self, shared: &Shared, e: &mut Engine, rail: usize, c: &Completion) {
+        if let Some(k) = e.chan_qpn.get(&(rail, c.qpn)).cloned() {
+            self.on_chan_completion(shared, e, &k, c);
+            return;
+        }
         let Some(key) = e.qpn.get(&(rail, c.qpn)).cloned() else {
             return;
         };
@@ -619,7 +636,9 @@ impl Verbs {
         }
         if done {
             e.runs.remove(&xfer);
-            shared.xfer_done(xfer);
+            if let Some((peer, n)) = shared.xfer_done(xfer) {
+                self.notify_locked(shared, e, &peer, n);
+            }
         }
         self.pump(shared, e, &key);
     }
@@ -642,7 +661,9 @@ impl Verbs {
                     // A dead pair is looked at too, to be rebuilt when its port is back.
                     let watch = {
                         let e = lock(&me.engine);
-                        !e.runs.is_empty() || e.pairs.values().any(|q| q.dead.is_some())
+                        !e.runs.is_empty()
+                            || e.pairs.values().any(|q| q.dead.is_some())
+                            || e.outs.values().any(notif::OutChan::busy)
                     };
                     let timeout = watch.then_some(Duration::from_millis(200));
                     if let Err(e) = poll.poll(&mut events, timeout) {
@@ -701,9 +722,11 @@ impl Verbs {
                 .filter(|((_, rl), q)| *rl == rail && q.dead.is_none())
                 .map(|(k, _)| k.clone())
                 .collect();
+            let why = format!("port {} is {state}", r.name);
             for k in keys {
-                self.fail_over(shared, &mut e, &k, &format!("port {} is {state}", r.name));
+                self.fail_over(shared, &mut e, &k, &why);
             }
+            self.fail_chans_on(shared, &mut e, rail, &why);
         }
         for (peer, req) in self.start_rebuilds(&active) {
             shared.request_qps(&peer, req);

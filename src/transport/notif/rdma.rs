@@ -39,6 +39,10 @@ pub struct MsgChannel {
     slot: usize,
     credits: Credits,
     free_send: Vec<u32>,
+    /// Per send slot: the frame in it ends a message.
+    ends: Vec<bool>,
+    /// Messages whose last frame's SEND completed (the peer's queue pair has them).
+    delivered: u64,
     backlog: VecDeque<Vec<u8>>,
     /// Bytes of the front backlog message already framed.
     cursor: usize,
@@ -71,6 +75,8 @@ impl MsgChannel {
             slot,
             credits: Credits::new(slots),
             free_send: (0..slots).rev().collect(),
+            ends: vec![false; slots as usize],
+            delivered: 0,
             backlog: VecDeque::new(),
             cursor: 0,
             asm: Assembler::default(),
@@ -101,9 +107,21 @@ impl MsgChannel {
         self.inbox.pop_front()
     }
 
+    /// The queue pair the channel runs on.
+    pub fn qp(&self) -> &Qp {
+        &self.qp
+    }
+
     /// Messages queued and not yet fully framed onto the wire.
     pub fn backlog(&self) -> usize {
         self.backlog.len()
+    }
+
+    /// Messages the peer's queue pair has received whole (their last frame's SEND
+    /// completed), counted from the first [`MsgChannel::send`]; RC completes sends in order,
+    /// so these are the oldest messages sent.
+    pub fn delivered(&self) -> u64 {
+        self.delivered
     }
 
     /// (data and credit frames sent, credit-only frames among them).
@@ -139,8 +157,11 @@ impl MsgChannel {
         }
         match c.op {
             OpKind::Send => {
-                self.free_send
-                    .push((c.wr_id - u64::from(self.slots)) as u32);
+                let s = (c.wr_id - u64::from(self.slots)) as u32;
+                if std::mem::take(&mut self.ends[s as usize]) {
+                    self.delivered += 1;
+                }
+                self.free_send.push(s);
             }
             _ => {
                 let i = c.wr_id as usize;
@@ -205,6 +226,7 @@ impl MsgChannel {
         payload: &[u8],
     ) -> Result<(), ChannelError> {
         let s = self.free_send.pop().expect("checked by the caller");
+        self.ends[s as usize] = last && !credit_only;
         let credits = self.credits.spend();
         let h = Header {
             credits,

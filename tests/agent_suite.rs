@@ -1,8 +1,12 @@
-//! The agent on the TCP backend, end to end on real sockets: descriptor lists from 1 to
-//! 10,000 and sizes from 1 byte to 64 MiB, byte-exact both ways; notifications after data;
-//! a 100,000-notification burst in order; validation naming the descriptor; busy
-//! deregistration; handshake refusals; the loopback-advertise error; repost rules; a peer
-//! that dies mid-transfer; two agents in two processes.
+//! The agent's shared suite, run on both backends: on TCP on any host (`cargo test`), and on
+//! verbs inside the kvrail lab (`tools/test.sh` runs it there), where the agents of "host A"
+//! use rxeA* and those of "host B" rxeB*. Descriptor lists from 1 to 10,000 and sizes from 1
+//! byte to 64 MiB (8 MiB on verbs, where rxe under emulation is slow), byte-exact both ways;
+//! notifications after data; a 100,000-notification burst in order; validation naming the
+//! descriptor; busy deregistration; handshake refusals; the loopback-advertise error; repost
+//! rules; a peer that dies mid-transfer; two agents in two processes.
+
+mod lab;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -11,15 +15,36 @@ use std::time::{Duration, Instant};
 
 use kvrail::agent::metadata::{AgentMetadata, BackendKind, MemKind, RegionMeta};
 use kvrail::agent::{
-    Agent, AgentConfig, AgentError, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus,
+    Agent, AgentConfig, AgentError, BackendChoice, Desc, RegionId, RemoteAccess, XferId, XferOp,
+    XferStatus,
 };
 use kvrail::proto::handshake::HandshakeInfo;
 
-fn cfg() -> AgentConfig {
-    AgentConfig {
+/// Which lab host an agent stands on (which rails it gets on verbs).
+#[derive(Clone, Copy)]
+enum Host {
+    A,
+    B,
+}
+
+/// True inside the lab: the suite runs on verbs.
+fn on_verbs() -> bool {
+    lab::Topology::from_env().is_some()
+}
+
+fn cfg(host: Host) -> AgentConfig {
+    let mut c = AgentConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         ..AgentConfig::default()
+    };
+    if let Some(t) = lab::Topology::from_env() {
+        c.backend = BackendChoice::Verbs;
+        c.devices = match host {
+            Host::A => t.a_devs,
+            Host::B => t.b_devs,
+        };
     }
+    c
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -46,10 +71,16 @@ fn wait(a: &Agent, x: XferId) -> XferStatus {
 }
 
 fn pair() -> (Agent, Agent, String) {
-    let p = Agent::new("prefill-0", cfg()).unwrap();
-    let d = Agent::new("decode-0", cfg()).unwrap();
+    let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
+    let d = Agent::new("decode-0", cfg(Host::A)).unwrap();
     let name = d.load_remote(p.side_channel_addr()).unwrap();
     assert_eq!(name, "prefill-0");
+    if on_verbs() {
+        // the data and notifications go over queue pairs, not a TCP fallback
+        assert_eq!(d.metadata().backend, BackendKind::Verbs);
+        assert_eq!(d.peer_rails(&name), ["rxeA0:1", "rxeA1:1"]);
+        assert_eq!(d.notif_rail(&name).as_deref(), Some("rxeA0:1"));
+    }
     (p, d, name)
 }
 
@@ -118,7 +149,8 @@ fn run_both_ways(sizes: &[u64]) {
 
 #[test]
 fn one_descriptor_sizes_1b_to_64mib() {
-    for s in [1u64, 7, 4096, 65_537, 1 << 20, 64 << 20] {
+    let top = if on_verbs() { 8 << 20 } else { 64 << 20 };
+    for s in [1u64, 7, 4096, 65_537, 1 << 20, top] {
         run_both_ways(&[s]);
     }
 }
@@ -230,10 +262,14 @@ fn burst_of_100k_notifications_in_order() {
             next += 1;
         }
         assert!(
-            t.elapsed() < Duration::from_secs(120),
+            t.elapsed() < Duration::from_secs(300),
             "only {next} of {N} arrived"
         );
         std::thread::yield_now();
+    }
+    if on_verbs() {
+        // the channel's queue pair has rnr_retry 0: an RNR would have failed it over to TCP
+        assert_eq!(p.notif_rail(&dname).as_deref(), Some("rxeB0:1"));
     }
 }
 
@@ -381,7 +417,7 @@ impl SilentPeer {
 
 #[test]
 fn busy_deregistration_repost_rules_and_a_dying_peer() {
-    let a = Agent::new("initiator", cfg()).unwrap();
+    let a = Agent::new("initiator", cfg(Host::A)).unwrap();
     let silent = SilentPeer::start();
     let peer = a
         .load_remote_metadata(&silent.metadata(), Some(silent.addr))
@@ -450,8 +486,8 @@ fn repost_after_done_moves_the_bytes_again() {
 
 #[test]
 fn handshake_refusals_name_both_values() {
-    let p = Agent::new("p", cfg()).unwrap();
-    let mut other = cfg();
+    let p = Agent::new("p", cfg(Host::B)).unwrap();
+    let mut other = cfg(Host::A);
     other.compat.model = "another-model".into();
     let d = Agent::new("d", other.clone()).unwrap();
     let e = d
@@ -474,7 +510,7 @@ fn handshake_refusals_name_both_values() {
         e.contains("peer refused us at") && e.contains("compatibility hash mismatch with lax"),
         "{e}"
     );
-    let mut bs = cfg();
+    let mut bs = cfg(Host::A);
     bs.block_size = 32;
     let e = Agent::new("bs", bs)
         .unwrap()
@@ -482,7 +518,7 @@ fn handshake_refusals_name_both_values() {
         .unwrap_err()
         .to_string();
     assert_eq!(e, "block_size mismatch with p: ours 32, theirs 16");
-    let mut lay = cfg();
+    let mut lay = cfg(Host::A);
     lay.kv_layout = "NHD".into();
     let e = Agent::new("lay", lay)
         .unwrap()
@@ -494,7 +530,7 @@ fn handshake_refusals_name_both_values() {
 
 #[test]
 fn loopback_advertised_to_another_host_is_refused_before_any_traffic() {
-    let a = Agent::new("a", cfg()).unwrap();
+    let a = Agent::new("a", cfg(Host::A)).unwrap();
     assert!(a.side_channel_addr().ip().is_loopback());
     // 192.0.2.0/24 is TEST-NET-1: the check fails before anything is sent there
     let e = a
@@ -514,7 +550,7 @@ fn a_dead_side_channel_says_which_address() {
         .local_addr()
         .unwrap()
         .port();
-    let a = Agent::new("a", cfg()).unwrap();
+    let a = Agent::new("a", cfg(Host::A)).unwrap();
     let e = a
         .load_remote(format!("127.0.0.1:{port}").parse().unwrap())
         .unwrap_err()
@@ -530,7 +566,7 @@ fn a_dead_side_channel_says_which_address() {
 
 #[test]
 fn garbage_on_the_side_channel_is_survived() {
-    let p = Agent::new("p", cfg()).unwrap();
+    let p = Agent::new("p", cfg(Host::B)).unwrap();
     for junk in [
         &b"\x00\x00\x00\x03abc"[..],
         &[0xff; 64][..],
@@ -542,7 +578,7 @@ fn garbage_on_the_side_channel_is_survived() {
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);
     }
-    let d = Agent::new("d", cfg()).unwrap();
+    let d = Agent::new("d", cfg(Host::A)).unwrap();
     assert_eq!(d.load_remote(p.side_channel_addr()).unwrap(), "p");
 }
 
@@ -550,7 +586,7 @@ fn garbage_on_the_side_channel_is_survived() {
 #[test]
 fn two_processes() {
     if std::env::var_os("KVRAIL_AGENT_CHILD").is_some() {
-        let p = Agent::new("child-producer", cfg()).unwrap();
+        let p = Agent::new("child-producer", cfg(Host::B)).unwrap();
         let src = p.register(1 << 20, RemoteAccess::READ, vec![]).unwrap();
         p.write_region(src, 0, &pattern(77, 1 << 20)).unwrap();
         println!("ADDR {}", p.side_channel_addr());
@@ -582,7 +618,7 @@ fn two_processes() {
             break a.parse().unwrap();
         }
     };
-    let d = Agent::new("consumer", cfg()).unwrap();
+    let d = Agent::new("consumer", cfg(Host::A)).unwrap();
     let peer = d.load_remote(addr).unwrap();
     let dst = d.register(1 << 20, RemoteAccess::NONE, vec![]).unwrap();
     let x = d
@@ -607,7 +643,7 @@ fn two_processes() {
 
 #[test]
 fn invalidate_forgets_the_peer_and_fails_its_transfers() {
-    let a = Agent::new("initiator", cfg()).unwrap();
+    let a = Agent::new("initiator", cfg(Host::A)).unwrap();
     let silent = SilentPeer::start();
     let peer = a
         .load_remote_metadata(&silent.metadata(), Some(silent.addr))

@@ -1,0 +1,90 @@
+//! Notification delivery in send order. Notifications that carry a sequence number (the
+//! verbs channel, and TCP once a channel failed) may arrive on two paths for one connection;
+//! each is delivered once, in sequence order: duplicates are dropped and early ones wait
+//! for the gap to fill.
+
+use std::collections::BTreeMap;
+
+use super::{lock, tcp, Shared};
+
+/// Most notifications held back waiting for an earlier one, per connection. A correct peer
+/// has at most a channel's worth in flight; more is a broken peer, and its extra ones drop.
+const MAX_HELD: usize = 1 << 16;
+
+/// The delivery state of one connection's numbered notifications.
+#[derive(Default)]
+pub(crate) struct Ordered {
+    next: u64,
+    held: BTreeMap<u64, Vec<u8>>,
+}
+
+impl Ordered {
+    /// Take message `seq`; returns the messages now deliverable, in order.
+    pub(crate) fn take(&mut self, seq: u64, bytes: Vec<u8>) -> Vec<Vec<u8>> {
+        if seq < self.next {
+            return Vec::new(); // delivered already (sent again after a channel failed)
+        }
+        if seq > self.next {
+            if self.held.len() < MAX_HELD {
+                self.held.insert(seq, bytes);
+            } else {
+                tracing::warn!(
+                    seq,
+                    next = self.next,
+                    "too many notifications out of order; dropped"
+                );
+            }
+            return Vec::new();
+        }
+        let mut out = vec![bytes];
+        self.next += 1;
+        while let Some(b) = self.held.remove(&self.next) {
+            out.push(b);
+            self.next += 1;
+        }
+        out
+    }
+}
+
+impl Shared {
+    /// A numbered notification from `from` on target connection `conn`.
+    pub(crate) fn deliver_seq_notif(&self, conn: u64, from: &str, seq: u64, bytes: Vec<u8>) {
+        let ready = lock(&self.seqs).entry(conn).or_default().take(seq, bytes);
+        if !ready.is_empty() {
+            let mut q = lock(&self.notifs);
+            q.extend(ready.into_iter().map(|b| (from.to_owned(), b)));
+        }
+    }
+
+    /// Target connection `conn` ended.
+    pub(crate) fn forget_conn(&self, conn: u64) {
+        lock(&self.seqs).remove(&conn);
+    }
+
+    /// Send a notification over the TCP connection to `peer` (numbered when it follows
+    /// numbered ones of a failed channel).
+    pub(crate) fn send_tcp_notif(&self, peer: &str, seq: Option<u64>, bytes: Vec<u8>) {
+        if let Some(p) = lock(&self.peers).get(peer) {
+            p.conn.submit(match seq {
+                Some(seq) => tcp::Work::SeqNotif(seq, bytes),
+                None => tcp::Work::Notif(bytes),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ordered;
+
+    #[test]
+    fn in_order_once_each() {
+        let mut o = Ordered::default();
+        assert_eq!(o.take(0, b"a".to_vec()), vec![b"a".to_vec()]);
+        assert!(o.take(2, b"c".to_vec()).is_empty());
+        assert!(o.take(0, b"a".to_vec()).is_empty(), "duplicate");
+        assert_eq!(o.take(1, b"b".to_vec()), vec![b"b".to_vec(), b"c".to_vec()]);
+        assert!(o.take(2, b"c".to_vec()).is_empty(), "resent after delivery");
+        assert_eq!(o.take(3, b"d".to_vec()), vec![b"d".to_vec()]);
+    }
+}

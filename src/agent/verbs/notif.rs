@@ -1,0 +1,272 @@
+//! Notifications over verbs. Each attach connection (initiator → target) gets a message
+//! channel ([`MsgChannel`]: SEND/RECV with credit flow control, so a burst never meets a
+//! missing receive and never triggers RNR) on a queue pair of its own on the first paired
+//! rail. A transfer's notification is handed to it only after every slice of the transfer
+//! completed on every rail, so the bytes are in the peer's memory before the notification
+//! can arrive.
+//!
+//! Every message carries a sequence number (8 bytes, little endian) ahead of its bytes. The
+//! sender keeps each message until the channel reports it delivered. When the channel fails
+//! (its rail's port left ACTIVE, retries ran out), the undelivered messages and all later
+//! ones go over the TCP connection instead (`SeqNotif`), and the receiver delivers by
+//! sequence number: each message once, in the order sent. The channel is not rebuilt; that
+//! connection's notifications stay on TCP.
+
+use std::collections::VecDeque;
+
+use super::{lock, Engine, Verbs};
+use crate::agent::Shared;
+use crate::transport::notif::rdma::MsgChannel;
+use crate::transport::verbs::{Access, Completion, ConnectOptions, Endpoint, Qp};
+
+/// Receive (and send) slots of a channel.
+const SLOTS: u32 = 64;
+/// Bytes per slot; longer notifications go in several frames.
+const SLOT_SIZE: usize = 1024;
+/// Sequence number bytes ahead of each message.
+const SEQ: usize = 8;
+
+/// Which channel a queue pair carries.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(super) enum ChanKey {
+    /// Ours to a peer (we send).
+    Out(String),
+    /// A peer's to us, by target connection id (we receive).
+    In(u64),
+}
+
+/// The sending end.
+pub(super) struct OutChan {
+    ch: MsgChannel,
+    rail: usize,
+    next_seq: u64,
+    /// Handed to the channel, not yet delivered: (sequence number, bytes).
+    unacked: VecDeque<(u64, Vec<u8>)>,
+    /// Messages counted delivered so far.
+    acked: u64,
+    dead: bool,
+}
+
+/// The receiving end.
+pub(super) struct InChan {
+    ch: MsgChannel,
+    from: String,
+    dead: bool,
+}
+
+impl OutChan {
+    /// Waiting for deliveries (the progress thread keeps watching the ports meanwhile).
+    pub(super) fn busy(&self) -> bool {
+        !self.dead && !self.unacked.is_empty()
+    }
+}
+
+/// How a channel's queue pair connects: `rnr_retry` 0, so a frame that found no receive
+/// posted would fail the channel at once (credits make sure it never happens) instead of
+/// being retried unseen.
+pub(crate) fn chan_connect_options() -> ConnectOptions {
+    ConnectOptions {
+        rnr_retry: 0,
+        ..ConnectOptions::default()
+    }
+}
+
+impl Verbs {
+    /// The rail carrying notifications to `peer` on a verbs channel (None: over TCP).
+    pub(crate) fn notif_rail(&self, peer: &str) -> Option<String> {
+        let e = lock(&self.engine);
+        let o = e.outs.get(peer).filter(|o| !o.dead)?;
+        Some(self.rails[o.rail].name.clone())
+    }
+
+    /// A queue pair for a channel on `rail`, with its channel (receives posted).
+    pub(crate) fn new_chan(&self, rail: usize) -> Result<(Qp, MsgChannel), String> {
+        let r = &self.rails[rail];
+        let mut o = crate::transport::verbs::QpOptions::new(r.port, r.gid_index);
+        o.max_send_wr = SLOTS + 1;
+        o.max_recv_wr = SLOTS + 1;
+        o.remote_access = Access::NONE;
+        let qp = Qp::new(&r.pd, &r.cq, &r.cq, &o).map_err(|e| e.to_string())?;
+        let ch = MsgChannel::new(&r.pd, qp.clone(), SLOTS, SLOT_SIZE).map_err(|e| e.to_string())?;
+        Ok((qp, ch))
+    }
+
+    /// Initiator: the channel to `peer` is connected; notifications to it go there.
+    pub(crate) fn add_out_chan(&self, peer: &str, rail: usize, qp: &Qp, ch: MsgChannel) {
+        let mut e = lock(&self.engine);
+        e.chan_qpn
+            .retain(|_, k| *k != ChanKey::Out(peer.to_owned()));
+        e.chan_qpn
+            .insert((rail, qp.qpn()), ChanKey::Out(peer.to_owned()));
+        e.outs.insert(
+            peer.to_owned(),
+            OutChan {
+                ch,
+                rail,
+                next_seq: 0,
+                unacked: VecDeque::new(),
+                acked: 0,
+                dead: false,
+            },
+        );
+    }
+
+    /// Target: open the receiving end of `from`'s channel (target connection `conn`) on
+    /// `rail`, connected to the initiator's endpoint; returns ours.
+    pub(crate) fn accept_chan(
+        &self,
+        conn: u64,
+        from: &str,
+        rail: u32,
+        ep: &Endpoint,
+    ) -> Result<Endpoint, String> {
+        let rail = rail as usize;
+        if rail >= self.rails.len() {
+            return Err(format!("no rail {rail} here"));
+        }
+        let (qp, ch) = self.new_chan(rail)?;
+        qp.connect(ep, &chan_connect_options())
+            .map_err(|e| e.to_string())?;
+        let mut e = lock(&self.engine);
+        e.chan_qpn.insert((rail, qp.qpn()), ChanKey::In(conn));
+        e.ins.insert(
+            conn,
+            InChan {
+                ch,
+                from: from.to_owned(),
+                dead: false,
+            },
+        );
+        Ok(qp.endpoint())
+    }
+
+    /// Target: the connection `conn` ended; its channel goes.
+    pub(crate) fn drop_in_chan(&self, conn: u64) {
+        let mut e = lock(&self.engine);
+        e.ins.remove(&conn);
+        e.chan_qpn.retain(|_, k| *k != ChanKey::In(conn));
+    }
+
+    /// Send a notification to `peer`: on its channel, or over TCP (with its sequence number)
+    /// once the channel failed, or plainly over TCP when there is no channel.
+    pub(crate) fn notify(&self, shared: &Shared, peer: &str, bytes: Vec<u8>) {
+        let mut e = lock(&self.engine);
+        self.notify_locked(shared, &mut e, peer, bytes);
+    }
+
+    pub(super) fn notify_locked(
+        &self,
+        shared: &Shared,
+        e: &mut Engine,
+        peer: &str,
+        bytes: Vec<u8>,
+    ) {
+        let Some(o) = e.outs.get_mut(peer) else {
+            shared.send_tcp_notif(peer, None, bytes);
+            return;
+        };
+        let seq = o.next_seq;
+        o.next_seq += 1;
+        if o.dead {
+            shared.send_tcp_notif(peer, Some(seq), bytes);
+            return;
+        }
+        let mut framed = Vec::with_capacity(SEQ + bytes.len());
+        framed.extend_from_slice(&seq.to_le_bytes());
+        framed.extend_from_slice(&bytes);
+        o.unacked.push_back((seq, bytes));
+        if let Err(err) = o.ch.send(framed) {
+            let why = format!("notification channel: {err}");
+            self.fail_out_chan(shared, e, peer, &why);
+        }
+    }
+
+    /// The channel to `peer` failed: every undelivered message goes over TCP, in order.
+    pub(super) fn fail_out_chan(&self, shared: &Shared, e: &mut Engine, peer: &str, why: &str) {
+        let Some(o) = e.outs.get_mut(peer) else {
+            return;
+        };
+        if o.dead {
+            return;
+        }
+        o.dead = true;
+        // stop the device before its messages are sent again another way
+        let _ = o.ch.qp().set_error();
+        tracing::warn!(
+            %peer, rail = %self.rails[o.rail].name, resent = o.unacked.len(),
+            "notification channel failed ({why}); notifications go over TCP from now on"
+        );
+        for (seq, bytes) in o.unacked.drain(..) {
+            shared.send_tcp_notif(peer, Some(seq), bytes);
+        }
+    }
+
+    /// Fail the sending channels on `rail` (its port is not ACTIVE).
+    pub(super) fn fail_chans_on(&self, shared: &Shared, e: &mut Engine, rail: usize, why: &str) {
+        let peers: Vec<String> = e
+            .outs
+            .iter()
+            .filter(|(_, o)| o.rail == rail && !o.dead)
+            .map(|(p, _)| p.clone())
+            .collect();
+        for p in peers {
+            self.fail_out_chan(shared, e, &p, why);
+        }
+    }
+
+    /// A completion of a channel's queue pair.
+    pub(super) fn on_chan_completion(
+        &self,
+        shared: &Shared,
+        e: &mut Engine,
+        key: &ChanKey,
+        c: &Completion,
+    ) {
+        match key {
+            ChanKey::Out(peer) => {
+                let Some(o) = e.outs.get_mut(peer) else {
+                    return;
+                };
+                if o.dead {
+                    return;
+                }
+                match o.ch.handle(c) {
+                    Ok(_) => {
+                        while o.acked < o.ch.delivered() {
+                            o.unacked.pop_front();
+                            o.acked += 1;
+                        }
+                    }
+                    Err(err) => {
+                        let why = err.to_string();
+                        self.fail_out_chan(shared, e, peer, &why);
+                    }
+                }
+            }
+            ChanKey::In(conn) => {
+                let Some(i) = e.ins.get_mut(conn) else {
+                    return;
+                };
+                if i.dead {
+                    return;
+                }
+                if let Err(err) = i.ch.handle(c) {
+                    // the sender sees its side fail too and resends over TCP
+                    tracing::warn!(from = %i.from, "notification channel failed: {err}");
+                    i.dead = true;
+                }
+                while let Some(m) = i.ch.recv() {
+                    if m.len() < SEQ {
+                        tracing::warn!(from = %i.from, "notification without a sequence number; channel closed");
+                        i.dead = true;
+                        let _ = i.ch.qp().set_error();
+                        break;
+                    }
+                    let (seq, bytes) = m.split_at(SEQ);
+                    let seq = u64::from_le_bytes(seq.try_into().expect("8 bytes"));
+                    shared.deliver_seq_notif(*conn, &i.from, seq, bytes.to_vec());
+                }
+            }
+        }
+    }
+}
