@@ -549,7 +549,7 @@ fn after_failover(
 fn notif_msg(i: u64) -> Vec<u8> {
     let mut m = i.to_le_bytes().to_vec();
     m.extend(pattern(i, (i % 97) as usize));
-    if i % 5000 == 0 {
+    if i.is_multiple_of(5000) {
         m.extend(pattern(i + 1, 3000)); // a few longer than one slot: several frames
     }
     m
