@@ -479,12 +479,14 @@ impl Agent {
         let p = lock(&self.shared.peers)
             .remove(peer)
             .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
-        p.conn.close();
+        // Fail its transfers first: closing the connection wakes its reader, which would
+        // otherwise fail them with "closed by the peer" (a race the cause must not depend on).
+        self.shared.fail_peer(peer, "peer metadata invalidated");
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
             v.remove_peer(&self.shared, peer);
         }
-        self.shared.fail_peer(peer, "peer metadata invalidated");
+        p.conn.close();
         Ok(())
     }
 

@@ -1,0 +1,264 @@
+//! `kvrail-perf`: bandwidth and latency of kvrail's agent API — what an engine gets — with
+//! perftest's flags and columns, so a fabric can be judged the same way with kvrail as with
+//! `ib_write_bw` / `ib_read_bw`.
+//!
+//! ```text
+//! kvrail-perf --server [--listen 0.0.0.0:18515]                 # on host B
+//! kvrail-perf --client HOST:18515 -o write -s 1M -t 32           # on host A
+//! kvrail-perf --loopback -a                                     # both agents here
+//! ```
+//!
+//! Every run checks its data after the timed loop (`--no-verify` skips it): WRITE — the
+//! server compares its memory with the client's pattern; READ — the client compares what
+//! landed with the server's pattern. A wrong byte fails the run.
+
+mod args;
+mod bench;
+mod peer;
+mod report;
+
+use std::io::{IsTerminal, Write};
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use kvrail::agent::{Agent, AgentConfig, BackendChoice, RegionId, RemoteAccess, XferOp};
+
+use args::{Args, Op, Transport};
+use bench::{Bw, BwSpec, Stop};
+use peer::{expect, pattern, CTL};
+
+/// The most memory a side registers for its slots.
+const SLOT_BYTES: u64 = 64 << 20;
+/// Seed of the server's pattern (what READ brings back).
+const READ_SEED: u64 = 7;
+const ANSWER: Duration = Duration::from_secs(120);
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Err(e) = args.validate() {
+        eprintln!("kvrail-perf: {e}");
+        return ExitCode::from(2);
+    }
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvrail-perf: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn config(args: &Args, devices: &[String], listen: &str) -> Result<AgentConfig, String> {
+    let mut c = AgentConfig {
+        listen: listen
+            .parse()
+            .map_err(|_| format!("--listen: {listen:?} is not ADDR:PORT"))?,
+        backend: match args.transport {
+            Transport::Auto => BackendChoice::Auto,
+            Transport::Verbs => BackendChoice::Verbs,
+            Transport::Tcp => BackendChoice::Tcp,
+        },
+        devices: devices.to_vec(),
+        stripe_width: args.stripe_width,
+        ..AgentConfig::default()
+    };
+    if let Some(h) = &args.side_channel_host {
+        c.side_channel_host = h
+            .parse()
+            .map_err(|_| format!("--side-channel-host: {h:?} is not an IP address"))?;
+    }
+    Ok(c)
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    if args.server {
+        let listen = args.listen.as_deref().unwrap_or("0.0.0.0:18515");
+        let a = Agent::new("kvrail-perf-server", config(args, &args.rails, listen)?)
+            .map_err(|e| e.to_string())?;
+        println!(
+            "kvrail-perf server: side channel on {}",
+            a.side_channel_addr()
+        );
+        let _ = std::io::stdout().flush();
+        return peer::serve(&a, Duration::from_secs(600));
+    }
+    if args.loopback {
+        let server = Agent::new(
+            "kvrail-perf-server",
+            config(args, &args.peer_rails, "127.0.0.1:0")?,
+        )
+        .map_err(|e| e.to_string())?;
+        let addr = server.side_channel_addr();
+        let t = std::thread::spawn(move || peer::serve(&server, Duration::from_secs(600)));
+        let res = client(args, addr);
+        let served = t
+            .join()
+            .map_err(|_| "the server thread panicked".to_string())?;
+        return res.and(served);
+    }
+    let to = args.client.as_deref().unwrap_or_default();
+    let addr: SocketAddr = to
+        .parse()
+        .or_else(|_| {
+            std::net::ToSocketAddrs::to_socket_addrs(to)
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or(())
+        })
+        .map_err(|()| format!("--client: cannot resolve {to:?} (HOST:PORT)"))?;
+    client(args, addr)
+}
+
+fn client(args: &Args, server: SocketAddr) -> Result<(), String> {
+    let listen = args.listen.as_deref().unwrap_or("0.0.0.0:0");
+    let a = Agent::new("kvrail-perf-client", config(args, &args.rails, listen)?)
+        .map_err(|e| e.to_string())?;
+    let res = drive(args, &a, server);
+    // tell the server we are done whatever happened, so it exits too; its answer means it
+    // read that (dropping the agent closes the connection, and what is still queued on it)
+    if let Ok(peer) = a.load_remote(server) {
+        if a.send_notif(&peer, format!("{CTL}bye").into_bytes())
+            .is_ok()
+        {
+            let _ = expect(&a, "done", Duration::from_secs(10));
+        }
+    }
+    res
+}
+
+fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
+    let e = |e: kvrail::agent::AgentError| e.to_string();
+    let peer = a.load_remote(server).map_err(e)?;
+    let sizes = args.sizes();
+    let max = sizes.iter().copied().max().unwrap_or(1);
+    let slots = (args.depth as u64).min((SLOT_BYTES / max).max(1));
+    let len = slots * max;
+    let local = a
+        .register(len as usize, RemoteAccess::NONE, vec![])
+        .map_err(e)?;
+    let me = a.metadata().side_channel; // what this agent advertises
+    a.send_notif(
+        &peer,
+        format!("{CTL}hello {me} {len} {READ_SEED}").into_bytes(),
+    )
+    .map_err(e)?;
+    let id: u32 = expect(a, "ready", ANSWER)?
+        .parse()
+        .map_err(|_| "bad ready answer".to_string())?;
+    a.load_remote(server).map_err(e)?; // the region registered for us
+    let remote = RegionId(id);
+    let human = !args.json;
+    if human {
+        print!("{}", report::header(args, a, &peer));
+        println!(
+            "{}",
+            if args.op == Op::Lat {
+                report::lat_titles().to_owned()
+            } else {
+                report::bw_titles(args.report_gbits)
+            }
+        );
+    }
+    let stop = match args.duration {
+        Some(d) => Stop::For(Duration::from_secs_f64(d)),
+        None => Stop::Iters(args.iters),
+    };
+    let bar = args.all && human && std::io::stdout().is_terminal();
+    let (mut bws, mut lats) = (Vec::new(), Vec::new());
+    for (i, &size) in sizes.iter().enumerate() {
+        if bar {
+            report::progress(i, sizes.len(), size);
+        }
+        if args.op == Op::Lat {
+            let l = bench::latency(a, &peer, size, stop)?;
+            if human {
+                println!("{}", report::lat_line(&l));
+            }
+            lats.push(l);
+            continue;
+        }
+        let (bw, wrong) = bw_run(args, a, &peer, (local, remote), len, size, stop)?;
+        if human {
+            println!("{}", report::bw_line(&bw, args.report_gbits));
+        }
+        bws.push((bw, wrong));
+        if let Some(w) = wrong.filter(|w| *w > 0) {
+            return Err(format!("data check failed at {size} B: {w} wrong bytes"));
+        }
+    }
+    if bar {
+        report::progress(sizes.len(), sizes.len(), max);
+    }
+    if args.json {
+        println!("{}", report::json(args, a, &peer, &bws, &lats));
+    } else if !args.no_verify && args.op != Op::Lat {
+        println!("# data check: every byte of every size verified");
+    }
+    Ok(())
+}
+
+/// One size: prepare the buffers, run, check. Returns the numbers and the wrong-byte count
+/// (None with `--no-verify`).
+fn bw_run(
+    args: &Args,
+    a: &Agent,
+    peer: &str,
+    (local, remote): (RegionId, RegionId),
+    len: u64,
+    size: u64,
+    stop: Stop,
+) -> Result<(Bw, Option<u64>), String> {
+    let e = |e: kvrail::agent::AgentError| e.to_string();
+    let slots = (args.depth as u64).min(len / size).max(1);
+    let op = if args.op == Op::Write {
+        XferOp::Write
+    } else {
+        XferOp::Read
+    };
+    let write_seed = 1000 + size;
+    let posted = match stop {
+        Stop::Iters(n) => n.min(args.depth as u64),
+        Stop::For(_) => args.depth as u64,
+    };
+    let used = slots.min(posted) * size;
+    if !args.no_verify {
+        let fill = if op == XferOp::Write {
+            pattern(write_seed, used)
+        } else {
+            vec![0u8; used as usize]
+        };
+        a.write_region(local, 0, &fill).map_err(e)?;
+    }
+    let bw = bench::bandwidth(&BwSpec {
+        agent: a,
+        peer,
+        op,
+        local,
+        remote,
+        size,
+        descs: args.descs,
+        depth: args.depth,
+        slots,
+        stop,
+    })?;
+    if args.no_verify {
+        return Ok((bw, None));
+    }
+    let wrong = if op == XferOp::Write {
+        a.send_notif(peer, format!("{CTL}check {used} {write_seed}").into_bytes())
+            .map_err(e)?;
+        expect(a, "checked", ANSWER)?
+            .parse()
+            .map_err(|_| "bad check answer".to_string())?
+    } else {
+        let mut got = vec![0u8; used as usize];
+        a.read_region(local, 0, &mut got).map_err(e)?;
+        got.iter()
+            .enumerate()
+            .filter(|(i, b)| **b != peer::pattern_byte(READ_SEED, *i as u64))
+            .count() as u64
+    };
+    Ok((bw, Some(wrong)))
+}

@@ -1,0 +1,156 @@
+//! Output: perftest's header and columns, or one JSON document.
+
+use std::net::Ipv6Addr;
+
+use kvrail::agent::Agent;
+
+use crate::args::{Args, Op};
+use crate::bench::{Bw, Lat};
+
+const RULE: &str =
+    "---------------------------------------------------------------------------------------";
+
+/// The header: operation, transport, rails with MTU and GID, stripe mode, depth.
+pub(crate) fn header(args: &Args, a: &Agent, peer: &str) -> String {
+    let m = a.metadata();
+    let what = match args.op {
+        Op::Write => "RDMA WRITE bandwidth",
+        Op::Read => "RDMA READ bandwidth",
+        Op::Lat => "notification round trip latency",
+    };
+    let used = a.peer_rails(peer);
+    let rails: Vec<String> = m
+        .rails
+        .iter()
+        .filter(|r| used.is_empty() || used.contains(&r.name))
+        .map(|r| format!("{} (MTU {}, GID {})", r.name, r.mtu, Ipv6Addr::from(r.gid)))
+        .collect();
+    let transport = if used.is_empty() { "tcp" } else { "verbs" };
+    let stripe = match args.stripe_width {
+        None => "one rail per transfer",
+        Some(_) => "every transfer striped over all rails",
+    };
+    let mut s = format!("{RULE}\n                    kvrail-perf: {what}\n");
+    s += &format!(" Transport        : {transport}\n");
+    if !rails.is_empty() {
+        s += &format!(" Rails            : {}\n", rails.join(", "));
+        s += &format!(" Striping         : {stripe}\n");
+    }
+    if let Some(r) = a.notif_rail(peer) {
+        s += &format!(" Notifications    : SEND/RECV channel on {r}\n");
+    }
+    if args.op != Op::Lat {
+        s += &format!(
+            " Transfers in flight: {}   Descriptors per transfer: {}\n",
+            args.depth, args.descs
+        );
+    }
+    s += &format!(
+        " Data check       : {}\n{RULE}\n",
+        if args.no_verify { "off" } else { "on" }
+    );
+    s
+}
+
+/// The bandwidth column titles.
+pub(crate) fn bw_titles(gbits: bool) -> String {
+    let u = if gbits { "Gb/sec" } else { "MB/sec" };
+    format!(" #bytes     #iterations    BW peak[{u}]    BW average[{u}]   MsgRate[Mpps]")
+}
+
+fn bw_unit(bps: f64, gbits: bool) -> f64 {
+    if gbits {
+        bps * 8.0 / 1e9
+    } else {
+        bps / f64::from(1u32 << 20)
+    }
+}
+
+/// One bandwidth line, perftest's layout.
+pub(crate) fn bw_line(b: &Bw, gbits: bool) -> String {
+    format!(
+        " {:<10} {:<14} {:<18.2} {:<20.2} {:.6}",
+        b.bytes,
+        b.iterations,
+        bw_unit(b.peak_bps, gbits),
+        bw_unit(b.avg_bps, gbits),
+        b.msg_rate_mpps
+    )
+}
+
+/// The latency column titles.
+pub(crate) fn lat_titles() -> &'static str {
+    " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]"
+}
+
+/// One latency line.
+pub(crate) fn lat_line(l: &Lat) -> String {
+    format!(
+        " {:<6} {:<10} {:>13.2} {:>14.2} {:>16.2} {:>14.2} {:>16.2} {:>22.2} {:>24.2}",
+        l.bytes, l.iterations, l.t_min, l.t_max, l.t_typical, l.t_avg, l.t_stdev, l.p99, l.p999
+    )
+}
+
+/// The `--json` document.
+pub(crate) fn json(
+    args: &Args,
+    a: &Agent,
+    peer: &str,
+    bw: &[(Bw, Option<u64>)],
+    lat: &[Lat],
+) -> serde_json::Value {
+    let m = a.metadata();
+    let used = a.peer_rails(peer);
+    let rails: Vec<serde_json::Value> = m
+        .rails
+        .iter()
+        .filter(|r| used.contains(&r.name))
+        .map(|r| {
+            serde_json::json!({
+                "name": r.name, "mtu": r.mtu, "gid": Ipv6Addr::from(r.gid).to_string(),
+            })
+        })
+        .collect();
+    let results: Vec<serde_json::Value> = bw
+        .iter()
+        .map(|(b, wrong)| {
+            serde_json::json!({
+                "bytes": b.bytes,
+                "iterations": b.iterations,
+                "seconds": b.seconds,
+                "bw_peak_mbps": bw_unit(b.peak_bps, false),
+                "bw_avg_mbps": bw_unit(b.avg_bps, false),
+                "bw_peak_gbps": bw_unit(b.peak_bps, true),
+                "bw_avg_gbps": bw_unit(b.avg_bps, true),
+                "msg_rate_mpps": b.msg_rate_mpps,
+                "wrong_bytes": wrong,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "tool": "kvrail-perf",
+        "op": args.op,
+        "transport": if used.is_empty() { "tcp" } else { "verbs" },
+        "rails": rails,
+        "stripe_width": args.stripe_width,
+        "depth": args.depth,
+        "descs": args.descs,
+        "verify": !args.no_verify,
+        "results": results,
+        "latency": lat,
+    })
+}
+
+/// A progress bar on stderr for sweeps (`done` of `total` sizes).
+pub(crate) fn progress(done: usize, total: usize, size: u64) {
+    const W: usize = 30;
+    let f = done * W / total.max(1);
+    eprint!(
+        "\r[{}{}] {done}/{total} sizes, now {size} B ",
+        "#".repeat(f),
+        ".".repeat(W - f)
+    );
+    if done == total {
+        eprintln!();
+    }
+}
