@@ -445,9 +445,14 @@ fn busy_deregistration_repost_rules_and_a_dying_peer() {
     );
     assert_eq!(a.post(x).unwrap_err(), AgentError::Active(x.0));
     assert_eq!(a.release(x).unwrap_err(), AgentError::Active(x.0));
+    // waiting gives up after its timeout and says so
+    assert_eq!(
+        a.wait(x, Duration::from_millis(50)).unwrap(),
+        XferStatus::InProgress
+    );
     // the peer dies: the transfer fails (bounded, with the cause), never "done"
     silent.kill.send(()).unwrap();
-    let st = wait(&a, x);
+    let st = a.wait(x, Duration::from_secs(120)).unwrap();
     let XferStatus::Error(cause) = st else {
         panic!("expected an error, got {st:?}")
     };
@@ -477,7 +482,11 @@ fn repost_after_done_moves_the_bytes_again() {
         let bytes = pattern(round, 4096);
         p.write_region(src, 0, &bytes).unwrap();
         p.post(x).unwrap();
-        assert_eq!(wait(&p, x), XferStatus::Done);
+        // Agent::wait sleeps until the transfer finishes
+        assert_eq!(
+            p.wait(x, Duration::from_secs(120)).unwrap(),
+            XferStatus::Done
+        );
         let mut got = vec![0u8; 4096];
         d.read_region(dst, 0, &mut got).unwrap();
         assert_eq!(got, bytes, "round {round}");

@@ -192,6 +192,8 @@ pub(crate) struct Shared {
     next_region: Mutex<u32>,
     peers: Mutex<HashMap<String, Peer>>,
     xfers: Mutex<HashMap<u64, Xfer>>,
+    /// Signalled (with `xfers`) whenever a transfer leaves InProgress.
+    xfer_done_cv: std::sync::Condvar,
     next_xfer: Mutex<u64>,
     notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
     /// Numbered notifications per target connection (see [`notifs`]).
@@ -297,6 +299,7 @@ impl Agent {
             next_region: Mutex::new(1),
             peers: Mutex::new(HashMap::new()),
             xfers: Mutex::new(HashMap::new()),
+            xfer_done_cv: std::sync::Condvar::new(),
             next_xfer: Mutex::new(1),
             notifs: Mutex::new(VecDeque::new()),
             seqs: Mutex::new(HashMap::new()),
@@ -728,6 +731,30 @@ impl Agent {
             .ok_or(AgentError::NoXfer(id.0))
     }
 
+    /// Block until transfer `id` is no longer in progress, or `timeout` passed; returns its
+    /// status then (still [`XferStatus::InProgress`] on a timeout). Sleeps; an engine
+    /// thread that would otherwise spin on [`Agent::status`] can wait here instead.
+    ///
+    /// # Errors
+    /// [`AgentError::NoXfer`].
+    pub fn wait(&self, id: XferId, timeout: std::time::Duration) -> Result<XferStatus, AgentError> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut xfers = lock(&self.shared.xfers);
+        loop {
+            let st = &xfers.get(&id.0).ok_or(AgentError::NoXfer(id.0))?.status;
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if *st != XferStatus::InProgress || left.is_zero() {
+                return Ok(st.clone());
+            }
+            xfers = self
+                .shared
+                .xfer_done_cv
+                .wait_timeout(xfers, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
     /// Release a transfer that is not in progress.
     ///
     /// # Errors
@@ -904,6 +931,7 @@ impl Shared {
             for r in x.held.drain(..) {
                 r.release();
             }
+            self.xfer_done_cv.notify_all();
         }
     }
 

@@ -1,6 +1,7 @@
 //! The client's timed loops: bandwidth (WRITE / READ with `depth` transfer requests in
 //! flight, each reposted as soon as it is done) and notification round-trip latency.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use kvrail::agent::{Agent, Desc, RegionId, XferId, XferOp, XferStatus};
@@ -81,37 +82,44 @@ pub(crate) fn bandwidth(s: &BwSpec<'_>) -> Result<Bw, String> {
     let mut done_at: Vec<f64> = Vec::new();
     let start = Instant::now();
     let mut posted = 0u64;
-    let mut active = vec![false; xs.len()];
+    // transfers in flight, oldest first
+    let mut flight: VecDeque<usize> = VecDeque::new();
     for (k, x) in xs.iter().enumerate() {
         if posted < target {
             a.post(*x).map_err(|e| e.to_string())?;
-            active[k] = true;
+            flight.push_back(k);
             posted += 1;
         }
     }
-    let mut stopped = false;
-    while active.iter().any(|b| *b) {
-        if let Stop::For(d) = s.stop {
-            stopped |= start.elapsed() >= d;
+    while let Some(&oldest) = flight.front() {
+        // sleep until the oldest finishes (the agent wakes us), then take every finished one
+        let st = a
+            .wait(xs[oldest], Duration::from_secs(120))
+            .map_err(|e| e.to_string())?;
+        if st == XferStatus::InProgress {
+            return Err("a transfer is still in progress after 120 s".into());
         }
-        for (k, x) in xs.iter().enumerate() {
-            if !active[k] {
-                continue;
-            }
-            match status(a, *x)? {
+        let stopped = matches!(s.stop, Stop::For(d) if start.elapsed() >= d);
+        let mut still = VecDeque::with_capacity(flight.len());
+        let mut again = Vec::new();
+        for k in flight.drain(..) {
+            match status(a, xs[k])? {
                 XferStatus::Done => {
                     done_at.push(start.elapsed().as_secs_f64());
                     if posted < target && !stopped {
-                        a.post(*x).map_err(|e| e.to_string())?;
+                        again.push(k);
                         posted += 1;
-                    } else {
-                        active[k] = false;
                     }
                 }
                 XferStatus::Error(e) => return Err(format!("transfer failed: {e}")),
-                _ => {}
+                _ => still.push_back(k),
             }
         }
+        for k in again {
+            a.post(xs[k]).map_err(|e| e.to_string())?;
+            still.push_back(k);
+        }
+        flight = still;
     }
     for x in xs {
         a.release(x).map_err(|e| e.to_string())?;

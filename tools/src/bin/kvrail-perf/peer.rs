@@ -37,9 +37,12 @@ pub(crate) fn serve(a: &Agent, idle: Duration) -> Result<(), String> {
             if last.elapsed() > idle {
                 return Err(format!("no word from the client for {} s", idle.as_secs()));
             }
-            // spin right after a message (latency runs), sleep when quiet (bandwidth runs
-            // must not lose a CPU to the server)
-            if last.elapsed() > Duration::from_millis(2) {
+            // spin right after a message (latency runs), sleep when quiet: bandwidth runs
+            // must not lose a CPU to the server
+            let quiet = last.elapsed();
+            if quiet > Duration::from_millis(100) {
+                std::thread::sleep(Duration::from_millis(5));
+            } else if quiet > Duration::from_millis(2) {
                 std::thread::sleep(Duration::from_micros(200));
             } else {
                 std::hint::spin_loop();
