@@ -69,6 +69,7 @@ fn main() {
         "two_processes",
         "rail_down_mid_striped_transfer_completes_on_the_survivor",
         "notif_channel_rail_down_resends_over_tcp_once_in_order",
+        "idle_connected_agents_use_no_cpu",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -84,6 +85,7 @@ fn main() {
     r.run(cases[4], || two_processes(&t));
     r.run(cases[5], || rail_down(&t));
     r.run(cases[6], || notif_rail_down(&t));
+    r.run(cases[7], || idle_cpu(&t));
     r.finish();
 }
 
@@ -604,5 +606,43 @@ fn notif_rail_down(t: &Topology) -> R {
     res?;
     ensure(rail.is_none(), || {
         format!("channel still on {rail:?} with its link down")
+    })
+}
+
+/// utime + stime of this process, in clock ticks (/proc/self/stat fields 14 and 15).
+fn cpu_ticks() -> Result<u64, String> {
+    let st = std::fs::read_to_string("/proc/self/stat").map_err(s)?;
+    let rest = st.rsplit_once(')').ok_or("odd /proc/self/stat")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // after the command: state is field 3, so utime (14) and stime (15) are f[11], f[12]
+    let n = |i: usize| {
+        f.get(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or("odd /proc/self/stat")
+    };
+    Ok(n(11)? + n(12)?)
+}
+
+/// Two connected agents (queue pairs, notification channels, progress threads, listeners)
+/// with nothing to do sleep: the process uses (almost) no CPU over 3 seconds. A progress
+/// thread that polled would burn all 300 ticks of one CPU.
+fn idle_cpu(t: &Topology) -> R {
+    let p = agent("idle-p", &t.b_devs, None)?;
+    let d = agent("idle-d", &t.a_devs, None)?;
+    let peer_p = d.load_remote(p.side_channel_addr()).map_err(s)?;
+    let peer_d = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    d.send_notif(&peer_p, b"hi".to_vec()).map_err(s)?;
+    p.send_notif(&peer_d, b"hi".to_vec()).map_err(s)?;
+    std::thread::sleep(Duration::from_millis(500));
+    ensure(
+        d.get_new_notifs().len() == 1 && p.get_new_notifs().len() == 1,
+        || "notifications lost".into(),
+    )?;
+    let c0 = cpu_ticks()?;
+    std::thread::sleep(Duration::from_secs(3));
+    let used = cpu_ticks()? - c0;
+    println!("    CPU over 3 s idle: {used} ticks");
+    ensure(used <= 15, || {
+        format!("idle agents used {used} clock ticks of CPU in 3 s")
     })
 }

@@ -591,6 +591,27 @@ fn garbage_on_the_side_channel_is_survived() {
     assert_eq!(d.load_remote(p.side_channel_addr()).unwrap(), "p");
 }
 
+#[test]
+fn silent_connections_cannot_lock_out_the_side_channel() {
+    let p = Agent::new("p", cfg(Host::B)).unwrap();
+    // more silent connections than the listener keeps waiting: the oldest are closed
+    let silent: Vec<std::net::TcpStream> = (0..300)
+        .map(|_| std::net::TcpStream::connect(p.side_channel_addr()).unwrap())
+        .collect();
+    let d = Agent::new("d", cfg(Host::A)).unwrap();
+    assert_eq!(d.load_remote(p.side_channel_addr()).unwrap(), "p");
+    let mut first = &silent[0];
+    first
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut b = [0u8; 1];
+    assert_eq!(
+        first.read(&mut b).unwrap(),
+        0,
+        "the oldest silent connection was not closed"
+    );
+}
+
 /// Two agents in two processes: the child is the producer, the test the consumer.
 #[test]
 fn two_processes() {

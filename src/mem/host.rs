@@ -91,6 +91,7 @@ impl HostBuffer {
     }
 
     /// The mapping's first byte, for registration with a device.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.lock().as_mut_ptr()
     }

@@ -6,6 +6,7 @@
 //! was copied into the target's memory (same connection, processed in order), and the
 //! initiator reports done only on the target's acknowledgement.
 
+mod accept;
 mod msg;
 
 use std::collections::HashMap;
@@ -464,21 +465,17 @@ pub(crate) fn serve(
         std::thread::Builder::new()
             .name(format!("kvrail-listen-{}", shared.name))
             .spawn(move || {
-                for c in listener.incoming() {
-                    if shared.shutdown.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(c) = c else { continue };
-                    c.set_nodelay(true).ok();
-                    if let Ok(k) = c.try_clone() {
-                        lock(&conns).push(k);
-                    }
-                    let shared = shared.clone();
-                    let _ = std::thread::Builder::new().name("kvrail-serve".into()).spawn(move || {
-                        if let Err(e) = target(&shared, c) {
-                            tracing::warn!(agent = %shared.name, "side channel / data connection: {e}");
-                        }
-                    });
+                let res = accept::run(&shared, listener, &conns, |shared, s, first| {
+                    let _ = std::thread::Builder::new()
+                        .name("kvrail-serve".into())
+                        .spawn(move || {
+                            if let Err(e) = target(&shared, s, first) {
+                                tracing::warn!(agent = %shared.name, "data connection: {e}");
+                            }
+                        });
+                });
+                if let Err(e) = res {
+                    tracing::error!(agent = %shared.name, "side channel listener stopped: {e}");
                 }
             })
             .map_err(|e| conn_err("cannot start the listener thread for", local, e))?;
@@ -490,43 +487,28 @@ pub(crate) fn serve(
     })
 }
 
-/// Serve one incoming connection.
-fn target(shared: &Shared, s: TcpStream) -> Result<(), String> {
+/// Serve an attached peer's data connection (`first` is its Attach, read by the listener).
+fn target(shared: &Shared, s: TcpStream, first: Msg) -> Result<(), String> {
     let mut w = s.try_clone().map_err(|e| e.to_string())?;
     let mut r = Reader::new(s);
-    let from = match r.next()? {
-        None => return Ok(()),
-        Some(Msg::GetMetadata) => {
-            let b = shared.metadata().encode().map_err(|e| e.to_string())?;
-            return send(&mut w, &Msg::Metadata(b)).map_err(|e| e.to_string());
-        }
-        Some(Msg::Attach { info }) => {
-            if let Err(e) = handshake::check(
-                &shared.handshake,
-                &info,
-                shared.config.enforce_handshake_compat,
-            ) {
-                let _ = send(
-                    &mut w,
-                    &Msg::Refused {
-                        message: e.to_string(),
-                    },
-                );
-                return Err(format!("refused {}: {e}", info.agent));
-            }
-            send(&mut w, &Msg::Attached).map_err(|e| e.to_string())?;
-            info.agent
-        }
-        Some(other) => {
-            let _ = send(
-                &mut w,
-                &Msg::Refused {
-                    message: "expected GetMetadata or Attach".into(),
-                },
-            );
-            return Err(format!("unexpected first message {other:?}"));
-        }
+    let Msg::Attach { info } = first else {
+        return Err(format!("expected Attach, got {first:?}"));
     };
+    if let Err(e) = handshake::check(
+        &shared.handshake,
+        &info,
+        shared.config.enforce_handshake_compat,
+    ) {
+        let _ = send(
+            &mut w,
+            &Msg::Refused {
+                message: e.to_string(),
+            },
+        );
+        return Err(format!("refused {}: {e}", info.agent));
+    }
+    send(&mut w, &Msg::Attached).map_err(|e| e.to_string())?;
+    let from = info.agent;
     let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     let res = target_loop(shared, &mut r, &mut w, &from, conn);
     shared.forget_conn(conn);

@@ -1,0 +1,268 @@
+//! The listener: one mio event loop per agent accepts connections and reads each one's
+//! first message under a deadline and a size bound. `GetMetadata` is answered from the loop
+//! (the side channel never needs a thread per request); `Attach` hands the connection to a
+//! thread of its own (a peer's data path); garbage, silence past [`FIRST_MESSAGE_TIMEOUT`]
+//! and oversized frames close the connection with a log line. Nothing read from the network
+//! can make the loop panic or grow without bound.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token};
+
+use super::msg::Msg;
+use super::{lock, Shared};
+use crate::proto::frame::{self, PREFIX};
+
+/// How long a new connection may take to send its first message.
+pub(crate) const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest first message (GetMetadata and Attach are small).
+const MAX_FIRST: usize = 64 << 10;
+/// Connections waiting for their first message (or for the metadata to be written) at
+/// once; beyond it the one waiting longest is closed.
+const MAX_PENDING: usize = 256;
+const LISTENER: Token = Token(0);
+
+/// A connection the loop owns: reading its first frame, or writing the metadata.
+struct Pending {
+    s: TcpStream,
+    /// The bytes of the first frame read so far (prefix, then body).
+    got: Vec<u8>,
+    /// The metadata answer, and how much of it is written.
+    out: Option<(Vec<u8>, usize)>,
+    deadline: Instant,
+}
+
+enum Step {
+    /// Wait for more events.
+    Wait,
+    /// Done with it (answered, or dropped).
+    Close,
+    /// A peer attached: hand the connection over, with its first message.
+    Attach(Msg),
+}
+
+/// Run the loop until the agent shuts down. `attach` takes over attached connections.
+pub(crate) fn run(
+    shared: &Arc<Shared>,
+    listener: TcpListener,
+    conns: &Arc<Mutex<Vec<TcpStream>>>,
+    attach: impl Fn(Arc<Shared>, TcpStream, Msg),
+) -> std::io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let mut poll = Poll::new()?;
+    let lfd = listener.as_raw_fd();
+    poll.registry()
+        .register(&mut SourceFd(&lfd), LISTENER, Interest::READABLE)?;
+    let mut pending: HashMap<usize, Pending> = HashMap::new();
+    let mut next = 1usize;
+    let mut events = Events::with_capacity(64);
+    loop {
+        let timeout = pending
+            .values()
+            .map(|p| p.deadline.saturating_duration_since(Instant::now()))
+            .min();
+        if let Err(e) = poll.poll(&mut events, timeout) {
+            if e.kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if shared.shutdown.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        for ev in &events {
+            if ev.token() == LISTENER {
+                accept_all(shared, &listener, &poll, &mut pending, &mut next);
+                continue;
+            }
+            let Token(t) = ev.token();
+            let Some(p) = pending.get_mut(&t) else {
+                continue;
+            };
+            match step(shared, p, &poll, t) {
+                Step::Wait => {}
+                Step::Close => {
+                    if let Some(p) = pending.remove(&t) {
+                        let _ = poll.registry().deregister(&mut SourceFd(&p.s.as_raw_fd()));
+                    }
+                }
+                Step::Attach(m) => {
+                    let Some(p) = pending.remove(&t) else {
+                        continue;
+                    };
+                    let _ = poll.registry().deregister(&mut SourceFd(&p.s.as_raw_fd()));
+                    if p.s.set_nonblocking(false).is_err() {
+                        continue;
+                    }
+                    if let Ok(k) = p.s.try_clone() {
+                        lock(conns).push(k);
+                    }
+                    attach(shared.clone(), p.s, m);
+                }
+            }
+        }
+        let now = Instant::now();
+        pending.retain(|_, p| {
+            let keep = p.deadline > now;
+            if !keep {
+                tracing::warn!(agent = %shared.name, peer = ?p.s.peer_addr().ok(),
+                    "side channel: no complete first message within {} s; connection closed",
+                    FIRST_MESSAGE_TIMEOUT.as_secs());
+                let _ = poll.registry().deregister(&mut SourceFd(&p.s.as_raw_fd()));
+            }
+            keep
+        });
+    }
+}
+
+fn accept_all(
+    shared: &Shared,
+    listener: &TcpListener,
+    poll: &Poll,
+    pending: &mut HashMap<usize, Pending>,
+    next: &mut usize,
+) {
+    loop {
+        let s = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::warn!(agent = %shared.name, "side channel: accept failed: {e}");
+                return;
+            }
+        };
+        if shared.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        if pending.len() >= MAX_PENDING {
+            // make room by closing the one that has waited longest (a flood of silent
+            // connections cannot lock out a peer that speaks at once)
+            if let Some(old) = pending
+                .iter()
+                .min_by_key(|(_, p)| p.deadline)
+                .map(|(t, _)| *t)
+            {
+                if let Some(p) = pending.remove(&old) {
+                    tracing::warn!(agent = %shared.name, peer = ?p.s.peer_addr().ok(),
+                        "side channel: {MAX_PENDING} connections waiting; closed the oldest");
+                    let _ = poll.registry().deregister(&mut SourceFd(&p.s.as_raw_fd()));
+                }
+            }
+        }
+        if s.set_nonblocking(true).is_err() {
+            continue;
+        }
+        s.set_nodelay(true).ok();
+        let t = *next;
+        *next = next.wrapping_add(1).max(1);
+        if poll
+            .registry()
+            .register(&mut SourceFd(&s.as_raw_fd()), Token(t), Interest::READABLE)
+            .is_err()
+        {
+            continue;
+        }
+        pending.insert(
+            t,
+            Pending {
+                s,
+                got: Vec::new(),
+                out: None,
+                deadline: Instant::now() + FIRST_MESSAGE_TIMEOUT,
+            },
+        );
+    }
+}
+
+/// Make progress on one connection.
+fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
+    if let Some((out, at)) = &mut p.out {
+        return write_out(&mut p.s, out, at);
+    }
+    // read exactly the first frame: the prefix, then the body it announces
+    loop {
+        let want = if p.got.len() < PREFIX {
+            PREFIX
+        } else {
+            let len = u32::from_be_bytes([p.got[0], p.got[1], p.got[2], p.got[3]]) as usize;
+            if len > MAX_FIRST {
+                tracing::warn!(agent = %shared.name, "side channel: first frame of {len} bytes refused");
+                return Step::Close;
+            }
+            PREFIX + len
+        };
+        if p.got.len() == want && want > PREFIX {
+            break;
+        }
+        let mut buf = vec![0u8; want - p.got.len()];
+        match p.s.read(&mut buf) {
+            Ok(0) => return Step::Close,
+            Ok(n) => p.got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Wait,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Step::Close,
+        }
+    }
+    let m: Msg = match rmp_serde::from_slice(&p.got[PREFIX..]) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!(agent = %shared.name, "side channel: malformed first message: {e}");
+            return Step::Close;
+        }
+    };
+    match m {
+        Msg::GetMetadata => {
+            let answer = shared
+                .metadata()
+                .encode()
+                .ok()
+                .and_then(|b| rmp_serde::to_vec(&Msg::Metadata(b)).ok())
+                .and_then(|b| frame::encode(&b).ok());
+            let Some(out) = answer else {
+                return Step::Close;
+            };
+            p.out = Some((out, 0));
+            let _ = poll.registry().reregister(
+                &mut SourceFd(&p.s.as_raw_fd()),
+                Token(t),
+                Interest::WRITABLE,
+            );
+            let (out, at) = p.out.as_mut().expect("just set");
+            write_out(&mut p.s, out, at)
+        }
+        m @ Msg::Attach { .. } => Step::Attach(m),
+        other => {
+            tracing::warn!(agent = %shared.name, "side channel: unexpected first message {other:?}");
+            let refuse = rmp_serde::to_vec(&Msg::Refused {
+                message: "expected GetMetadata or Attach".into(),
+            })
+            .ok()
+            .and_then(|b| frame::encode(&b).ok());
+            if let Some(r) = refuse {
+                let _ = p.s.write(&r); // best effort; the connection closes either way
+            }
+            Step::Close
+        }
+    }
+}
+
+fn write_out(s: &mut TcpStream, out: &[u8], at: &mut usize) -> Step {
+    while *at < out.len() {
+        match s.write(&out[*at..]) {
+            Ok(0) => return Step::Close,
+            Ok(n) => *at += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Wait,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Step::Close,
+        }
+    }
+    Step::Close
+}
