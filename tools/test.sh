@@ -11,6 +11,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 echo "=== tier 1: cargo test --workspace"
 cargo test --workspace
+echo "=== tier 1: the agent API example (examples/agent_pair.rs)"
+cargo run -q --example agent_pair
 
 if [ "${KVRAIL_SKIP_LAB:-0}" = 1 ]; then
     echo "=== tier 2 (lab): SKIPPED because KVRAIL_SKIP_LAB=1"
