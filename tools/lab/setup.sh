@@ -8,13 +8,16 @@
 #           its own tiny initramfs), qemu-system-x86 (from bookworm-backports on bookworm, so an
 #           installed backports qemu-utils is not removed), busybox-static, cpio, xz-utils, kmod,
 #           iproute2, rdma-core, ibverbs-providers (librxe), ibverbs-utils, perftest.
+#   benches: ucx-utils (ucx_perftest, UCX's rc_verbs under NIXL), iperf3 (TCP reference),
+#           valgrind (callgrind instruction counts, tools/callgrind-cost.sh).
 # apt runs with private list/archive dirs under /var/lib/kvrail-lab/apt and the system's sources
 # (+ backports for qemu), so /etc/apt is left as it was; it waits for the dpkg lock up to 10 min.
 set -euo pipefail
 
 PKGS=(cmake libclang-dev gcc pkg-config
       linux-image-amd64 busybox-static cpio xz-utils kmod iproute2
-      rdma-core ibverbs-utils ibverbs-providers libibverbs1 perftest)
+      rdma-core ibverbs-utils ibverbs-providers libibverbs1 perftest
+      ucx-utils iperf3 valgrind)
 QEMU_PKGS=(qemu-system-x86 qemu-system-common qemu-system-data seabios)
 
 installed() { [ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null)" = installed ]; }

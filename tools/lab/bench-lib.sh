@@ -1,0 +1,111 @@
+# tools/lab/bench-lib.sh — helpers the lab benches source (bench-agent.sh, bench.sh): start
+# perftest / ucx_perftest / kvrail-perf server-client pairs across the lab's rails and read
+# the average bandwidth (MB/s, 2^20 bytes) each prints. Runs inside the lab only.
+die() { echo "${BENCH_NAME:-bench}: FAIL: $*" >&2; exit 1; }
+[ -n "${LAB_GUEST:-}" ] || die "run me inside the lab: tools/lab/run.sh $0"
+PERF=${KVRAIL_PERF:-target/release/kvrail-perf}
+[ -x "$PERF" ] || die "$PERF missing: cargo build --release -p kvrail-tools"
+G=$LAB_GID_INDEX
+A=($LAB_A_DEVS); B=($LAB_B_DEVS); BIPS=($LAB_B_IPS)
+T=$(mktemp -d /run/bench.XXXXXX)
+echo "${BENCH_PORT:-18700}" > "$T/port"
+
+next_port() {   # a fresh TCP port per run (a file, so command substitutions share it)
+    local p; p=$(( $(cat "$T/port") + 1 ))
+    echo "$p" > "$T/port"
+    echo "$p"
+}
+
+wait_listen() {   # until something listens on TCP port $1
+    local want i sl local rest
+    printf -v want ':%04X' "$1"
+    for ((i = 0; i < 300; i++)); do
+        while read -r sl local rest; do
+            [[ $local == *"$want" && $rest == *" 0A "* ]] && return 0
+        done < /proc/net/tcp
+        sleep 0.1
+    done
+    return 1
+}
+
+avg_of() {   # the BW average column (4th) of the last perftest-style result line of file $1
+    local line; line=$(grep -E '^ *[0-9]+ +[0-9]+ +[0-9.]+' "$1" | tail -n 1)
+    set -- $line
+    echo "${4:-0}"
+}
+
+ok() { awk -v v="$1" 'BEGIN{exit !(v > 0)}'; }
+
+# ib_<op>_bw on rail $2 with size $3, depth $4, iterations $5, output file $6 (server B,
+# client A), started in the background
+perftest_start() {
+    local op=$1 r=$2 size=$3 depth=$4 n=$5 out=$6 port; port=$(next_port)
+    timeout 300 "ib_${op}_bw" -d "${B[$r]}" -p $port -x "$G" -t "$depth" -F -s "$size" -n "$n" > "$out.srv" 2>&1 &
+    wait_listen $port || die "ib_${op}_bw server did not start"
+    timeout 300 "ib_${op}_bw" -d "${A[$r]}" -p $port -x "$G" -t "$depth" -F -s "$size" -n "$n" "${BIPS[$r]}" > "$out" 2>&1 &
+}
+
+perftest_one() {   # op rail size depth iters → MB/s (a failed run is retried once)
+    local try v
+    for try in 1 2; do
+        perftest_start "$@" "$T/pt"
+        wait || true
+        v=$(avg_of "$T/pt")
+        ok "$v" && { echo "$v"; return; }
+        echo "ib_$1_bw gave no result (try $try):" >&2; tail -n 3 "$T/pt" "$T/pt.srv" >&2
+    done
+    die "ib_$1_bw failed twice"
+}
+
+perftest_two() {   # op size depth iters → MB/s, both rails at once, summed
+    local try a b
+    for try in 1 2; do
+        perftest_start "$1" 0 "$2" "$3" "$4" "$T/pt0"
+        perftest_start "$1" 1 "$2" "$3" "$4" "$T/pt1"
+        wait || true
+        a=$(avg_of "$T/pt0"); b=$(avg_of "$T/pt1")
+        ok "$a" && ok "$b" && { awk -v a="$a" -v b="$b" 'BEGIN{print a+b}'; return; }
+        echo "a concurrent ib_$1_bw gave no result (try $try)" >&2
+    done
+    die "concurrent ib_$1_bw failed twice"
+}
+
+# ucx_perftest (UCT over rc_verbs, zcopy) on rail 0: op (write|read) size iters → MB/s
+ucx() {
+    local t=put_bw; [ "$1" = read ] && t=get
+    local port try v line
+    port=$(next_port)
+    for try in 1 2; do
+        UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 300 ucx_perftest -t $t -x rc_verbs -d "${B[0]}:1" \
+            -D zcopy -s "$2" -n "$3" -p $port > "$T/ucx.srv" 2>&1 &
+        wait_listen $port || die "ucx_perftest server did not start"
+        UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 300 ucx_perftest 127.0.0.1 -p $port -t $t -x rc_verbs \
+            -d "${A[0]}:1" -D zcopy -s "$2" -n "$3" > "$T/ucx" 2>&1
+        wait || true
+        line=$(grep -E '^Final:' "$T/ucx" | tail -n 1)
+        set -- "$1" "$2" "$3" $line
+        v=${10:-0}
+        ok "$v" && { echo "$v"; return; }
+        echo "ucx_perftest gave no result (try $try):" >&2; tail -n 5 "$T/ucx" "$T/ucx.srv" >&2
+        port=$(next_port)
+    done
+    echo 0
+}
+
+# kvrail-perf server/client: client rails $1, server rails $2, op $3, size $4, depth $5,
+# iters $6, extra args... → MB/s; the run must have checked its data
+kvrail() {
+    local cr=$1 sr=$2 op=$3 size=$4 depth=$5 n=$6 port; shift 6
+    port=$(next_port)
+    timeout 300 "$PERF" --server --listen 127.0.0.1:$port --transport verbs --rails "$sr" "$@" > "$T/kv.srv" 2>&1 &
+    local spid=$!
+    wait_listen $port || die "kvrail-perf server did not start"
+    timeout 300 "$PERF" --client 127.0.0.1:$port --transport verbs --rails "$cr" -o "$op" \
+        -s "$size" -n "$n" -t "$depth" "$@" > "$T/kv" 2> "$T/kv.err" \
+        || { cat "$T/kv" "$T/kv.err" "$T/kv.srv" >&2; die "kvrail-perf failed"; }
+    wait $spid || { cat "$T/kv.srv" >&2; die "kvrail-perf server failed"; }
+    grep -q '^# data check: every byte' "$T/kv" || die "kvrail-perf did not check its data"
+    avg_of "$T/kv"
+}
+
+ratio() { awk -v k="$1" -v p="$2" 'BEGIN{ if (p > 0) printf "%.3f", k/p; else print "null" }'; }

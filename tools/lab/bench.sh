@@ -1,0 +1,59 @@
+#!/bin/bash
+# tools/lab/bench.sh — runs INSIDE the lab:  tools/lab/run.sh tools/lab/bench.sh
+# The side-by-side bench, one VM boot, everything on the same rail (rail 0) and sizes:
+#   WRITE and READ at 64 KiB, 256 KiB, 1 MiB, 8 MiB: ib_write_bw / ib_read_bw (-t 32),
+#   ucx_perftest (UCT over rc_verbs, zcopy put_bw / get — the transport NIXL uses; UCP does
+#   not run on rxe in this VM, see ../shared/rdma-lab/README.md) and kvrail-perf (the agent
+#   API, two processes) with 32 transfers in flight and with one;
+#   rails: kvrail one rail vs striped over two (1 MiB WRITE), next to two ib_write_bw at once;
+#   TCP: kvrail-perf --transport tcp --loopback vs iperf3 over loopback (inside the VM).
+# Prints one table of MB/s (2^20 bytes/s) and ratios and writes it as JSON to $BENCH_JSON
+# (default target/bench.json). Under TCG timings vary ±30 %: compare only rows of one run.
+#   BENCH_SIZES ("65536 262144 1048576 8388608")  BENCH_MB (200: MiB moved per run)
+set -u
+BENCH_NAME=bench
+. "$(dirname "${BASH_SOURCE[0]}")/bench-lib.sh"
+SIZES=${BENCH_SIZES:-"65536 262144 1048576 8388608"}
+JSON=${BENCH_JSON:-target/bench.json}
+MB=${BENCH_MB:-200}
+iters() { local n=$(( MB * 1048576 / $1 )); [ "$n" -gt 2000 ] && n=2000; [ "$n" -lt 10 ] && n=10; echo "$n"; }
+ROWS=()
+
+printf '%-5s %8s | %9s %9s %9s %9s | %7s %7s %9s\n' op bytes perftest ucx kvrail kvrail-t1 "kv/pt" "t1/pt" "kv/ucx"
+for op in write read; do
+    for size in $SIZES; do
+        n=$(iters "$size")
+        p=$(perftest_one "$op" 0 "$size" 32 "$n")
+        u=$(ucx "$op" "$size" "$n")
+        k=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n")
+        k1=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 1 "$n")
+        r=$(ratio "$k" "$p"); r1=$(ratio "$k1" "$p"); ru=$(ratio "$k" "$u")
+        printf '%-5s %8s | %9s %9s %9s %9s | %7s %7s %9s\n' "$op" "$size" "$p" "$u" "$k" "$k1" "$r" "$r1" "$ru"
+        ROWS+=("{\"op\":\"$op\",\"bytes\":$size,\"perftest_mbps\":$p,\"ucx_mbps\":$u,\"kvrail_mbps\":$k,\"kvrail_t1_mbps\":$k1,\"kvrail_vs_perftest\":$r,\"kvrail_t1_vs_perftest\":$r1,\"kvrail_vs_ucx\":$ru}")
+    done
+done
+
+echo
+size=1048576; n=$(iters $size)
+one=$(kvrail "${A[0]}" "${B[0]}" write $size 32 "$n")
+two=$(kvrail "${A[0]},${A[1]}" "${B[0]},${B[1]}" write $size 32 "$n" --stripe-width 0)
+p1=$(perftest_one write 0 $size 32 "$n")
+p2=$(perftest_two write $size 32 "$n")
+printf 'rails (1 MiB WRITE, 32 in flight): kvrail one rail %s, striped over two %s (x%s); ib_write_bw one rail %s, two at once %s (x%s); striped/two perftests %s\n' \
+    "$one" "$two" "$(ratio "$two" "$one")" "$p1" "$p2" "$(ratio "$p2" "$p1")" "$(ratio "$two" "$p2")"
+RAILS="{\"kvrail_one_rail_mbps\":$one,\"kvrail_striped_mbps\":$two,\"perftest_one_rail_mbps\":$p1,\"perftest_two_rails_mbps\":$p2,\"kvrail_striped_vs_one\":$(ratio "$two" "$one"),\"perftest_two_vs_one\":$(ratio "$p2" "$p1"),\"kvrail_striped_vs_two_perftests\":$(ratio "$two" "$p2")}"
+
+# TCP over the VM's loopback: iperf3 (one stream, 5 s) vs kvrail-perf (1 MiB WRITE, 5 s)
+port=$(next_port)
+iperf3 -s -1 -p "$port" > "$T/iperf.srv" 2>&1 &
+wait_listen "$port" || die "iperf3 server did not start"
+ip=$(iperf3 -c 127.0.0.1 -p "$port" -t 5 -J 2> /dev/null | awk -F: '/"bits_per_second"/ {v=$2} END {gsub(/[ ,]/, "", v); printf "%.2f", v/8/1048576}')
+wait || true
+"$PERF" --loopback --transport tcp -s 1M -t 32 -D 5 > "$T/kvtcp" 2>&1 || { cat "$T/kvtcp" >&2; die "kvrail-perf tcp failed"; }
+kt=$(avg_of "$T/kvtcp")
+printf 'tcp loopback: iperf3 %s MB/s, kvrail-perf --transport tcp (1 MiB WRITE, 32 in flight) %s MB/s (x%s)\n' "$ip" "$kt" "$(ratio "$kt" "$ip")"
+TCP="{\"iperf3_mbps\":$ip,\"kvrail_tcp_mbps\":$kt,\"ratio\":$(ratio "$kt" "$ip")}"
+
+mkdir -p "$(dirname "$JSON")"
+( IFS=,; echo "{\"tool\":\"bench\",\"rail\":\"${A[0]}->${B[0]}\",\"rows\":[${ROWS[*]}],\"rails\":$RAILS,\"tcp\":$TCP}" ) > "$JSON"
+echo "# written to $JSON"
