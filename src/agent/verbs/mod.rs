@@ -14,6 +14,7 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
 mod notif;
+mod poster;
 mod rebuild;
 pub(crate) use notif::chan_connect_options;
 pub(crate) use rebuild::QpRequest;
@@ -25,7 +26,6 @@ use crate::rails::{discover, select, AddrSource, Ipv4If, SysfsRoot};
 use crate::transport::stripe::{DescPair, Planner, Progress, StripeMode, XferState};
 use crate::transport::verbs::{
     Access, Completion, ConnectOptions, Context, Cq, Endpoint, Mr, Pd, Qp, QpOptions, RemoteRegion,
-    SendWr, Sge,
 };
 
 /// Send-queue depth of a data queue pair.
@@ -59,6 +59,7 @@ pub(crate) struct Verbs {
     peers: Mutex<std::collections::HashSet<String>>,
     waker: Waker,
     poll: Mutex<Option<Poll>>,
+    posters: poster::Posters,
 }
 
 /// A transfer to post: `local[i]` pairs with `remote[i]` (regions of the peer, as its
@@ -221,6 +222,7 @@ impl Verbs {
             });
         }
         let waker = Waker::new(poll.registry(), WAKE).map_err(|e| e.to_string())?;
+        let posters = poster::Posters::new(out.len());
         let engine = Engine {
             planner: Some(Planner::new(out.len())),
             ..Engine::default()
@@ -232,6 +234,7 @@ impl Verbs {
             peers: Mutex::new(std::collections::HashSet::new()),
             waker,
             poll: Mutex::new(Some(poll)),
+            posters,
         })
     }
 
@@ -497,9 +500,9 @@ impl Verbs {
         }
     }
 
-    /// Post queued slices of one pair while its send queue has room, in chunks of one
-    /// transfer each, the last request of a chunk signaled.
-    fn pump(&self, shared: &Shared, e: &mut Engine, key: &(String, usize)) {
+    /// Hand queued slices of one pair to its rail's poster while its send queue has room, in
+    /// chunks of one transfer each (the last request of a chunk signaled).
+    fn pump(&self, _shared: &Shared, e: &mut Engine, key: &(String, usize)) {
         loop {
             let Some(q) = e.pairs.get_mut(key) else {
                 return;
@@ -519,35 +522,15 @@ impl Verbs {
                 .take_while(|p| p.xfer == xfer)
                 .count();
             let chunk: Vec<Pending> = q.queue.drain(..n).collect();
-            let rail = key.1;
-            let wrs: Vec<SendWr<'_>> = chunk
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let mr = &p.region.mrs[rail];
-                    let sge = Sge::new(mr, p.local_off as usize, p.len as usize);
-                    let wr = match p.op {
-                        XferOp::Write => SendWr::write(0, sge, p.remote, p.remote_off),
-                        XferOp::Read => SendWr::read(0, sge, p.remote, p.remote_off),
-                    };
-                    if i + 1 == n {
-                        SendWr {
-                            wr_id: (xfer << 16) | n as u64,
-                            ..wr
-                        }
-                    } else {
-                        wr.unsignaled()
-                    }
-                })
-                .collect();
-            match q.qp.post_send(&wrs) {
-                Ok(()) => q.in_flight += n,
-                Err(err) => {
-                    let msg = format!("posting on {}: {err}", self.rails[rail].name);
-                    drop(wrs);
-                    self.kill_pair(shared, e, key, &msg);
-                    return;
-                }
+            q.in_flight += n;
+            let job = poster::Job::Post {
+                key: key.clone(),
+                qp: q.qp.clone(),
+                xfer,
+                chunk,
+            };
+            if self.posters.tx[key.1].send(job).is_err() {
+                return; // the poster stopped: the agent is shutting down
             }
         }
     }
@@ -648,6 +631,7 @@ impl Verbs {
         let mut poll = lock(&self.poll)
             .take()
             .ok_or_else(|| verr("progress thread already started"))?;
+        self.spawn_posters(&shared)?;
         let me = self.clone();
         std::thread::Builder::new()
             .name(format!("kvrail-progress-{}", shared.name))
@@ -733,9 +717,10 @@ impl Verbs {
         }
     }
 
-    /// Wake the progress thread (to see the shutdown flag).
+    /// Wake the progress thread (to see the shutdown flag) and stop the posters.
     pub(crate) fn wake(&self) {
         let _ = self.waker.wake();
+        self.stop_posters();
     }
 }
 
