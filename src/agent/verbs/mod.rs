@@ -523,12 +523,12 @@ impl Verbs {
                 .count();
             let chunk: Vec<Pending> = q.queue.drain(..n).collect();
             q.in_flight += n;
-            let job = poster::Job::Post {
+            let job = poster::Job::Post(poster::Chunk {
                 key: key.clone(),
                 qp: q.qp.clone(),
                 xfer,
-                chunk,
-            };
+                slices: chunk,
+            });
             if self.posters.tx[key.1].send(job).is_err() {
                 return; // the poster stopped: the agent is shutting down
             }

@@ -14,15 +14,19 @@ use super::{lock, Pending, Verbs, CHUNK};
 use crate::agent::{AgentError, Shared, XferOp};
 use crate::transport::verbs::{Qp, SendWr, Sge};
 
+/// Slices of one transfer for one queue pair, the last one to be signaled.
+pub(super) struct Chunk {
+    /// The pair (peer, local rail).
+    pub(super) key: (String, usize),
+    pub(super) qp: Qp,
+    pub(super) xfer: u64,
+    pub(super) slices: Vec<Pending>,
+}
+
 /// Work for a rail's poster.
 pub(super) enum Job {
-    /// Post `chunk` (slices of transfer `xfer`, last one signaled) on `qp`, the pair `key`.
-    Post {
-        key: (String, usize),
-        qp: Qp,
-        xfer: u64,
-        chunk: Vec<Pending>,
-    },
+    /// Post a chunk.
+    Post(Chunk),
     /// Stop (the agent shuts down).
     Stop,
 }
@@ -66,18 +70,13 @@ impl Verbs {
     }
 
     fn poster(&self, shared: &Shared, rail: usize, rx: &mpsc::Receiver<Job>) {
-        let mut batch: Vec<((String, usize), Qp, u64, Vec<Pending>)> = Vec::new();
+        let mut batch: Vec<Chunk> = Vec::new();
         while let Ok(first) = rx.recv() {
             let mut stop = false;
             // take what else is queued: consecutive chunks for one queue pair go in one call
             for job in std::iter::once(first).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
                 match job {
-                    Job::Post {
-                        key,
-                        qp,
-                        xfer,
-                        chunk,
-                    } => batch.push((key, qp, xfer, chunk)),
+                    Job::Post(c) => batch.push(c),
                     Job::Stop => stop = true,
                 }
                 if batch.len() >= 16 || stop {
@@ -86,8 +85,8 @@ impl Verbs {
             }
             let mut i = 0;
             while i < batch.len() {
-                let qpn = batch[i].1.qpn();
-                let j = i + batch[i..].iter().take_while(|b| b.1.qpn() == qpn).count();
+                let qpn = batch[i].qp.qpn();
+                let j = i + batch[i..].iter().take_while(|b| b.qp.qpn() == qpn).count();
                 self.post_run(shared, rail, &batch[i..j]);
                 i = j;
             }
@@ -99,16 +98,11 @@ impl Verbs {
     }
 
     /// Post consecutive chunks for one queue pair in one call.
-    fn post_run(
-        &self,
-        shared: &Shared,
-        rail: usize,
-        run: &[((String, usize), Qp, u64, Vec<Pending>)],
-    ) {
+    fn post_run(&self, shared: &Shared, rail: usize, run: &[Chunk]) {
         let mut wrs: Vec<SendWr<'_>> = Vec::with_capacity(run.len() * CHUNK);
-        for (_, _, xfer, chunk) in run {
-            let n = chunk.len();
-            for (i, p) in chunk.iter().enumerate() {
+        for c in run {
+            let (xfer, n) = (c.xfer, c.slices.len());
+            for (i, p) in c.slices.iter().enumerate() {
                 let mr = &p.region.mrs[rail];
                 let sge = Sge::new(mr, p.local_off as usize, p.len as usize);
                 let wr = match p.op {
@@ -125,7 +119,7 @@ impl Verbs {
                 });
             }
         }
-        let (key, qp, _, _) = &run[0];
+        let (key, qp) = (&run[0].key, &run[0].qp);
         if let Err(err) = qp.post_send(&wrs) {
             drop(wrs);
             let msg = format!("posting on {}: {err}", self.rails[rail].name);
