@@ -20,7 +20,7 @@ MB=${BENCH_MB:-200}
 iters() { local n=$(( MB * 1048576 / $1 )); [ "$n" -gt 2000 ] && n=2000; [ "$n" -lt 10 ] && n=10; echo "$n"; }
 ROWS=()
 
-printf '%-5s %8s | %9s %9s %9s %9s | %7s %7s %9s\n' op bytes perftest ucx kvrail kvrail-t1 "kv/pt" "t1/pt" "kv/ucx"
+printf '%-5s %8s | %9s %9s %9s %9s | %7s %7s %9s | %s\n' op bytes perftest ucx kvrail kvrail-t1 "kv/pt" "t1/pt" "kv/ucx" "cs/xfer t1 (kvrail client)"
 for op in write read; do
     for size in $SIZES; do
         n=$(iters "$size")
@@ -28,9 +28,10 @@ for op in write read; do
         u=$(ucx "$op" "$size" "$n")
         k=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n")
         k1=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 1 "$n")
+        cs=$(awk '/^# context switches per transfer/ {print $NF}' "$T/kv")
         r=$(ratio "$k" "$p"); r1=$(ratio "$k1" "$p"); ru=$(ratio "$k" "$u")
-        printf '%-5s %8s | %9s %9s %9s %9s | %7s %7s %9s\n' "$op" "$size" "$p" "$u" "$k" "$k1" "$r" "$r1" "$ru"
-        ROWS+=("{\"op\":\"$op\",\"bytes\":$size,\"perftest_mbps\":$p,\"ucx_mbps\":$u,\"kvrail_mbps\":$k,\"kvrail_t1_mbps\":$k1,\"kvrail_vs_perftest\":$r,\"kvrail_t1_vs_perftest\":$r1,\"kvrail_vs_ucx\":$ru}")
+        printf '%-5s %8s | %9s %9s %9s %9s | %7s %7s %9s | %s\n' "$op" "$size" "$p" "$u" "$k" "$k1" "$r" "$r1" "$ru" "${cs:-?}"
+        ROWS+=("{\"op\":\"$op\",\"bytes\":$size,\"perftest_mbps\":$p,\"ucx_mbps\":$u,\"kvrail_mbps\":$k,\"kvrail_t1_mbps\":$k1,\"kvrail_vs_perftest\":$r,\"kvrail_t1_vs_perftest\":$r1,\"kvrail_vs_ucx\":$ru,\"kvrail_t1_ctx_switches_per_xfer\":${cs:-null}}")
     done
 done
 
@@ -46,7 +47,7 @@ RAILS="{\"kvrail_one_rail_mbps\":$one,\"kvrail_striped_mbps\":$two,\"perftest_on
 
 # TCP over the VM's loopback: iperf3 (one stream, 5 s) vs kvrail-perf (1 MiB WRITE, 5 s)
 port=$(next_port)
-iperf3 -s -1 -p "$port" > "$T/iperf.srv" 2>&1 &
+iperf3 -s -1 -B 127.0.0.1 -p "$port" > "$T/iperf.srv" 2>&1 &   # -B: IPv4 (wait_listen reads /proc/net/tcp)
 wait_listen "$port" || die "iperf3 server did not start"
 ip=$(iperf3 -c 127.0.0.1 -p "$port" -t 5 -J 2> /dev/null | awk -F: '/"bits_per_second"/ {v=$2} END {gsub(/[ ,]/, "", v); printf "%.2f", v/8/1048576}')
 wait || true

@@ -80,6 +80,7 @@ fn json_read_with_many_descriptors() {
     assert_eq!(r["bytes"], 1 << 20);
     assert_eq!(r["iterations"], 20);
     assert_eq!(r["wrong_bytes"], 0);
+    assert!(r["ctx_switches_per_xfer"].as_f64().is_some(), "{r}");
     assert!(r["bw_avg_mbps"].as_f64().unwrap() > 0.0);
     assert!(!out.contains("BW peak"), "no table in --json mode");
 }

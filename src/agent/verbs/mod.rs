@@ -7,6 +7,7 @@
 //! with the others.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -395,10 +396,14 @@ impl Verbs {
             }
             return Ok(());
         }
+        // The only transfer in flight, on one rail: post in place (one thread hand-off less,
+        // which is what a lone transfer waits on). Otherwise the posters move the rails in
+        // parallel, and nothing holds the engine lock through a post.
+        let in_place = plan.rails_used().len() == 1 && e.runs.len() == 1;
         let keys: Vec<(String, usize)> =
             e.pairs.keys().filter(|(p, _)| p == peer).cloned().collect();
         for k in keys {
-            self.pump(shared, &mut e, &k);
+            self.pump_with(shared, &mut e, &k, in_place);
         }
         Ok(())
     }
@@ -502,7 +507,13 @@ impl Verbs {
 
     /// Hand queued slices of one pair to its rail's poster while its send queue has room, in
     /// chunks of one transfer each (the last request of a chunk signaled).
-    fn pump(&self, _shared: &Shared, e: &mut Engine, key: &(String, usize)) {
+    fn pump(&self, shared: &Shared, e: &mut Engine, key: &(String, usize)) {
+        self.pump_with(shared, e, key, false);
+    }
+
+    /// [`Verbs::pump`]; with `in_place`, a chunk is posted by this thread when the rail's
+    /// poster has nothing queued (see [`poster`]).
+    fn pump_with(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), in_place: bool) {
         loop {
             let Some(q) = e.pairs.get_mut(key) else {
                 return;
@@ -523,13 +534,22 @@ impl Verbs {
                 .count();
             let chunk: Vec<Pending> = q.queue.drain(..n).collect();
             q.in_flight += n;
-            let job = poster::Job::Post(poster::Chunk {
+            let c = poster::Chunk {
                 key: key.clone(),
                 qp: q.qp.clone(),
                 xfer,
                 slices: chunk,
-            });
-            if self.posters.tx[key.1].send(job).is_err() {
+            };
+            let rail = key.1;
+            if in_place && self.posters.queued[rail].load(Ordering::Acquire) == 0 {
+                if let Err(msg) = self.post_chunks(rail, std::slice::from_ref(&c)) {
+                    self.post_failed(shared, e, &c, &msg);
+                    return;
+                }
+                continue;
+            }
+            self.posters.queued[rail].fetch_add(1, Ordering::AcqRel);
+            if self.posters.tx[rail].send(poster::Job::Post(c)).is_err() {
                 return; // the poster stopped: the agent is shutting down
             }
         }

@@ -7,10 +7,15 @@
 //! hardware it keeps the doorbell out of the engine lock. Slices are counted in flight when
 //! queued here; a chunk whose post fails fails its queue pair (unless that pair already
 //! died or was rebuilt, in which case its slices were already moved elsewhere).
+//!
+//! The only transfer in flight, on one rail, posted while that rail's poster has nothing
+//! queued, is posted in place by the caller instead: one thread hand-off less per transfer,
+//! which is what a single transfer in flight waits on.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
-use super::{lock, Pending, Verbs, CHUNK};
+use super::{lock, Engine, Pending, Verbs, CHUNK};
 use crate::agent::{AgentError, Shared, XferOp};
 use crate::transport::verbs::{Qp, SendWr, Sge};
 
@@ -34,6 +39,10 @@ pub(super) enum Job {
 /// The senders to each rail's poster, and the receivers until the threads start.
 pub(super) struct Posters {
     pub(super) tx: Vec<mpsc::Sender<Job>>,
+    /// Chunks handed to each poster and not yet posted. Raised under the engine lock,
+    /// lowered by the poster after posting: zero, seen under the engine lock, means every
+    /// chunk queued so far is on the wire, so posting in place keeps queue order.
+    pub(super) queued: Vec<AtomicUsize>,
     rx: std::sync::Mutex<Vec<mpsc::Receiver<Job>>>,
 }
 
@@ -42,6 +51,7 @@ impl Posters {
         let (tx, rx) = (0..rails).map(|_| mpsc::channel()).unzip();
         Self {
             tx,
+            queued: (0..rails).map(|_| AtomicUsize::new(0)).collect(),
             rx: std::sync::Mutex::new(rx),
         }
     }
@@ -97,8 +107,30 @@ impl Verbs {
         }
     }
 
-    /// Post consecutive chunks for one queue pair in one call.
+    /// Post consecutive chunks for one queue pair in one call; a failure fails the pair
+    /// (when it is still the current one).
     fn post_run(&self, shared: &Shared, rail: usize, run: &[Chunk]) {
+        if let Err(msg) = self.post_chunks(rail, run) {
+            let mut e = lock(&self.engine);
+            self.post_failed(shared, &mut e, &run[0], &msg);
+        }
+        self.posters.queued[rail].fetch_sub(run.len(), Ordering::AcqRel);
+    }
+
+    /// A post of `c` failed: fail its pair, unless that pair already died or was replaced
+    /// (its slices were moved elsewhere then).
+    pub(super) fn post_failed(&self, shared: &Shared, e: &mut Engine, c: &Chunk, msg: &str) {
+        let current = e
+            .pairs
+            .get(&c.key)
+            .is_some_and(|q| q.dead.is_none() && q.qp.qpn() == c.qp.qpn());
+        if current {
+            self.kill_pair(shared, e, &c.key, msg);
+        }
+    }
+
+    /// Build the work requests of `run` (chunks for one queue pair) and post them.
+    pub(super) fn post_chunks(&self, rail: usize, run: &[Chunk]) -> Result<(), String> {
         let mut wrs: Vec<SendWr<'_>> = Vec::with_capacity(run.len() * CHUNK);
         for c in run {
             let (xfer, n) = (c.xfer, c.slices.len());
@@ -119,18 +151,9 @@ impl Verbs {
                 });
             }
         }
-        let (key, qp) = (&run[0].key, &run[0].qp);
-        if let Err(err) = qp.post_send(&wrs) {
-            drop(wrs);
-            let msg = format!("posting on {}: {err}", self.rails[rail].name);
-            let mut e = lock(&self.engine);
-            let current = e
-                .pairs
-                .get(key)
-                .is_some_and(|q| q.dead.is_none() && q.qp.qpn() == qp.qpn());
-            if current {
-                self.kill_pair(shared, &mut e, key, &msg);
-            }
-        }
+        run[0]
+            .qp
+            .post_send(&wrs)
+            .map_err(|err| format!("posting on {}: {err}", self.rails[rail].name))
     }
 }

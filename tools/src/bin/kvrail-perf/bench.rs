@@ -27,6 +27,26 @@ pub(crate) struct Bw {
     pub(crate) avg_bps: f64,
     /// Transfers per second, millions.
     pub(crate) msg_rate_mpps: f64,
+    /// Context switches of this process (all threads, voluntary and not) per transfer
+    /// during the timed loop; None where /proc is not readable.
+    pub(crate) ctx_switches_per_xfer: Option<f64>,
+}
+
+/// Context switches of this process's live threads so far (Linux /proc).
+pub(crate) fn ctx_switches() -> Option<u64> {
+    let mut sum = 0;
+    for t in std::fs::read_dir("/proc/self/task").ok()? {
+        let s = std::fs::read_to_string(t.ok()?.path().join("status")).ok()?;
+        for l in s.lines() {
+            if let Some(v) = l
+                .strip_prefix("voluntary_ctxt_switches:")
+                .or_else(|| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+            {
+                sum += v.trim().parse::<u64>().ok()?;
+            }
+        }
+    }
+    Some(sum)
 }
 
 /// What a bandwidth run moves.
@@ -80,6 +100,7 @@ pub(crate) fn bandwidth(s: &BwSpec<'_>) -> Result<Bw, String> {
         Stop::For(_) => u64::MAX,
     };
     let mut done_at: Vec<f64> = Vec::new();
+    let cs0 = ctx_switches();
     let start = Instant::now();
     let mut posted = 0u64;
     // transfers in flight, oldest first
@@ -121,6 +142,9 @@ pub(crate) fn bandwidth(s: &BwSpec<'_>) -> Result<Bw, String> {
         }
         flight = still;
     }
+    let cs = cs0
+        .zip(ctx_switches())
+        .map(|(a, b)| b.saturating_sub(a) as f64 / done_at.len().max(1) as f64);
     for x in xs {
         a.release(x).map_err(|e| e.to_string())?;
     }
@@ -145,6 +169,7 @@ pub(crate) fn bandwidth(s: &BwSpec<'_>) -> Result<Bw, String> {
         peak_bps: peak,
         avg_bps: avg,
         msg_rate_mpps: n as f64 / secs / 1e6,
+        ctx_switches_per_xfer: cs,
     })
 }
 

@@ -182,6 +182,11 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
         let (bw, wrong) = bw_run(args, a, &peer, (local, remote), len, size, stop)?;
         if human {
             println!("{}", report::bw_line(&bw, args.report_gbits));
+            if !args.all {
+                if let Some(c) = bw.ctx_switches_per_xfer {
+                    println!("# context switches per transfer (this process): {c:.1}");
+                }
+            }
         }
         bws.push((bw, wrong));
         if let Some(w) = wrong.filter(|w| *w > 0) {

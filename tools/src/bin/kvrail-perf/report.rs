@@ -123,6 +123,7 @@ pub(crate) fn json(
                 "bw_peak_gbps": bw_unit(b.peak_bps, true),
                 "bw_avg_gbps": bw_unit(b.avg_bps, true),
                 "msg_rate_mpps": b.msg_rate_mpps,
+                "ctx_switches_per_xfer": b.ctx_switches_per_xfer,
                 "wrong_bytes": wrong,
             })
         })
