@@ -199,3 +199,49 @@ fn bad_arguments_are_refused_with_the_flag_named() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn server_and_client_in_two_processes() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvrail-perf"))
+        .args(["--server", "--transport", "tcp", "--listen", &listen])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("server");
+    // the server prints its side channel once it listens
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains(&listen), "{line}");
+    let o = perf(&[
+        "--client",
+        &listen,
+        "--transport",
+        "tcp",
+        "-o",
+        "write",
+        "-s",
+        "256K",
+        "-n",
+        "40",
+        "-t",
+        "4",
+        "--json",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    // WRITE: the server compared its memory with the client's pattern
+    assert_eq!(v["results"][0]["wrong_bytes"], 0);
+    assert_eq!(v["results"][0]["iterations"], 40);
+    // the server exits once the client said bye
+    assert!(server.wait().unwrap().success(), "server failed");
+}
