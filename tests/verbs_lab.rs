@@ -844,6 +844,17 @@ fn notif_burst(t: &Topology, _: &PeerProcess, rail: usize) -> R {
     let (mut got_b, mut got_a) = (0u64, 0u64);
     let start = std::time::Instant::now();
     let mut cs = Vec::new();
+    // feed each channel its queue pair's completions
+    let mut progress = |a: &mut MsgChannel, b: &mut MsgChannel| -> R {
+        for (cq, ch) in [(&cq_a, a), (&cq_b, b)] {
+            cs.clear();
+            cq.poll(&mut cs).map_err(s)?;
+            for c in &cs {
+                ch.handle(c).map_err(s)?;
+            }
+        }
+        Ok(())
+    };
     while got_b < N || got_a < BACK {
         ensure(start.elapsed() < Duration::from_secs(240), || {
             format!(
@@ -852,13 +863,7 @@ fn notif_burst(t: &Topology, _: &PeerProcess, rail: usize) -> R {
                 b.backlog()
             )
         })?;
-        for (cq, ch) in [(&cq_a, &mut a), (&cq_b, &mut b)] {
-            cs.clear();
-            cq.poll(&mut cs).map_err(s)?;
-            for c in &cs {
-                ch.handle(c).map_err(s)?;
-            }
-        }
+        progress(&mut a, &mut b)?;
         while let Some(m) = b.recv() {
             ensure(m == notif_msg(1, got_b), || {
                 format!(
@@ -884,13 +889,7 @@ fn notif_burst(t: &Topology, _: &PeerProcess, rail: usize) -> R {
                 b.delivered()
             )
         })?;
-        for (cq, ch) in [(&cq_a, &mut a), (&cq_b, &mut b)] {
-            cs.clear();
-            cq.poll(&mut cs).map_err(s)?;
-            for c in &cs {
-                ch.handle(c).map_err(s)?;
-            }
-        }
+        progress(&mut a, &mut b)?;
     }
     ensure(a.delivered() == N && b.delivered() == BACK, || {
         format!("delivered {} / {}", a.delivered(), b.delivered())

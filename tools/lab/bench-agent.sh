@@ -13,6 +13,7 @@
 set -u
 BENCH_NAME=bench-agent
 . "$(dirname "${BASH_SOURCE[0]}")/bench-lib.sh"
+need_perf
 SIZES=${BENCH_SIZES:-"262144 1048576"}
 JSON=${BENCH_JSON:-target/bench-agent.json}
 iters() { if [ "$1" -ge 1048576 ]; then echo "${BENCH_ITERS_1M:-200}"; else echo "${BENCH_ITERS_256K:-600}"; fi; }

@@ -4,7 +4,7 @@
 die() { echo "${BENCH_NAME:-bench}: FAIL: $*" >&2; exit 1; }
 [ -n "${LAB_GUEST:-}" ] || die "run me inside the lab: tools/lab/run.sh $0"
 PERF=${KVRAIL_PERF:-target/release/kvrail-perf}
-[ -x "$PERF" ] || die "$PERF missing: cargo build --release -p kvrail-tools"
+need_perf() { [ -x "$PERF" ] || die "$PERF missing: cargo build --release -p kvrail-tools"; }
 G=$LAB_GID_INDEX
 A=($LAB_A_DEVS); B=($LAB_B_DEVS); BIPS=($LAB_B_IPS)
 T=$(mktemp -d /run/bench.XXXXXX)
@@ -96,6 +96,7 @@ ucx() {
 # iters $6, extra args... → MB/s; the run must have checked its data
 kvrail() {
     local cr=$1 sr=$2 op=$3 size=$4 depth=$5 n=$6 port; shift 6
+    need_perf
     port=$(next_port)
     timeout 300 "$PERF" --server --listen 127.0.0.1:$port --transport verbs --rails "$sr" "$@" > "$T/kv.srv" 2>&1 &
     local spid=$!

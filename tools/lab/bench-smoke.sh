@@ -7,52 +7,34 @@
 #   BENCH_SIZE (1048576)  BENCH_ITERS (200)  BENCH_DEPTH (32)  BENCH_RAIL (0)  ROUNDS (2)
 #   KVRAIL_BW (target/release/kvrail-verbs-bw)
 set -u
-die() { echo "bench-smoke: FAIL: $*" >&2; exit 1; }
-[ -n "${LAB_GUEST:-}" ] || die "run me inside the lab: tools/lab/run.sh $0"
+BENCH_NAME=bench-smoke
+. "$(dirname "${BASH_SOURCE[0]}")/bench-lib.sh"
 SIZE=${BENCH_SIZE:-1048576}; ITERS=${BENCH_ITERS:-200}; DEPTH=${BENCH_DEPTH:-32}
 R=${BENCH_RAIL:-0}; ROUNDS=${ROUNDS:-2}
 BW=${KVRAIL_BW:-target/release/kvrail-verbs-bw}
 [ -x "$BW" ] || die "$BW missing: cargo build --release -p kvrail-tools"
-G=$LAB_GID_INDEX
-A=($LAB_A_DEVS); B=($LAB_B_DEVS); BIPS=($LAB_B_IPS)
-T=$(mktemp -d /run/bench.XXXXXX)
-PORT=18600
-
-wait_listen() {   # until something listens on TCP port $1 (perftest server up)
-    local want i sl local rest
-    printf -v want ':%04X' "$1"
-    for ((i = 0; i < 300; i++)); do
-        while read -r sl local rest; do
-            [[ $local == *"$want" && $rest == *" 0A "* ]] && return 0
-        done < /proc/net/tcp
-        sleep 0.1
-    done
-    return 1
-}
 
 # perftest TOOL: server on host B, client on host A; prints the average MB/s
 perftest() {
     local tool=$1
-    PORT=$((PORT + 1))
+    local PORT; PORT=$(next_port)
     timeout 300 "$tool" -d "${B[$R]}" -p $PORT -x "$G" -u 20 -t "$DEPTH" -F -s "$SIZE" -n "$ITERS" > "$T/srv" 2>&1 &
     local spid=$!
     wait_listen $PORT || { kill $spid; die "$tool server did not start"; }
     timeout 300 "$tool" -d "${A[$R]}" -p $PORT -x "$G" -u 20 -t "$DEPTH" -F -s "$SIZE" -n "$ITERS" "${BIPS[$R]}" > "$T/cli" 2>&1 \
         || { cat "$T/cli" "$T/srv" >&2; die "$tool failed"; }
     wait $spid
-    local line; line=$(grep -E '^ *[0-9]+ +[0-9]+ +[0-9.]+' "$T/cli" | tail -n 1)
-    set -- $line
-    echo "$4"
+    avg_of "$T/cli"
 }
 
 kvrail() {
     "$BW" --rail "$R" --op "$1" -s "$SIZE" -n "$ITERS" -t "$DEPTH" > "$T/kv" 2> "$T/kv.err" \
         || { cat "$T/kv" "$T/kv.err" >&2; die "kvrail-verbs-bw --op $1 failed"; }
     grep -q '^# data check' "$T/kv" || die "kvrail-verbs-bw did not check its data"
-    local line; line=$(grep -E '^ *[0-9]+ +[0-9]+ +[0-9.]+' "$T/kv" | tail -n 1)
-    set -- $line
-    echo "$4"
+    avg_of "$T/kv"
 }
+
+# (kvrail here is the verbs layer's tool, not kvrail-perf: it replaces bench-lib's kvrail)
 
 echo "== rail $R (${A[$R]} -> ${B[$R]}), ${SIZE} B x ${ITERS}, depth $DEPTH, ${ROUNDS} interleaved rounds"
 for op in write read; do

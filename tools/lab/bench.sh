@@ -14,6 +14,7 @@
 set -u
 BENCH_NAME=bench
 . "$(dirname "${BASH_SOURCE[0]}")/bench-lib.sh"
+need_perf
 SIZES=${BENCH_SIZES:-"65536 262144 1048576 8388608"}
 JSON=${BENCH_JSON:-target/bench.json}
 MB=${BENCH_MB:-200}

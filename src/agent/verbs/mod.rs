@@ -149,6 +149,17 @@ impl Engine {
         );
     }
 
+    /// The local rails with a live queue pair to `peer`, in order.
+    fn live_rails(&self, peer: &str, rails: usize) -> Vec<usize> {
+        (0..rails)
+            .filter(|r| {
+                self.pairs
+                    .get(&(peer.to_owned(), *r))
+                    .is_some_and(|q| q.dead.is_none())
+            })
+            .collect()
+    }
+
     /// Mark a pair dead (once) and schedule its rebuild. False when it already was.
     fn mark_dead(&mut self, key: &(String, usize), why: &str) -> bool {
         let Some(q) = self.pairs.get_mut(key) else {
@@ -348,13 +359,7 @@ impl Verbs {
             meta,
         } = req;
         let mut e = lock(&self.engine);
-        let rails: Vec<usize> = (0..self.rails.len())
-            .filter(|r| {
-                e.pairs
-                    .get(&(peer.to_owned(), *r))
-                    .is_some_and(|p| p.dead.is_none())
-            })
-            .collect();
+        let rails = e.live_rails(peer, self.rails.len());
         if rails.is_empty() {
             return Err(AgentError::Unsupported(format!(
                 "no working queue pair to {peer}"
@@ -456,13 +461,7 @@ impl Verbs {
             }
             q.queue.clear(); // every queued slice is also pending in its run: re-planned below
         }
-        let survivors: Vec<usize> = (0..self.rails.len())
-            .filter(|r| {
-                e.pairs
-                    .get(&(peer.clone(), *r))
-                    .is_some_and(|q| q.dead.is_none())
-            })
-            .collect();
+        let survivors = e.live_rails(&peer, self.rails.len());
         let ids: Vec<u64> = e
             .runs
             .iter()
