@@ -112,20 +112,16 @@ impl PeerConn {
             .try_clone()
             .map_err(|e| conn_err("data connection", addr, e))?;
         let mut reader = Reader::new(rs);
-        match reader.next() {
-            Ok(Some(Msg::Attached)) => {}
-            Ok(Some(Msg::Refused { message })) => {
-                return Err(conn_err("peer refused us at", addr, message))
-            }
-            Ok(other) => {
-                return Err(conn_err(
-                    "attach to",
-                    addr,
-                    format!("unexpected reply {other:?}"),
-                ))
-            }
-            Err(e) => return Err(conn_err("attach to", addr, e)),
-        }
+        expect_reply(
+            &mut reader,
+            addr,
+            "attach to",
+            "peer refused us at",
+            |m| match m {
+                Msg::Attached => Ok(()),
+                m => Err(m),
+            },
+        )?;
         #[cfg(feature = "verbs")]
         open_qps(&shared, &mut w, &mut reader, addr, peer, meta)?;
         #[cfg(not(feature = "verbs"))]
@@ -186,6 +182,24 @@ impl PeerConn {
     }
 }
 
+/// The peer's answer to one step of the attach handshake: `want` takes the expected
+/// message (or hands it back); `Refused` and anything else are errors naming the step.
+fn expect_reply<T>(
+    reader: &mut Reader<TcpStream>,
+    addr: SocketAddr,
+    step: &'static str,
+    refused: &'static str,
+    want: impl FnOnce(Msg) -> Result<T, Msg>,
+) -> Result<T, AgentError> {
+    match reader.next() {
+        Ok(Some(Msg::Refused { message })) => Err(conn_err(refused, addr, message)),
+        Ok(Some(m)) => want(m)
+            .map_err(|other| conn_err(step, addr, format!("unexpected reply {:?}", Some(other)))),
+        Ok(None) => Err(conn_err(step, addr, "unexpected reply None")),
+        Err(e) => Err(conn_err(step, addr, e)),
+    }
+}
+
 /// Verbs: one queue pair per paired rail, endpoints exchanged over the attach connection.
 #[cfg(feature = "verbs")]
 fn open_qps(
@@ -213,24 +227,16 @@ fn open_qps(
     }
     send(w, &Msg::QpOpen { pairs: req })
         .map_err(|e| conn_err("queue pair exchange with", addr, e))?;
-    let eps = match reader.next() {
-        Ok(Some(Msg::QpOpened { endpoints })) if endpoints.len() == qps.len() => endpoints,
-        Ok(Some(Msg::Refused { message })) => {
-            return Err(conn_err(
-                "peer could not open queue pairs at",
-                addr,
-                message,
-            ))
-        }
-        Ok(other) => {
-            return Err(conn_err(
-                "queue pair exchange with",
-                addr,
-                format!("unexpected reply {other:?}"),
-            ))
-        }
-        Err(e) => return Err(conn_err("queue pair exchange with", addr, e)),
-    };
+    let eps = expect_reply(
+        reader,
+        addr,
+        "queue pair exchange with",
+        "peer could not open queue pairs at",
+        |m| match m {
+            Msg::QpOpened { endpoints } if endpoints.len() == qps.len() => Ok(endpoints),
+            m => Err(m),
+        },
+    )?;
     for ((rail, _, qp), ep) in qps.iter().zip(&eps) {
         qp.connect(ep, &crate::transport::verbs::ConnectOptions::default())
             .map_err(|e| {
@@ -271,20 +277,16 @@ fn open_chan(
         },
     )
     .map_err(|e| conn_err("notification channel to", addr, e))?;
-    let ep = match reader.next() {
-        Ok(Some(Msg::ChanOpened { ep })) => ep,
-        Ok(Some(Msg::Refused { message })) => {
-            return Err(conn_err("notification channel refused by", addr, message))
-        }
-        Ok(other) => {
-            return Err(conn_err(
-                "notification channel to",
-                addr,
-                format!("unexpected reply {other:?}"),
-            ))
-        }
-        Err(e) => return Err(conn_err("notification channel to", addr, e)),
-    };
+    let ep = expect_reply(
+        reader,
+        addr,
+        "notification channel to",
+        "notification channel refused by",
+        |m| match m {
+            Msg::ChanOpened { ep } => Ok(ep),
+            m => Err(m),
+        },
+    )?;
     qp.connect(&ep, &crate::agent::verbs::chan_connect_options())
         .map_err(|e| conn_err("notification channel to", addr, e))?;
     v.add_out_chan(peer, mine, &qp, ch);
