@@ -166,14 +166,24 @@ pub struct Credits {
 }
 
 impl Credits {
-    /// Both sides post `slots` receives (at least 2: one is kept for credit-only frames).
+    /// Smallest slot count: with fewer, returning credits takes one frame's worth, so each
+    /// credit-only frame would be answered by another, forever.
+    pub const MIN_SLOTS: u32 = 4;
+
+    /// Both sides post `slots` receives (at least [`Credits::MIN_SLOTS`]; one is kept for
+    /// credit-only frames).
     pub fn new(slots: u32) -> Self {
-        let slots = slots.max(2);
+        let slots = slots.max(Self::MIN_SLOTS);
         Self {
             slots,
             available: slots,
             owed: 0,
         }
+    }
+
+    /// Receives each side posts.
+    pub fn slots(&self) -> u32 {
+        self.slots
     }
 
     /// Frames we may send now.

@@ -54,12 +54,13 @@ pub struct MsgChannel {
 }
 
 impl MsgChannel {
-    /// A channel with `slots` receive and send slots of `slot_size` bytes (at least 64).
+    /// A channel with `slots` receive and send slots (at least [`Credits::MIN_SLOTS`]) of
+    /// `slot_size` bytes (at least 64).
     ///
     /// # Errors
     /// Registration or posting the receives failed.
     pub fn new(pd: &Pd, qp: Qp, slots: u32, slot_size: usize) -> Result<Self, ChannelError> {
-        let slots = slots.max(2);
+        let slots = slots.max(Credits::MIN_SLOTS);
         let slot = slot_size.max(64);
         let mr = Mr::alloc(pd, 2 * slots as usize * slot, Access::LOCAL_WRITE)?;
         let recvs: Vec<RecvWr<'_>> = (0..slots)

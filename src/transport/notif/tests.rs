@@ -102,8 +102,10 @@ struct Sim {
 
 impl Sim {
     fn new(slots: u32, a: u32, b: u32) -> Self {
+        let c = Credits::new(slots);
+        let slots = c.slots(); // what both sides really post
         Self {
-            credits: [Credits::new(slots), Credits::new(slots)],
+            credits: [c.clone(), c],
             posted: [slots, slots],
             wire: [VecDeque::new(), VecDeque::new()],
             backlog: [a, b],
