@@ -806,6 +806,16 @@ impl Agent {
         None
     }
 
+    /// Whether each rail's device can register dma-buf memory, probed once when the agent
+    /// started (verbs backend; empty on TCP, which never registers device memory).
+    pub fn dmabuf_support(&self) -> Vec<crate::mem::NicDmabuf> {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            return v.rails.iter().map(|r| r.dmabuf_report()).collect();
+        }
+        Vec::new()
+    }
+
     /// Bytes moved over each rail since the agent started (verbs backend; empty on TCP).
     pub fn rail_bytes(&self) -> Vec<(String, u64)> {
         #[cfg(feature = "verbs")]

@@ -33,6 +33,9 @@ pub enum MemError {
         /// Buffer size.
         size: u64,
     },
+    /// The device runtime refused a copy or allocation.
+    #[error("device memory: {0}")]
+    Device(String),
 }
 
 /// Anonymous, zeroed, page-aligned host memory.
@@ -129,6 +132,23 @@ impl HostBuffer {
         let r = self.check(offset, out.len())?;
         out.copy_from_slice(&self.lock()[r]);
         Ok(())
+    }
+}
+
+impl HostBuffer {
+    /// Run `f` on `len` bytes at `offset`, exclusively (CPU copies are serialized; a device
+    /// runtime copies straight into or out of the buffer this way, with no extra copy).
+    ///
+    /// # Errors
+    /// [`MemError::OutOfRange`], or `f`'s error.
+    pub fn with_mut<R>(
+        &self,
+        offset: usize,
+        len: usize,
+        f: impl FnOnce(&mut [u8]) -> Result<R, MemError>,
+    ) -> Result<R, MemError> {
+        let r = self.check(offset, len)?;
+        f(&mut self.lock()[r])
     }
 }
 

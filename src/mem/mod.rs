@@ -1,8 +1,15 @@
-//! Memory kvrail registers. [`HostBuffer`] is page-aligned host memory that the agent and
+//! Memory kvrail moves. [`HostBuffer`] is page-aligned host memory that the agent and
 //! the verbs layer share; CPU access is by copy because a NIC may access it concurrently.
+//! [`DeviceMemory`] is accelerator memory reached by copies through its runtime
+//! ([`NpuMemory`] through `rbln-sys`); [`MemoryPath`] decides between registering it with the
+//! NIC through dma-buf and bouncing it through host buffers (`crate::bounce`).
 //! No `unsafe` here: the device reaches the pages through its registration (in
-//! `transport::verbs`), the CPU through copies under a lock.
+//! `transport::verbs`), the CPU through copies under a lock, NPU memory through `rbln-sys`.
 
+mod device;
 mod host;
+mod path;
 
+pub use device::{DeviceMemory, Dmabuf, NpuMemory};
 pub use host::{HostBuffer, MemError};
+pub use path::{ConfigError, KvBufferDevice, MemoryPath, NicDmabuf};

@@ -26,7 +26,8 @@ use crate::agent::metadata::{AgentMetadata, RailAddr};
 use crate::rails::{discover, select, AddrSource, Ipv4If, SysfsRoot};
 use crate::transport::stripe::{DescPair, Planner, Progress, StripeMode, XferState};
 use crate::transport::verbs::{
-    Access, Completion, ConnectOptions, Context, Cq, Endpoint, Mr, Pd, Qp, QpOptions, RemoteRegion,
+    probe_dmabuf, Access, Completion, ConnectOptions, Context, Cq, DmabufSupport, Endpoint, Mr, Pd,
+    Qp, QpOptions, RemoteRegion,
 };
 
 /// Send-queue depth of a data queue pair.
@@ -48,7 +49,27 @@ pub(crate) struct LocalRail {
     pub(crate) ipv4: Option<Ipv4If>,
     pub(crate) pd: Pd,
     pub(crate) cq: Cq,
+    /// Whether the device registers dma-buf memory (probed once, at agent creation).
+    pub(crate) dmabuf: DmabufSupport,
     ctx: Context,
+}
+
+impl LocalRail {
+    /// The dma-buf probe's result, as the memory-path choice takes it.
+    pub(crate) fn dmabuf_report(&self) -> crate::mem::NicDmabuf {
+        match &self.dmabuf {
+            DmabufSupport::Supported => crate::mem::NicDmabuf {
+                device: self.name.clone(),
+                supported: true,
+                reason: "ibv_reg_dmabuf_mr probe returned EBADF for fd -1".into(),
+            },
+            DmabufSupport::Unsupported { reason, .. } => crate::mem::NicDmabuf {
+                device: self.name.clone(),
+                supported: false,
+                reason: reason.clone(),
+            },
+        }
+    }
 }
 
 pub(crate) struct Verbs {
@@ -228,6 +249,7 @@ impl Verbs {
                     ipv4: ipv4.map(|a| a.to_string()),
                 },
                 ipv4,
+                dmabuf: probe_dmabuf(&pd),
                 pd,
                 cq,
                 ctx,

@@ -295,6 +295,7 @@ impl From<crate::mem::MemError> for Error {
                 len,
                 region_len: size,
             },
+            crate::mem::MemError::Device(what) => Self::Unsupported { what },
         }
     }
 }

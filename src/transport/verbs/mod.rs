@@ -26,6 +26,7 @@
 
 mod cq;
 mod device;
+mod dmabuf;
 mod error;
 mod mr;
 mod pd;
@@ -35,6 +36,7 @@ mod wr;
 pub use crate::mem::HostBuffer;
 pub use crate::rails::gid::{select_gid, Gid, GidChoice, GidEntry, GidType, LinkLayer};
 pub use cq::{Completion, Cq, WcError};
+pub use dmabuf::{probe_dmabuf, DmabufMr, DmabufSupport};
 pub use device::{devices, Context, DeviceAttr, DeviceInfo, Mtu, PortAttr, PortState};
 pub use error::{classify_device_list_errno, Error, Unavailable};
 pub use mr::{Access, DeregisterError, Mr, RemoteRegion};

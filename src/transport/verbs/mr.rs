@@ -50,7 +50,7 @@ impl Access {
     }
 
     /// The flags the verbs need: REMOTE_WRITE requires LOCAL_WRITE (man ibv_reg_mr).
-    fn normalized(self) -> Self {
+    pub(crate) fn normalized(self) -> Self {
         if self.contains(Self::REMOTE_WRITE) {
             self.union(Self::LOCAL_WRITE)
         } else {
