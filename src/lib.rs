@@ -18,6 +18,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod agent;
+pub mod bounce;
 pub mod mem;
 pub mod proto;
 pub mod rails;

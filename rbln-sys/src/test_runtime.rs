@@ -25,7 +25,9 @@ pub fn build(dir: &Path, defines: &[&str]) -> std::io::Result<PathBuf> {
     } else {
         defines.join("-")
     };
-    let pid = std::process::id();
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let pid = format!("{}-{n}", std::process::id());
     let lib = dir.join(format!("librbln_test_{tag}.so"));
     // per-process temporaries: concurrent builders never read or load a half-written file
     let src = dir.join(format!(".rbln_test_runtime.{tag}.{pid}.c"));

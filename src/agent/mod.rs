@@ -194,6 +194,8 @@ pub(crate) struct Shared {
     xfers: Mutex<HashMap<u64, Xfer>>,
     /// Signalled (with `xfers`) whenever a transfer leaves InProgress.
     xfer_done_cv: std::sync::Condvar,
+    /// Signalled when a notification is queued.
+    notif_cv: std::sync::Condvar,
     next_xfer: Mutex<u64>,
     notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
     /// Numbered notifications per target connection (see [`notifs`]).
@@ -300,6 +302,7 @@ impl Agent {
             peers: Mutex::new(HashMap::new()),
             xfers: Mutex::new(HashMap::new()),
             xfer_done_cv: std::sync::Condvar::new(),
+            notif_cv: std::sync::Condvar::new(),
             next_xfer: Mutex::new(1),
             notifs: Mutex::new(VecDeque::new()),
             seqs: Mutex::new(HashMap::new()),
@@ -794,6 +797,35 @@ impl Agent {
         lock(&self.shared.notifs).drain(..).collect()
     }
 
+    /// Like [`Agent::get_new_notifs`], but sleeps until at least one notification is there
+    /// or `timeout` passed (then the list is empty).
+    pub fn wait_notifs(&self, timeout: std::time::Duration) -> Vec<(String, Vec<u8>)> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut q = lock(&self.shared.notifs);
+        while q.is_empty() {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                break;
+            }
+            q = self
+                .shared
+                .notif_cv
+                .wait_timeout(q, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        q.drain(..).collect()
+    }
+
+    /// The host memory behind a local region (for layers above the agent that copy device
+    /// memory straight into or out of registered staging buffers).
+    pub(crate) fn region_buffer(
+        &self,
+        id: RegionId,
+    ) -> Result<Arc<crate::mem::HostBuffer>, AgentError> {
+        Ok(self.shared.region(id.0)?.buf.clone())
+    }
+
     /// The rail that carries notifications to `peer` (verbs backend, on a SEND/RECV channel
     /// of its own); `None` when they go over the TCP connection (TCP backend, or after that
     /// channel failed).
@@ -971,6 +1003,7 @@ impl Shared {
 
     fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
         lock(&self.notifs).push_back((from.to_owned(), bytes));
+        self.notif_cv.notify_all();
     }
 
     /// The local descriptor `idx` of READ transfer `id`, to copy arriving bytes into.

@@ -98,9 +98,7 @@ impl MemoryPath {
         match why {
             None => Self::DeviceToDevice,
             Some(why) => {
-                let reason = format!(
-                    "kv_buffer_device \"rbln\" falls back to host bounce: {why}"
-                );
+                let reason = format!("kv_buffer_device \"rbln\" falls back to host bounce: {why}");
                 warn_once(&reason);
                 Self::HostBounce { reason }
             }
@@ -153,14 +151,23 @@ mod tests {
         let p = MemoryPath::choose(KvBufferDevice::Cpu, ok.clone(), &[nic(true)]);
         assert!(matches!(p, MemoryPath::HostBounce { reason } if reason.contains("\"cpu\"")));
         let p = MemoryPath::choose(KvBufferDevice::Rbln, ok.clone(), &[nic(true), nic(false)]);
-        assert!(matches!(&p, MemoryPath::HostBounce { reason } if reason.contains("EOPNOTSUPP")), "{p:?}");
+        assert!(
+            matches!(&p, MemoryPath::HostBounce { reason } if reason.contains("EOPNOTSUPP")),
+            "{p:?}"
+        );
         let p = MemoryPath::choose(KvBufferDevice::Rbln, ok, &[]);
-        assert!(matches!(&p, MemoryPath::HostBounce { reason } if reason.contains("TCP")), "{p:?}");
+        assert!(
+            matches!(&p, MemoryPath::HostBounce { reason } if reason.contains("TCP")),
+            "{p:?}"
+        );
         let p = MemoryPath::choose(
             KvBufferDevice::Rbln,
             Err("no rbln_rdma_export_dmabuf".into()),
             &[nic(true)],
         );
-        assert!(matches!(&p, MemoryPath::HostBounce { reason } if reason.contains("rbln_rdma_export_dmabuf")), "{p:?}");
+        assert!(
+            matches!(&p, MemoryPath::HostBounce { reason } if reason.contains("rbln_rdma_export_dmabuf")),
+            "{p:?}"
+        );
     }
 }

@@ -180,7 +180,10 @@ mod tests {
             panic!("{u:?}")
         };
         assert_eq!(*errno, libc::EOPNOTSUPP);
-        assert!(reason.contains("rxe0") && reason.contains("EOPNOTSUPP"), "{reason}");
+        assert!(
+            reason.contains("rxe0") && reason.contains("EOPNOTSUPP"),
+            "{reason}"
+        );
         let u = DmabufSupport::from_probe_errno("x", libc::EINVAL);
         assert!(!u.is_supported());
     }
