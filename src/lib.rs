@@ -19,6 +19,7 @@
 
 pub mod agent;
 pub mod bounce;
+pub mod connector;
 pub mod mem;
 pub mod proto;
 pub mod rails;

@@ -244,6 +244,52 @@ fn read_with_notification_tells_the_target() {
     }
 }
 
+/// Regression: the notification of a transfer released the moment it is done was lost
+/// (it was looked up after the transfer was marked done; found by the C example).
+#[test]
+fn release_right_after_done_keeps_every_notification() {
+    let (p, d, peer) = pair();
+    let src = p.register(8192, RemoteAccess::READ_WRITE, vec![]).unwrap();
+    let dst = d.register(8192, RemoteAccess::NONE, vec![]).unwrap();
+    load(&d, &p);
+    let rounds = 300;
+    for i in 0..rounds {
+        let op = if i % 2 == 0 {
+            XferOp::Read
+        } else {
+            XferOp::Write
+        };
+        let x = d
+            .create_xfer(
+                op,
+                vec![Desc::new(dst, 0, 8192)],
+                &peer,
+                vec![Desc::new(src, 0, 8192)],
+                Some(format!("n{i}").into_bytes()),
+            )
+            .unwrap();
+        d.post(x).unwrap();
+        assert_eq!(
+            d.wait(x, Duration::from_secs(60)).unwrap(),
+            XferStatus::Done
+        );
+        d.release(x).unwrap();
+    }
+    let mut got = Vec::new();
+    let t = Instant::now();
+    while got.len() < rounds {
+        got.extend(p.get_new_notifs().into_iter().map(|(_, b)| b));
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{} of {rounds} notifications arrived",
+            got.len()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let want: Vec<Vec<u8>> = (0..rounds).map(|i| format!("n{i}").into_bytes()).collect();
+    assert_eq!(got, want);
+}
+
 #[test]
 fn burst_of_100k_notifications_in_order() {
     let (p, d, _) = pair();

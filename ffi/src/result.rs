@@ -96,9 +96,40 @@ pub(crate) fn set_last(msg: &str) {
     LAST.with(|l| *l.borrow_mut() = msg.to_owned());
 }
 
-/// A static, NUL-terminated name for `result` (never NULL).
+impl kvrail_result {
+    /// Every code, for lookups from a raw value.
+    const ALL: [Self; 21] = [
+        Self::Ok,
+        Self::NullParameter,
+        Self::InvalidArgument,
+        Self::BufferTooSmall,
+        Self::InvalidUtf8,
+        Self::InvalidConfig,
+        Self::NoRegion,
+        Self::OutOfRange,
+        Self::RegionBusy,
+        Self::InvalidDesc,
+        Self::LengthMismatch,
+        Self::UnknownPeer,
+        Self::NoXfer,
+        Self::XferActive,
+        Self::Handshake,
+        Self::Metadata,
+        Self::Connection,
+        Self::Unsupported,
+        Self::XferFailed,
+        Self::Timeout,
+        Self::Panic,
+    ];
+}
+
+/// A static, NUL-terminated name for a `kvrail_result` value (never NULL; unknown values
+/// get "unknown result code"). Takes the raw value, so any integer is safe to pass.
 #[no_mangle]
-pub extern "C" fn kvrail_result_message(result: kvrail_result) -> *const c_char {
+pub extern "C" fn kvrail_result_message(result: u32) -> *const c_char {
+    let Some(result) = kvrail_result::ALL.into_iter().find(|r| *r as u32 == result) else {
+        return c"unknown result code".as_ptr();
+    };
     let s: &'static CStr = match result {
         kvrail_result::Ok => c"ok",
         kvrail_result::NullParameter => c"a required pointer was NULL",

@@ -45,7 +45,7 @@ pub enum kvrail_op {
 /// Where a transfer stands.
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum kvrail_xfer_status {
+pub enum kvrail_xfer_state {
     /// Created, not posted.
     NotPosted = 0,
     /// Bytes are moving.
@@ -73,7 +73,7 @@ fn descs(d: &[kvrail_desc]) -> Vec<Desc> {
         .collect()
 }
 
-/// Create a transfer: `local[i]` pairs with `remote[i]` (regions of `peer`); `notif` (may
+/// Create a transfer (`op`: a [`kvrail_op`] value): `local[i]` pairs with `remote[i]` (regions of `peer`); `notif` (may
 /// be NULL with `notif_len` 0 for none; an empty notification needs a non-NULL pointer)
 /// reaches the peer after every byte. Nothing moves until [`kvrail_xfer_post`].
 ///
@@ -84,7 +84,7 @@ fn descs(d: &[kvrail_desc]) -> Vec<Desc> {
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn kvrail_xfer_new(
     agent: *const kvrail_agent,
-    op: kvrail_op,
+    op: u32,
     local: *const kvrail_desc,
     local_count: usize,
     peer: *const c_char,
@@ -114,8 +114,14 @@ pub unsafe extern "C" fn kvrail_xfer_new(
             return Err(null("out"));
         }
         let op = match op {
-            kvrail_op::Read => XferOp::Read,
-            kvrail_op::Write => XferOp::Write,
+            o if o == kvrail_op::Read as u32 => XferOp::Read,
+            o if o == kvrail_op::Write as u32 => XferOp::Write,
+            o => {
+                return Err(Failure::new(
+                    kvrail_result::InvalidArgument,
+                    format!("op {o} is neither KVRAIL_OP_READ nor KVRAIL_OP_WRITE"),
+                ))
+            }
         };
         let id = h
             .agent
@@ -142,12 +148,12 @@ pub unsafe extern "C" fn kvrail_xfer_post(x: *const kvrail_xfer) -> kvrail_resul
     })
 }
 
-fn status_of(s: &XferStatus) -> kvrail_xfer_status {
+fn status_of(s: &XferStatus) -> kvrail_xfer_state {
     match s {
-        XferStatus::NotPosted => kvrail_xfer_status::NotPosted,
-        XferStatus::InProgress => kvrail_xfer_status::InProgress,
-        XferStatus::Done => kvrail_xfer_status::Done,
-        XferStatus::Error(_) => kvrail_xfer_status::Failed,
+        XferStatus::NotPosted => kvrail_xfer_state::NotPosted,
+        XferStatus::InProgress => kvrail_xfer_state::InProgress,
+        XferStatus::Done => kvrail_xfer_state::Done,
+        XferStatus::Error(_) => kvrail_xfer_state::Failed,
     }
 }
 
@@ -158,7 +164,7 @@ fn status_of(s: &XferStatus) -> kvrail_xfer_status {
 #[no_mangle]
 pub unsafe extern "C" fn kvrail_xfer_status(
     x: *const kvrail_xfer,
-    out: *mut kvrail_xfer_status,
+    out: *mut kvrail_xfer_state,
 ) -> kvrail_result {
     boundary(|| {
         // SAFETY: the caller's promise.

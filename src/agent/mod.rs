@@ -931,10 +931,15 @@ impl Shared {
     /// A verbs transfer finished on every rail: done. Returns its notification (and the
     /// peer), which the caller sends now.
     #[cfg(feature = "verbs")]
-    fn xfer_done(&self, id: u64) -> Option<(String, Vec<u8>)> {
-        self.finish(id, Ok(()));
+    /// The notification (and its peer) of in-progress transfer `id`, looked up *before* the
+    /// transfer is finished: once the engine sees it done it may release it at once, and a
+    /// lookup after that would lose the notification.
+    fn xfer_notif(&self, id: u64) -> Option<(String, Vec<u8>)> {
         let xfers = lock(&self.xfers);
         let x = xfers.get(&id)?;
+        if x.status != XferStatus::InProgress {
+            return None;
+        }
         Some((x.peer.clone(), x.notif.clone()?))
     }
 

@@ -17,7 +17,7 @@ set -euo pipefail
 PKGS=(cmake libclang-dev gcc pkg-config
       linux-image-amd64 busybox-static cpio xz-utils kmod iproute2
       rdma-core ibverbs-utils ibverbs-providers libibverbs1 perftest
-      ucx-utils iperf3 valgrind)
+      ucx-utils iperf3 valgrind python3 binutils util-linux mount)
 QEMU_PKGS=(qemu-system-x86 qemu-system-common qemu-system-data seabios)
 
 installed() { [ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null)" = installed ]; }

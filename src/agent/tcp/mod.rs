@@ -399,11 +399,12 @@ fn initiator_reader(
                     continue;
                 }
                 if shared.read_arrived(xfer, n) {
-                    shared.finish(xfer, Ok(()));
-                    let notif = lock(&shared.xfers).get(&xfer).and_then(|x| x.notif.clone());
-                    if let Some(n) = notif {
+                    // queue the notification before the engine can see the transfer done
+                    // (and release it, which would lose the notification)
+                    if let Some((_, n)) = shared.xfer_notif(xfer) {
                         let _ = tx.send(Work::Notif(n));
                     }
+                    shared.finish(xfer, Ok(()));
                 }
             }
             #[cfg(feature = "verbs")]

@@ -418,9 +418,10 @@ impl Verbs {
         e.runs.insert(id, run);
         if plan.slices() == 0 {
             e.runs.remove(&id);
-            if let Some((peer, n)) = shared.xfer_done(id) {
+            if let Some((peer, n)) = shared.xfer_notif(id) {
                 self.notify_locked(shared, &mut e, &peer, n);
             }
+            shared.finish(id, Ok(()));
             return Ok(());
         }
         // The only transfer in flight, on one rail: post in place (one thread hand-off less,
@@ -660,9 +661,11 @@ impl Verbs {
         }
         if done {
             e.runs.remove(&xfer);
-            if let Some((peer, n)) = shared.xfer_done(xfer) {
+            // the notification is queued before the engine can see the transfer done
+            if let Some((peer, n)) = shared.xfer_notif(xfer) {
                 self.notify_locked(shared, e, &peer, n);
             }
+            shared.finish(xfer, Ok(()));
         }
         self.pump(shared, e, &key);
     }

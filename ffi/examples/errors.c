@@ -1,0 +1,98 @@
+/* The C ABI's error handling: NULL handles and pointers, descriptors outside registered
+ * memory, bad configuration keys, unknown peers and regions, small buffers; out-parameters
+ * untouched on failure; messages for every code. */
+#include <stdio.h>
+#include <string.h>
+
+#include "kvrail.h"
+
+static int failures = 0;
+
+static void last(char *msg, size_t cap) {
+    size_t n = 0;
+    if (kvrail_last_error((uint8_t *)msg, cap - 1, &n) != KVRAIL_RESULT_OK) n = 0;
+    msg[n] = 0;
+}
+
+static void expect(const char *what, kvrail_result got, kvrail_result want, const char *needle) {
+    char msg[512];
+    last(msg, sizeof msg);
+    if (got != want || (needle && !strstr(msg, needle))) {
+        fprintf(stderr, "FAIL %s: got %u (%s) want %u; last error \"%s\" (wanted \"%s\")\n", what,
+                (unsigned)got, kvrail_result_message(got), (unsigned)want, msg, needle ? needle : "");
+        failures++;
+    } else {
+        printf("ok   %s: %s%s%s\n", what, kvrail_result_message(got), needle ? " — " : "", needle ? msg : "");
+    }
+}
+
+int main(void) {
+    const char *tcp = "{\"backend\":\"tcp\",\"listen\":\"127.0.0.1:0\"}";
+    kvrail_agent *a = (kvrail_agent *)0x1;
+    expect("NULL name", kvrail_agent_new(NULL, tcp, &a), KVRAIL_RESULT_NULL_PARAMETER, "name");
+    if (a != (kvrail_agent *)0x1) { fprintf(stderr, "FAIL out written on failure\n"); failures++; }
+    expect("unknown config key", kvrail_agent_new("x", "{\"bakend\":\"tcp\"}", &a), KVRAIL_RESULT_INVALID_CONFIG, "bakend");
+    expect("bad backend value", kvrail_agent_new("x", "{\"backend\":\"ucx\"}", &a), KVRAIL_RESULT_INVALID_CONFIG, "backend");
+    expect("NULL out", kvrail_agent_new("x", tcp, NULL), KVRAIL_RESULT_NULL_PARAMETER, "out");
+
+    uint32_t region = 77;
+    expect("NULL agent", kvrail_agent_register(NULL, 4096, KVRAIL_ACCESS_READ, &region), KVRAIL_RESULT_NULL_PARAMETER, "agent");
+    if (region != 77) { fprintf(stderr, "FAIL out_region written on failure\n"); failures++; }
+    expect("NULL xfer post", kvrail_xfer_post(NULL), KVRAIL_RESULT_NULL_PARAMETER, "xfer");
+    expect("NULL xfer free", kvrail_xfer_free(NULL), KVRAIL_RESULT_OK, NULL);
+    kvrail_agent_free(NULL);
+
+    kvrail_agent *p = NULL, *d = NULL;
+    expect("prefill", kvrail_agent_new("prefill-0", tcp, &p), KVRAIL_RESULT_OK, NULL);
+    expect("decode", kvrail_agent_new("decode-0", tcp, &d), KVRAIL_RESULT_OK, NULL);
+    if (!p || !d) return 1;
+    uint32_t src = 0, dst = 0;
+    expect("register", kvrail_agent_register(p, 4096, KVRAIL_ACCESS_READ, &src), KVRAIL_RESULT_OK, NULL);
+    expect("register", kvrail_agent_register(d, 4096, KVRAIL_ACCESS_NONE, &dst), KVRAIL_RESULT_OK, NULL);
+    expect("bad access bits", kvrail_agent_register(d, 4096, 8, &region), KVRAIL_RESULT_INVALID_ARGUMENT, "access");
+    expect("zero bytes", kvrail_agent_register(d, 0, 0, &region), KVRAIL_RESULT_UNSUPPORTED, "0 bytes");
+    uint8_t byte = 1;
+    expect("write outside", kvrail_agent_write_region(d, dst, 4096, &byte, 1), KVRAIL_RESULT_OUT_OF_RANGE, "4096");
+    expect("no region", kvrail_agent_deregister(d, 999), KVRAIL_RESULT_NO_REGION, "999");
+
+    char addr[64], tiny[4], peer[64];
+    size_t n = 12345;
+    expect("small buffer", kvrail_agent_side_channel_addr(p, (uint8_t *)tiny, sizeof tiny, &n), KVRAIL_RESULT_BUFFER_TOO_SMALL, "needed");
+    if (n != 12345) { fprintf(stderr, "FAIL out_len written on failure\n"); failures++; }
+    expect("addr", kvrail_agent_side_channel_addr(p, (uint8_t *)addr, sizeof addr - 1, &n), KVRAIL_RESULT_OK, NULL);
+    addr[n] = 0;
+    expect("bad address", kvrail_agent_load_remote(d, "not an address", (uint8_t *)peer, sizeof peer, &n), KVRAIL_RESULT_INVALID_ARGUMENT, "not an address");
+    expect("load", kvrail_agent_load_remote(d, addr, (uint8_t *)peer, sizeof peer - 1, &n), KVRAIL_RESULT_OK, NULL);
+    peer[n] = 0;
+
+    kvrail_xfer *x = (kvrail_xfer *)0x1;
+    kvrail_desc l[2] = {{dst, 0, 100}, {dst, 4000, 200}};
+    kvrail_desc r[2] = {{src, 0, 100}, {src, 0, 200}};
+    expect("local desc outside its region", kvrail_xfer_new(d, KVRAIL_OP_READ, l, 2, peer, r, 2, NULL, 0, &x), KVRAIL_RESULT_INVALID_DESC, "#1");
+    if (x != (kvrail_xfer *)0x1) { fprintf(stderr, "FAIL xfer written on failure\n"); failures++; }
+    kvrail_desc r_bad[1] = {{src, 4090, 100}};
+    expect("remote desc outside", kvrail_xfer_new(d, KVRAIL_OP_READ, l, 1, peer, r_bad, 1, NULL, 0, &x), KVRAIL_RESULT_INVALID_DESC, "remote descriptor #0");
+    kvrail_desc r_none[1] = {{4242, 0, 100}};
+    expect("remote region unknown", kvrail_xfer_new(d, KVRAIL_OP_READ, l, 1, peer, r_none, 1, NULL, 0, &x), KVRAIL_RESULT_INVALID_DESC, "4242");
+    expect("count mismatch", kvrail_xfer_new(d, KVRAIL_OP_READ, l, 2, peer, r, 1, NULL, 0, &x), KVRAIL_RESULT_LENGTH_MISMATCH, NULL);
+    expect("bad op", kvrail_xfer_new(d, 7, l, 1, peer, r, 1, NULL, 0, &x), KVRAIL_RESULT_INVALID_ARGUMENT, "op 7");
+    expect("NULL descriptors", kvrail_xfer_new(d, KVRAIL_OP_READ, NULL, 2, peer, r, 2, NULL, 0, &x), KVRAIL_RESULT_NULL_PARAMETER, "local");
+    expect("unknown peer", kvrail_xfer_new(d, KVRAIL_OP_READ, l, 1, "nobody", r, 1, NULL, 0, &x), KVRAIL_RESULT_UNKNOWN_PEER, "nobody");
+    expect("send to unknown peer", kvrail_agent_send_notif(d, "nobody", &byte, 1), KVRAIL_RESULT_UNKNOWN_PEER, NULL);
+
+    /* a good transfer; freeing it while in progress is refused, after completion accepted */
+    expect("xfer", kvrail_xfer_new(d, KVRAIL_OP_READ, l, 1, peer, r, 1, NULL, 0, &x), KVRAIL_RESULT_OK, NULL);
+    expect("wait before post", kvrail_xfer_wait(x, 10), KVRAIL_RESULT_INVALID_ARGUMENT, "never posted");
+    expect("post", kvrail_xfer_post(x), KVRAIL_RESULT_OK, NULL);
+    expect("wait", kvrail_xfer_wait(x, 60000), KVRAIL_RESULT_OK, NULL);
+    expect("free", kvrail_xfer_free(x), KVRAIL_RESULT_OK, NULL);
+
+    for (unsigned c = 0; c < 1000; c++)
+        if (!kvrail_result_message(c)) { fprintf(stderr, "FAIL NULL message for %u\n", c); failures++; }
+
+    kvrail_agent_free(d);
+    kvrail_agent_free(p);
+    if (failures) { fprintf(stderr, "%d error check(s) failed\n", failures); return 1; }
+    printf("all error checks passed\n");
+    return 0;
+}
