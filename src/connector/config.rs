@@ -152,18 +152,19 @@ impl KvTransferConfig {
             return Err(err("kv_transfer_config", "must be a JSON object"));
         };
         unknown(&top, TOP, "")?;
-        let direction =
-            match string(&top, "kv_connector", "kv_connector")? {
-                Some("KvrailPullConnector" | "KvrailConnector") => Direction::Pull,
-                Some("KvrailPushConnector") => Direction::Push,
-                Some(o) => return Err(err(
+        let direction = match string(&top, "kv_connector", "kv_connector")? {
+            Some("KvrailPullConnector" | "KvrailConnector") => Direction::Pull,
+            Some("KvrailPushConnector") => Direction::Push,
+            Some(o) => {
+                return Err(err(
                     "kv_connector",
                     format!(
                         "{o:?} is not KvrailPullConnector, KvrailPushConnector or KvrailConnector"
                     ),
-                )),
-                None => return Err(err("kv_connector", "required")),
-            };
+                ))
+            }
+            None => return Err(err("kv_connector", "required")),
+        };
         let role = match string(&top, "kv_role", "kv_role")? {
             Some("kv_producer") => KvRole::Producer,
             Some("kv_consumer") => KvRole::Consumer,

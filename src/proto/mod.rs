@@ -8,5 +8,18 @@
 //! - [`frame`]: the side channel's length-prefixed frames, decoded incrementally with a size
 //!   bound, so garbage from the network is an error, never a panic or an unbounded buffer.
 
+//! - [`kvmsg`]: the P/D notifications (completion, `HB:`, `PUSH_REG:`) and base request ids.
+//! - [`lease`]: P's leases and D's heartbeats.
+//! - [`push`]: P's push matching and D's receive accounting with its watchdog.
+//!
+//! The P/D machines take `now` as an argument and report `poll_timeout()`; tests drive them
+//! in virtual time (`pd_tests`).
+
 pub mod frame;
 pub mod handshake;
+pub mod kvmsg;
+pub mod lease;
+pub mod push;
+
+#[cfg(test)]
+mod pd_tests;

@@ -1,0 +1,332 @@
+//! Push mode (SPEC §3, seed 000), in virtual time.
+//!
+//! P side, [`PushMatcher`]: D's registrations and P's finished prefills may arrive in either
+//! order; each is matched against the other first by exact request id, then by base id (the
+//! per-engine 8-hex suffix removed). A match becomes a WRITE of P's blocks into D's blocks,
+//! D's logical block ids expanded to physical ones with the ratio learned in the handshake.
+//! Without a handshake the WRITE is deferred behind one; a failed handshake or WRITE drops
+//! the work and counts it (the lease and D's watchdog clean up; no retry loops). Finished
+//! blocks stay matchable (a D with a larger TP registers once per rank) until evicted.
+//!
+//! D side, [`PushReceiver`]: each registration is armed with a watchdog
+//! (`push_registration_timeout`); completions `<d_request_id>:<p_tp_size>` finish it (one
+//! per P rank when P's TP is larger); a failed handshake or registration send marks the
+//! receive failed; the next `get_finished` reports both.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::kvmsg::{base_request_id, Completion, PushReg};
+
+/// Something P's writer must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PushAction {
+    /// Handshake with D engine `engine` (at `host:port`); report with
+    /// [`PushMatcher::handshake_done`].
+    Handshake {
+        /// D's engine id.
+        engine: String,
+        /// D's side-channel host.
+        host: String,
+        /// D's side-channel port.
+        port: u16,
+    },
+    /// WRITE P's `local_blocks` into D's physical `remote_blocks`, then send D the
+    /// completion (`<reg.request_id>:<p_tp_size>`).
+    Write {
+        /// P's request id.
+        request_id: String,
+        /// P's blocks (physical).
+        local_blocks: Vec<u64>,
+        /// D's physical blocks.
+        remote_blocks: Vec<u64>,
+        /// The registration.
+        reg: PushReg,
+    },
+}
+
+/// P's writer-local matching tables.
+pub struct PushMatcher {
+    /// P request id → its finished blocks, and whether a registration matched yet.
+    finished: HashMap<String, (Vec<u64>, bool)>,
+    /// Registrations waiting for their prefill, with their arrival time.
+    regs: Vec<PushReg>,
+    arrived: HashMap<String, Instant>,
+    /// How long an unmatched registration is kept.
+    reg_ttl: Duration,
+    /// D engine → physical blocks per logical block (known after a handshake).
+    ratio: HashMap<String, u32>,
+    handshaking: HashSet<String>,
+    /// Matches waiting for a handshake.
+    deferred: Vec<(String, PushReg)>,
+    actions: VecDeque<PushAction>,
+    /// Work dropped because a handshake or WRITE failed.
+    pub dropped: u64,
+}
+
+impl PushMatcher {
+    /// Empty tables; a registration that finds no prefill within `reg_ttl` is dropped
+    /// (the request never reached this P, or was aborted there).
+    pub fn new(reg_ttl: Duration) -> Self {
+        Self {
+            finished: HashMap::new(),
+            regs: Vec::new(),
+            arrived: HashMap::new(),
+            reg_ttl,
+            ratio: HashMap::new(),
+            handshaking: HashSet::new(),
+            deferred: Vec::new(),
+            actions: VecDeque::new(),
+            dropped: 0,
+        }
+    }
+
+    /// True while finished blocks wait for any registration (the writer self-polls at 1 ms
+    /// only then).
+    pub fn has_unmatched_blocks(&self) -> bool {
+        self.finished.values().any(|(_, matched)| !matched)
+    }
+
+    /// Registrations waiting for their prefill.
+    pub fn pending_registrations(&self) -> usize {
+        self.regs.len()
+    }
+
+    /// A prefill finished with `blocks` (P's physical block ids).
+    pub fn on_finished(&mut self, request_id: &str, blocks: Vec<u64>) {
+        self.finished.insert(request_id.to_owned(), (blocks, false));
+        // exact ids first, then base ids
+        let base = base_request_id(request_id);
+        let mut hits: Vec<PushReg> = Vec::new();
+        self.regs.retain(|r| {
+            let hit = r.remote_request_id == request_id;
+            if hit {
+                hits.push(r.clone());
+            }
+            !hit
+        });
+        self.regs.retain(|r| {
+            let hit = base_request_id(&r.remote_request_id) == base;
+            if hit {
+                hits.push(r.clone());
+            }
+            !hit
+        });
+        for r in hits {
+            self.matched(request_id, r);
+        }
+    }
+
+    /// A registration arrived from D.
+    pub fn on_registration(&mut self, reg: PushReg, now: Instant) {
+        let key = if self.finished.contains_key(&reg.remote_request_id) {
+            Some(reg.remote_request_id.clone())
+        } else {
+            let base = base_request_id(&reg.remote_request_id);
+            let mut keys: Vec<&String> = self
+                .finished
+                .keys()
+                .filter(|k| base_request_id(k) == base)
+                .collect();
+            keys.sort();
+            keys.first().map(|k| (*k).clone())
+        };
+        match key {
+            Some(k) => self.matched(&k, reg),
+            None => {
+                self.arrived.insert(reg.request_id.clone(), now);
+                self.regs.push(reg);
+            }
+        }
+    }
+
+    fn matched(&mut self, request_id: &str, reg: PushReg) {
+        if let Some(f) = self.finished.get_mut(request_id) {
+            f.1 = true;
+        }
+        if self.ratio.contains_key(&reg.engine_id) {
+            self.write(request_id, reg);
+            return;
+        }
+        if self.handshaking.insert(reg.engine_id.clone()) {
+            self.actions.push_back(PushAction::Handshake {
+                engine: reg.engine_id.clone(),
+                host: reg.host.clone(),
+                port: reg.port,
+            });
+        }
+        self.deferred.push((request_id.to_owned(), reg));
+    }
+
+    fn write(&mut self, request_id: &str, reg: PushReg) {
+        let Some((blocks, _)) = self.finished.get(request_id) else {
+            self.dropped += 1; // evicted meanwhile
+            return;
+        };
+        let r = u64::from(*self.ratio.get(&reg.engine_id).unwrap_or(&1));
+        let remote_blocks = reg
+            .block_ids
+            .iter()
+            .flat_map(|&l| (0..r).map(move |i| l * r + i))
+            .collect();
+        self.actions.push_back(PushAction::Write {
+            request_id: request_id.to_owned(),
+            local_blocks: blocks.clone(),
+            remote_blocks,
+            reg,
+        });
+    }
+
+    /// The handshake with D engine `engine` finished: `Ok(ratio)` (its physical blocks per
+    /// logical block) replays the deferred WRITEs; `Err` drops them (counted).
+    pub fn handshake_done(&mut self, engine: &str, result: Result<u32, String>) {
+        self.handshaking.remove(engine);
+        let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deferred)
+            .into_iter()
+            .partition(|(_, r)| r.engine_id == engine);
+        self.deferred = rest;
+        match result {
+            Ok(ratio) => {
+                self.ratio.insert(engine.to_owned(), ratio.max(1));
+                for (id, reg) in mine {
+                    self.write(&id, reg);
+                }
+            }
+            Err(_) => self.dropped += mine.len() as u64,
+        }
+    }
+
+    /// A WRITE could not be submitted or failed: dropped and counted (no retry).
+    pub fn write_failed(&mut self) {
+        self.dropped += 1;
+    }
+
+    /// The request is over on P (completed or lease expired): forget its blocks and any
+    /// registrations or deferred work for it.
+    pub fn evict(&mut self, request_id: &str) {
+        self.finished.remove(request_id);
+        self.deferred.retain(|(id, _)| id != request_id);
+    }
+
+    /// Drop unmatched registrations older than the TTL.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let ttl = self.reg_ttl;
+        let arrived = &mut self.arrived;
+        self.regs.retain(|r| {
+            let keep = arrived.get(&r.request_id).is_none_or(|t| now < *t + ttl);
+            if !keep {
+                arrived.remove(&r.request_id);
+            }
+            keep
+        });
+    }
+
+    /// When the oldest unmatched registration expires.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.regs
+            .iter()
+            .filter_map(|r| self.arrived.get(&r.request_id))
+            .min()
+            .map(|t| *t + self.reg_ttl)
+    }
+
+    /// The next thing to do.
+    pub fn poll_action(&mut self) -> Option<PushAction> {
+        self.actions.pop_front()
+    }
+}
+
+/// D's accounting of pushed receives.
+pub struct PushReceiver {
+    timeout: Duration,
+    /// D's TP size.
+    tp_size: u32,
+    /// D request id → (watchdog deadline, completions seen).
+    pending: HashMap<String, (Instant, u32)>,
+    finished: Vec<String>,
+    failed: Vec<String>,
+    /// Registrations dropped by the watchdog (warned; the engine aborts the request).
+    pub expired: Vec<String>,
+    /// Completions that named no pending receive.
+    pub unknown_completions: u64,
+}
+
+impl PushReceiver {
+    /// Receives with a registration watchdog of `timeout` on a D worker of TP `tp_size`.
+    pub fn new(timeout: Duration, tp_size: u32) -> Self {
+        Self {
+            timeout,
+            tp_size: tp_size.max(1),
+            pending: HashMap::new(),
+            finished: Vec::new(),
+            failed: Vec::new(),
+            expired: Vec::new(),
+            unknown_completions: 0,
+        }
+    }
+
+    /// A registration was handed to the writer: arm its watchdog.
+    pub fn registered(&mut self, d_request_id: &str, now: Instant) {
+        self.pending
+            .insert(d_request_id.to_owned(), (now + self.timeout, 0));
+    }
+
+    /// Whether a registration is still watched (and so still re-sent).
+    pub fn is_pending(&self, d_request_id: &str) -> bool {
+        self.pending.contains_key(d_request_id)
+    }
+
+    /// The handshake with P or the `PUSH_REG` send failed: the receive failed.
+    pub fn send_failed(&mut self, d_request_id: &str) {
+        if self.pending.remove(d_request_id).is_some() {
+            self.failed.push(d_request_id.to_owned());
+        }
+    }
+
+    /// A completion from P (`<d_request_id>:<p_tp_size>`): done once every P rank that
+    /// writes to this D rank reported (`p_tp / d_tp` when P's TP is larger, else 1).
+    pub fn handle_completion(&mut self, c: &Completion) {
+        let needed = if c.tp_size > self.tp_size {
+            c.tp_size / self.tp_size
+        } else {
+            1
+        };
+        let Some(p) = self.pending.get_mut(&c.request_id) else {
+            self.unknown_completions += 1;
+            return;
+        };
+        p.1 += 1;
+        if p.1 >= needed {
+            self.pending.remove(&c.request_id);
+            self.finished.push(c.request_id.clone());
+        }
+    }
+
+    /// Drop registrations whose watchdog ran out (they are no longer re-sent).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let mut gone: Vec<String> = self
+            .pending
+            .iter()
+            .filter(|(_, (d, _))| *d <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        gone.sort();
+        for k in gone {
+            self.pending.remove(&k);
+            self.expired.push(k);
+        }
+    }
+
+    /// The next watchdog deadline.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.pending.values().map(|(d, _)| *d).min()
+    }
+
+    /// What `get_finished` reports: (finished receives, failed receives), drained.
+    pub fn get_finished(&mut self) -> (Vec<String>, Vec<String>) {
+        (
+            std::mem::take(&mut self.finished),
+            std::mem::take(&mut self.failed),
+        )
+    }
+}
