@@ -868,6 +868,11 @@ impl Agent {
         Vec::new()
     }
 
+    /// The metadata last loaded from `peer` (its regions, with the layers each holds).
+    pub fn remote_metadata(&self, peer: &str) -> Option<Arc<AgentMetadata>> {
+        lock(&self.shared.peers).get(peer).map(|p| p.meta.clone())
+    }
+
     /// Names of the loaded peers.
     pub fn peers(&self) -> Vec<String> {
         let mut v: Vec<String> = lock(&self.shared.peers).keys().cloned().collect();

@@ -276,6 +276,13 @@ impl PushReceiver {
         self.pending.contains_key(d_request_id)
     }
 
+    /// Stop watching `d_request_id` (a watchdog elsewhere gave up on it); not a failure.
+    pub fn forget(&mut self, d_request_id: &str) {
+        if self.pending.remove(d_request_id).is_some() {
+            self.expired.push(d_request_id.to_owned());
+        }
+    }
+
     /// The handshake with P or the `PUSH_REG` send failed: the receive failed.
     pub fn send_failed(&mut self, d_request_id: &str) {
         if self.pending.remove(d_request_id).is_some() {

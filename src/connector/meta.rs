@@ -1,0 +1,109 @@
+//! What flows between the proxy, the scheduler side and the worker side: the transfer
+//! parameters a request carries, and the metadata `build_connector_meta` hands the workers
+//! (serializable, since the two sides may live in different processes).
+
+use serde::{Deserialize, Serialize};
+
+/// The `kv_transfer_params` of a request.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct KvTransferParams {
+    /// Prefill leg: P keeps the KV for a decode instance.
+    pub do_remote_decode: bool,
+    /// Decode leg: the KV comes from P.
+    pub do_remote_prefill: bool,
+    /// P's engine id.
+    pub remote_engine_id: String,
+    /// P's side-channel host.
+    pub remote_host: String,
+    /// P's side-channel port.
+    pub remote_port: u16,
+    /// P's block ids holding the prompt's KV (pull mode).
+    pub remote_block_ids: Vec<u64>,
+    /// P's request id.
+    pub remote_request_id: String,
+    /// P's tensor-parallel size.
+    pub tp_size: u32,
+}
+
+/// A request as the connector sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineRequest {
+    /// The engine's request id.
+    pub request_id: String,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Transfer parameters, if the request is part of a P/D pair.
+    pub params: Option<KvTransferParams>,
+}
+
+/// A receive the worker must do (pull: READ; push: register and wait).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecvReq {
+    /// D's request id.
+    pub request_id: String,
+    /// D's blocks that receive the KV.
+    pub local_block_ids: Vec<u64>,
+    /// Where the KV is.
+    pub params: KvTransferParams,
+}
+
+/// A heartbeat the worker must send.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatOut {
+    /// P's engine id.
+    pub engine: String,
+    /// P's side channel.
+    pub host: String,
+    /// P's side-channel port.
+    pub port: u16,
+    /// The encoded `HB:` message.
+    #[serde(with = "serde_bytes")]
+    pub message: Vec<u8>,
+}
+
+/// The scheduler's instructions to its workers for one step.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ConnectorMetadata {
+    /// D: receives to start.
+    pub reqs_to_recv: Vec<RecvReq>,
+    /// P: finished prefills to hold under a lease (request id, blocks).
+    pub reqs_to_send: Vec<(String, Vec<u64>)>,
+    /// D: heartbeats due.
+    pub heartbeats: Vec<HeartbeatOut>,
+    /// D: registrations the watchdog dropped (stop re-sending them).
+    pub expired_registrations: Vec<String>,
+}
+
+impl ConnectorMetadata {
+    /// msgpack.
+    pub fn encode(&self) -> Vec<u8> {
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+
+    /// From msgpack.
+    ///
+    /// # Errors
+    /// The decoder's message.
+    pub fn decode(b: &[u8]) -> Result<Self, String> {
+        rmp_serde::from_slice(b).map_err(|e| e.to_string())
+    }
+
+    /// True when there is nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.reqs_to_recv.is_empty()
+            && self.reqs_to_send.is_empty()
+            && self.heartbeats.is_empty()
+            && self.expired_registrations.is_empty()
+    }
+}
+
+/// What a worker's `get_finished` reports.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Finished {
+    /// P: requests whose blocks may be freed (completed or lease expired).
+    pub sending: Vec<String>,
+    /// D: requests whose KV arrived, every byte.
+    pub recving: Vec<String>,
+    /// D: requests whose KV will not arrive (the engine fails or recomputes them).
+    pub failed_recving: Vec<String>,
+}

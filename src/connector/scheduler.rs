@@ -1,0 +1,217 @@
+//! The scheduler side (one per engine): decides which requests load or keep KV, tracks
+//! heartbeats from the moment a remote-prefill request enters the scheduler, arms the push
+//! registration watchdog, and tells the workers what to do through [`ConnectorMetadata`].
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use super::config::{KvRole, KvTransferConfig};
+use super::meta::{
+    ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq,
+};
+use crate::proto::handshake::Direction;
+use crate::proto::lease::{HeartbeatAction, Heartbeats};
+
+/// The scheduler side of a connector.
+pub struct Scheduler {
+    cfg: KvTransferConfig,
+    engine_id: String,
+    side_channel: SocketAddr,
+    tp_size: u32,
+    hb: Heartbeats,
+    /// P engine → its side channel (for heartbeats).
+    engines: HashMap<String, (String, u16)>,
+    pending_recv: Vec<RecvReq>,
+    pending_send: Vec<(String, Vec<u64>)>,
+    /// Push, D: registration watchdog deadlines.
+    watchdog: HashMap<String, Instant>,
+    expired: Vec<String>,
+    /// P: requests whose blocks wait for D (freed by `update_connector_output`).
+    sending: HashSet<String>,
+}
+
+impl Scheduler {
+    /// A scheduler for engine `engine_id`, whose workers' side channel is `side_channel`.
+    pub fn new(
+        cfg: KvTransferConfig,
+        engine_id: &str,
+        side_channel: SocketAddr,
+        tp_size: u32,
+    ) -> Self {
+        Self {
+            hb: Heartbeats::new(Duration::from_secs(cfg.lease_duration_s)),
+            cfg,
+            engine_id: engine_id.to_owned(),
+            side_channel,
+            tp_size,
+            engines: HashMap::new(),
+            pending_recv: Vec::new(),
+            pending_send: Vec::new(),
+            watchdog: HashMap::new(),
+            expired: Vec::new(),
+            sending: HashSet::new(),
+        }
+    }
+
+    fn consumes(&self) -> bool {
+        self.cfg.role != KvRole::Producer
+    }
+
+    fn produces(&self) -> bool {
+        self.cfg.role != KvRole::Consumer
+    }
+
+    /// Tokens the connector will load for `req` beyond `num_computed`, and whether they load
+    /// asynchronously. A remote-prefill request starts its heartbeats here: it may wait in the
+    /// queue far longer than a lease.
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        req: &EngineRequest,
+        num_computed: u64,
+        now: Instant,
+    ) -> (u64, bool) {
+        let Some(p) = req
+            .params
+            .as_ref()
+            .filter(|p| p.do_remote_prefill && self.consumes())
+        else {
+            return (0, false);
+        };
+        self.engines.insert(
+            p.remote_engine_id.clone(),
+            (p.remote_host.clone(), p.remote_port),
+        );
+        self.hb.track(
+            &req.request_id,
+            &p.remote_engine_id,
+            &p.remote_request_id,
+            now,
+        );
+        (req.prompt_tokens.saturating_sub(num_computed), true)
+    }
+
+    /// Blocks were allocated for `req`; with external tokens to load, the workers receive
+    /// into `block_ids` (push: the registration's watchdog starts now).
+    pub fn update_state_after_alloc(
+        &mut self,
+        req: &EngineRequest,
+        block_ids: Vec<u64>,
+        num_external_tokens: u64,
+        now: Instant,
+    ) {
+        let Some(p) = req.params.as_ref().filter(|p| p.do_remote_prefill) else {
+            return;
+        };
+        if num_external_tokens == 0 || !self.consumes() {
+            return;
+        }
+        if self.cfg.direction == Direction::Push {
+            let t = Duration::from_secs(self.cfg.push_registration_timeout_s);
+            self.watchdog.insert(req.request_id.clone(), now + t);
+        }
+        self.pending_recv.push(RecvReq {
+            request_id: req.request_id.clone(),
+            local_block_ids: block_ids,
+            params: p.clone(),
+        });
+    }
+
+    /// This step's instructions for the workers.
+    pub fn build_connector_meta(&mut self, now: Instant) -> ConnectorMetadata {
+        let mut heartbeats = Vec::new();
+        self.hb.handle_timeout(now);
+        while let Some(a) = self.hb.poll_action() {
+            match a {
+                // the workers handshake on their own when they must send to an engine
+                HeartbeatAction::Handshake { engine } => self.hb.handshake_done(&engine, true),
+                HeartbeatAction::Send {
+                    engine, message, ..
+                } => {
+                    if let Some((host, port)) = self.engines.get(&engine) {
+                        heartbeats.push(HeartbeatOut {
+                            engine: engine.clone(),
+                            host: host.clone(),
+                            port: *port,
+                            message,
+                        });
+                    }
+                }
+            }
+        }
+        let mut gone: Vec<String> = self
+            .watchdog
+            .iter()
+            .filter(|(_, d)| **d <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        gone.sort();
+        for id in &gone {
+            self.watchdog.remove(id);
+            tracing::warn!(
+                request = %id,
+                timeout_s = self.cfg.push_registration_timeout_s,
+                "push registration saw no completion in time; dropped and no longer re-sent \
+                 (the engine's abort path fails the request)"
+            );
+        }
+        self.expired.extend(gone);
+        ConnectorMetadata {
+            reqs_to_recv: std::mem::take(&mut self.pending_recv),
+            reqs_to_send: std::mem::take(&mut self.pending_send),
+            heartbeats,
+            expired_registrations: std::mem::take(&mut self.expired),
+        }
+    }
+
+    /// `req` finished on this engine. On P (`do_remote_decode`) its blocks stay allocated
+    /// (`true`) under a lease for D, and the returned parameters go to the proxy for D.
+    pub fn request_finished(
+        &mut self,
+        req: &EngineRequest,
+        block_ids: &[u64],
+    ) -> (bool, Option<KvTransferParams>) {
+        self.hb.untrack(&req.request_id);
+        self.watchdog.remove(&req.request_id);
+        let remote_decode = req.params.as_ref().is_some_and(|p| p.do_remote_decode);
+        if !remote_decode || !self.produces() {
+            return (false, None);
+        }
+        self.sending.insert(req.request_id.clone());
+        self.pending_send
+            .push((req.request_id.clone(), block_ids.to_vec()));
+        let params = KvTransferParams {
+            do_remote_decode: false,
+            do_remote_prefill: true,
+            remote_engine_id: self.engine_id.clone(),
+            remote_host: self.side_channel.ip().to_string(),
+            remote_port: self.side_channel.port(),
+            remote_block_ids: block_ids.to_vec(),
+            remote_request_id: req.request_id.clone(),
+            tp_size: self.tp_size,
+        };
+        (true, Some(params))
+    }
+
+    /// The workers' report: P frees `sending` (the engine returns the blocks); D stops
+    /// heartbeating and watching what arrived or failed.
+    pub fn update_connector_output(&mut self, f: &Finished) {
+        for id in &f.sending {
+            self.sending.remove(id);
+        }
+        for id in f.recving.iter().chain(&f.failed_recving) {
+            self.hb.untrack(id);
+            self.watchdog.remove(id);
+        }
+    }
+
+    /// Requests with heartbeats running.
+    pub fn heartbeating(&self) -> usize {
+        self.hb.tracked()
+    }
+
+    /// P: requests whose blocks wait for D.
+    pub fn held(&self) -> usize {
+        self.sending.len()
+    }
+}

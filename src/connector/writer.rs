@@ -1,0 +1,405 @@
+//! The push writer: one thread per worker that owns every push-side network operation —
+//! taking the agent's notifications, sending `PUSH_REG`, matching registrations with
+//! finished prefills, and posting the WRITEs. It sleeps on a wake event when idle; new work,
+//! every `get_finished` and handshake completions wake it; it self-polls every 1 ms only
+//! while finished blocks wait for a registration or WRITEs or handshakes are in flight.
+//! Handshakes run on helper threads and re-queue their deferred work (registrations to
+//! send, matched WRITEs) instead of blocking the writer.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::layout::KvLayout;
+use super::meta::RecvReq;
+use crate::agent::{Agent, AgentError, RegionId, XferId, XferOp, XferStatus};
+use crate::proto::kvmsg::{Completion, KvMsg, PushReg};
+use crate::proto::push::{PushAction, PushMatcher};
+
+/// What the writer reports to its worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum WriterEvent {
+    /// A notification that is not the writer's (heartbeats, completions, malformed).
+    Notif(Vec<u8>),
+    /// P: the WRITEs of this request (and their completion notification) are done.
+    Pushed(String),
+    /// D: the handshake with P or the `PUSH_REG` send failed.
+    RegistrationFailed(String, String),
+}
+
+#[derive(Default)]
+struct Inbox {
+    woken: bool,
+    regs: VecDeque<RecvReq>,
+    finished: VecDeque<(String, Vec<u64>)>,
+    evict: VecDeque<String>,
+    forget: VecDeque<String>,
+    handshakes: VecDeque<(String, Result<(), String>)>,
+}
+
+struct Shared {
+    agent: Arc<Agent>,
+    layout: KvLayout,
+    regions: Vec<RegionId>,
+    tp_size: u32,
+    inbox: Mutex<Inbox>,
+    wake: Condvar,
+    stop: AtomicBool,
+    events: Mutex<VecDeque<WriterEvent>>,
+    dropped: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The writer's handle (owned by the worker).
+pub(crate) struct Writer {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Writer {
+    pub(crate) fn start(
+        agent: Arc<Agent>,
+        layout: KvLayout,
+        regions: Vec<RegionId>,
+        tp_size: u32,
+    ) -> Result<Self, AgentError> {
+        let shared = Arc::new(Shared {
+            agent,
+            layout,
+            regions,
+            tp_size,
+            inbox: Mutex::new(Inbox::default()),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            events: Mutex::new(VecDeque::new()),
+            dropped: AtomicU64::new(0),
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvrail-push-writer".into())
+            .spawn(move || Loop::new(s).run())
+            .map_err(|e| AgentError::Unsupported(format!("spawning the push writer: {e}")))?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    fn push(&self, f: impl FnOnce(&mut Inbox)) {
+        let mut i = lock(&self.shared.inbox);
+        f(&mut i);
+        i.woken = true;
+        self.shared.wake.notify_one();
+    }
+
+    pub(crate) fn register(&self, r: RecvReq) {
+        self.push(|i| i.regs.push_back(r));
+    }
+
+    pub(crate) fn finished(&self, id: &str, blocks: Vec<u64>) {
+        self.push(|i| i.finished.push_back((id.to_owned(), blocks)));
+    }
+
+    pub(crate) fn evict(&self, id: &str) {
+        self.push(|i| i.evict.push_back(id.to_owned()));
+    }
+
+    pub(crate) fn forget_registration(&self, id: &str) {
+        self.push(|i| i.forget.push_back(id.to_owned()));
+    }
+
+    pub(crate) fn wake(&self) {
+        self.push(|_| {});
+    }
+
+    pub(crate) fn events(&self) -> Vec<WriterEvent> {
+        lock(&self.shared.events).drain(..).collect()
+    }
+
+    pub(crate) fn dropped(&self) -> u64 {
+        self.shared.dropped.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[derive(PartialEq, Eq)]
+enum Conn {
+    Connecting,
+    Up,
+}
+
+/// The writer thread's own state.
+struct Loop {
+    sh: Arc<Shared>,
+    matcher: PushMatcher,
+    conns: HashMap<String, Conn>,
+    /// D: registrations waiting for the handshake with their P engine.
+    waiting: Vec<RecvReq>,
+    /// P: WRITEs in flight (xfer, P request id).
+    inflight: Vec<(XferId, String)>,
+}
+
+impl Loop {
+    fn new(sh: Arc<Shared>) -> Self {
+        Self {
+            sh,
+            matcher: PushMatcher::new(Duration::from_secs(480)),
+            conns: HashMap::new(),
+            waiting: Vec::new(),
+            inflight: Vec::new(),
+        }
+    }
+
+    fn event(&self, e: WriterEvent) {
+        lock(&self.sh.events).push_back(e);
+    }
+
+    fn handshake(&mut self, engine: &str, addr: String) {
+        if self.conns.contains_key(engine) {
+            return;
+        }
+        self.conns.insert(engine.to_owned(), Conn::Connecting);
+        let (sh, engine) = (self.sh.clone(), engine.to_owned());
+        std::thread::spawn(move || {
+            let r = addr
+                .parse::<SocketAddr>()
+                .map_err(|e| format!("{addr}: {e}"))
+                .and_then(|a| sh.agent.load_remote(a).map_err(|e| e.to_string()))
+                .and_then(|name| {
+                    (name == engine)
+                        .then_some(())
+                        .ok_or_else(|| format!("{addr} is engine {name:?}, expected {engine:?}"))
+                });
+            let mut i = lock(&sh.inbox);
+            i.handshakes.push_back((engine, r));
+            i.woken = true;
+            sh.wake.notify_one();
+        });
+    }
+
+    fn run(mut self) {
+        loop {
+            let work = {
+                let mut i = lock(&self.sh.inbox);
+                let busy = self.matcher.has_unmatched_blocks()
+                    || !self.inflight.is_empty()
+                    || self.conns.values().any(|c| *c == Conn::Connecting);
+                while !i.woken && !self.sh.stop.load(Ordering::Acquire) {
+                    if busy {
+                        i = self
+                            .sh
+                            .wake
+                            .wait_timeout(i, Duration::from_millis(1))
+                            .unwrap_or_else(|p| p.into_inner())
+                            .0;
+                        break;
+                    }
+                    i = self.sh.wake.wait(i).unwrap_or_else(|p| p.into_inner());
+                }
+                i.woken = false;
+                std::mem::take(&mut *i)
+            };
+            if self.sh.stop.load(Ordering::Acquire) {
+                return;
+            }
+            self.step(work, Instant::now());
+        }
+    }
+
+    fn step(&mut self, mut w: Inbox, now: Instant) {
+        for (engine, r) in w.handshakes.drain(..) {
+            let ok = r.is_ok();
+            match &r {
+                Ok(()) => {
+                    self.conns.insert(engine.clone(), Conn::Up);
+                }
+                Err(e) => {
+                    tracing::warn!(%engine, "push handshake failed: {e}");
+                    self.conns.remove(&engine);
+                }
+            }
+            // D: registrations that waited for this P
+            let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
+                .into_iter()
+                .partition(|r| r.params.remote_engine_id == engine);
+            self.waiting = rest;
+            for reg in mine {
+                match &r {
+                    Ok(()) => self.send_reg(reg),
+                    Err(e) => self.event(WriterEvent::RegistrationFailed(
+                        reg.request_id,
+                        format!("handshake with {engine}: {e}"),
+                    )),
+                }
+            }
+            // P: WRITEs that waited for this D (the ratio: one physical block per logical)
+            if ok {
+                self.matcher.handshake_done(&engine, Ok(1));
+            } else {
+                let before = self.matcher.dropped;
+                self.matcher
+                    .handshake_done(&engine, Err("handshake failed".into()));
+                self.sh
+                    .dropped
+                    .fetch_add(self.matcher.dropped - before, Ordering::Relaxed);
+            }
+        }
+        for id in w.forget.drain(..) {
+            self.waiting.retain(|r| r.request_id != id);
+        }
+        for reg in w.regs.drain(..) {
+            let e = reg.params.remote_engine_id.clone();
+            match self.conns.get(&e) {
+                Some(Conn::Up) => self.send_reg(reg),
+                _ => {
+                    let addr = format!("{}:{}", reg.params.remote_host, reg.params.remote_port);
+                    self.waiting.push(reg);
+                    self.handshake(&e, addr);
+                }
+            }
+        }
+        for (id, blocks) in w.finished.drain(..) {
+            self.matcher.on_finished(&id, blocks);
+        }
+        for id in w.evict.drain(..) {
+            self.matcher.evict(&id);
+        }
+        for (_, m) in self.sh.agent.get_new_notifs() {
+            match KvMsg::decode(&m) {
+                Ok(KvMsg::PushReg(r)) => self.matcher.on_registration(r, now),
+                _ => self.event(WriterEvent::Notif(m)),
+            }
+        }
+        self.matcher.handle_timeout(now);
+        while let Some(a) = self.matcher.poll_action() {
+            match a {
+                PushAction::Handshake { engine, host, port } => {
+                    if self.conns.get(&engine) == Some(&Conn::Up) {
+                        self.matcher.handshake_done(&engine, Ok(1));
+                    } else {
+                        self.handshake(&engine, format!("{host}:{port}"));
+                    }
+                }
+                PushAction::Write {
+                    request_id,
+                    local_blocks,
+                    remote_blocks,
+                    reg,
+                } => {
+                    if let Err(e) = self.write(&request_id, &local_blocks, &remote_blocks, &reg) {
+                        tracing::warn!(request = %request_id, "push WRITE not submitted: {e}");
+                        self.matcher.write_failed();
+                        self.sh.dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        let mut i = 0;
+        while i < self.inflight.len() {
+            let (x, id) = self.inflight[i].clone();
+            match self.sh.agent.status(x) {
+                Ok(XferStatus::InProgress) => i += 1,
+                Ok(XferStatus::Done) => {
+                    let _ = self.sh.agent.release(x);
+                    self.inflight.swap_remove(i);
+                    self.event(WriterEvent::Pushed(id));
+                }
+                other => {
+                    let _ = self.sh.agent.release(x);
+                    self.inflight.swap_remove(i);
+                    tracing::warn!(request = %id, "push WRITE failed: {other:?}");
+                    self.matcher.write_failed();
+                    self.sh.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    fn send_reg(&self, r: RecvReq) {
+        let reg = PushReg {
+            request_id: r.request_id.clone(),
+            engine_id: self.sh.agent.name().to_owned(),
+            host: self.sh.agent.side_channel_addr().ip().to_string(),
+            port: self.sh.agent.side_channel_addr().port(),
+            tp_rank: 0,
+            tp_size: self.sh.tp_size,
+            block_ids: r.local_block_ids.clone(),
+            remote_engine_id: r.params.remote_engine_id.clone(),
+            remote_request_id: r.params.remote_request_id.clone(),
+        };
+        if let Err(e) = self
+            .sh
+            .agent
+            .send_notif(&r.params.remote_engine_id, reg.encode())
+        {
+            self.event(WriterEvent::RegistrationFailed(
+                r.request_id,
+                format!("sending PUSH_REG: {e}"),
+            ));
+        }
+    }
+
+    fn write(
+        &mut self,
+        id: &str,
+        local: &[u64],
+        remote: &[u64],
+        reg: &PushReg,
+    ) -> Result<(), String> {
+        let n = remote.len();
+        if local.len() < n {
+            return Err(format!("{} local blocks for {n} remote ones", local.len()));
+        }
+        let local = &local[local.len() - n..];
+        let meta = self
+            .sh
+            .agent
+            .remote_metadata(&reg.engine_id)
+            .ok_or_else(|| format!("no metadata for {}", reg.engine_id))?;
+        let remote_regions = self
+            .sh
+            .layout
+            .layers
+            .iter()
+            .map(|l| {
+                meta.regions
+                    .iter()
+                    .find(|r| r.layers.contains(l))
+                    .map(|r| RegionId(r.id))
+                    .ok_or_else(|| format!("{} has no region for layer {l:?}", reg.engine_id))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let (l, r) = self
+            .sh
+            .layout
+            .paired_descs(&self.sh.regions, local, &remote_regions, remote);
+        let notif = Completion {
+            request_id: reg.request_id.clone(),
+            tp_size: self.sh.tp_size,
+        }
+        .encode();
+        let x = self
+            .sh
+            .agent
+            .create_xfer(XferOp::Write, l, &reg.engine_id, r, Some(notif))
+            .map_err(|e| e.to_string())?;
+        self.sh.agent.post(x).map_err(|e| e.to_string())?;
+        self.inflight.push((x, id.to_owned()));
+        Ok(())
+    }
+}

@@ -1,0 +1,303 @@
+//! The connector end to end between a P engine and a D engine in one process, on both
+//! backends (TCP here, verbs in the lab): pull and push move every KV byte of every layer
+//! (checked), P frees on completion, heartbeats run from scheduler entry, a dead D lets P
+//! reclaim by lease expiry, a dead P fails D's receives, and pull and push instances refuse
+//! to pair. Each engine step is build_connector_meta → (msgpack) → start_load_kv →
+//! get_finished → update_connector_output, as an engine drives it.
+
+mod lab;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvrail::agent::{Agent, AgentConfig, BackendChoice};
+use kvrail::connector::config::KvTransferConfig;
+use kvrail::connector::{
+    ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams, Scheduler, Worker,
+};
+use kvrail::proto::handshake::Direction;
+
+fn layout() -> KvLayout {
+    KvLayout {
+        layers: (0..4).map(|i| format!("model.layers.{i}.attn")).collect(),
+        num_blocks: 64,
+        block_bytes: 2 * 16 * 32 * 2, // 2 KV heads × 16 tokens × head size 32 × fp16
+        planes: 2,
+        block_size: 16,
+    }
+}
+
+struct Engine {
+    sched: Scheduler,
+    worker: Worker,
+    next_block: u64,
+}
+
+fn engine(name: &str, json: &str, host_a: bool) -> Engine {
+    let cfg = KvTransferConfig::from_json(json).unwrap();
+    let mut ac = AgentConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ..AgentConfig::default()
+    };
+    ac.compat.direction = cfg.direction;
+    ac.layers = layout().layers.clone();
+    if let Some(t) = lab::Topology::from_env() {
+        ac.backend = BackendChoice::Verbs;
+        ac.devices = if host_a { t.a_devs } else { t.b_devs };
+    }
+    let agent = Arc::new(Agent::new(name, ac).unwrap());
+    let sched = Scheduler::new(cfg.clone(), name, agent.side_channel_addr(), 1);
+    let worker = Worker::new(agent, cfg, layout(), 1).unwrap();
+    Engine {
+        sched,
+        worker,
+        next_block: 1,
+    }
+}
+
+fn cfg(dir: &str, role: &str, lease: u64) -> String {
+    format!(
+        r#"{{"kv_connector":"Kvrail{dir}Connector","kv_role":"{role}","kv_buffer_device":"rbln",
+            "kv_connector_extra_config":{{"kv_lease_duration":{lease}}}}}"#
+    )
+}
+
+/// The KV byte of (request seed, layer, plane, token block, offset): what the fake model
+/// computes, so D can check every byte.
+fn kv(seed: u64, layer: usize, plane: u64, blk: usize, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            lab::pattern_byte(
+                seed ^ ((layer as u64) << 40) ^ (plane << 36) ^ ((blk as u64) << 20),
+                i,
+            )
+        })
+        .collect()
+}
+
+impl Engine {
+    fn step(&mut self, now: Instant) -> Finished {
+        let m = self.sched.build_connector_meta(now);
+        let m = ConnectorMetadata::decode(&m.encode()).unwrap();
+        self.worker.start_load_kv(&m, now);
+        let f = self.worker.get_finished(now);
+        self.sched.update_connector_output(&f);
+        f
+    }
+
+    fn alloc(&mut self, n: usize) -> Vec<u64> {
+        let b: Vec<u64> = (self.next_block..self.next_block + n as u64).collect();
+        self.next_block += n as u64 + 1; // a gap: runs do not always coalesce
+        b
+    }
+
+    /// Prefill: compute the KV of `tokens` into fresh blocks; finish the request.
+    fn prefill(&mut self, id: &str, seed: u64, tokens: u64) -> KvTransferParams {
+        let l = layout();
+        let blocks = self.alloc(tokens.div_ceil(16) as usize);
+        for (li, r) in self.worker.regions().to_vec().iter().enumerate() {
+            for p in 0..l.planes {
+                for (bi, b) in blocks.iter().enumerate() {
+                    let data = kv(seed, li, p, bi, l.block_bytes as usize);
+                    self.worker
+                        .agent()
+                        .write_region(*r, l.offset(p, *b), &data)
+                        .unwrap();
+                }
+            }
+        }
+        let req = EngineRequest {
+            request_id: id.into(),
+            prompt_tokens: tokens,
+            params: Some(KvTransferParams {
+                do_remote_decode: true,
+                ..KvTransferParams::default()
+            }),
+        };
+        let (delay, params) = self.sched.request_finished(&req, &blocks);
+        assert!(delay, "P keeps the blocks for D");
+        params.unwrap()
+    }
+
+    /// Decode leg: admit the request and allocate its blocks.
+    fn admit(&mut self, id: &str, tokens: u64, params: KvTransferParams, now: Instant) -> Vec<u64> {
+        let req = EngineRequest {
+            request_id: id.into(),
+            prompt_tokens: tokens,
+            params: Some(params),
+        };
+        let (n, load_async) = self.sched.get_num_new_matched_tokens(&req, 0, now);
+        assert_eq!((n, load_async), (tokens, true));
+        let blocks = self.alloc(tokens.div_ceil(16) as usize);
+        self.sched
+            .update_state_after_alloc(&req, blocks.clone(), n, now);
+        blocks
+    }
+
+    fn check(&self, seed: u64, blocks: &[u64]) {
+        let l = layout();
+        for (li, r) in self.worker.regions().iter().enumerate() {
+            for p in 0..l.planes {
+                for (bi, b) in blocks.iter().enumerate() {
+                    let mut got = vec![0u8; l.block_bytes as usize];
+                    self.worker
+                        .agent()
+                        .read_region(*r, l.offset(p, *b), &mut got)
+                        .unwrap();
+                    assert!(
+                        got == kv(seed, li, p, bi, got.len()),
+                        "KV differs: layer {li} plane {p} block {bi}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Step both engines until `done` says so (real time; bounded).
+fn run(p: &mut Engine, d: &mut Engine, mut done: impl FnMut(&Finished, &Finished) -> bool) {
+    let t = Instant::now();
+    loop {
+        let now = Instant::now();
+        let fp = p.step(now);
+        let fd = d.step(now);
+        if done(&fp, &fd) {
+            return;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "no progress");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn both_directions(dir: &str) {
+    let mut p = engine("prefill-engine", &cfg(dir, "kv_producer", 30), false);
+    let mut d = engine("decode-engine", &cfg(dir, "kv_consumer", 30), true);
+    let now = Instant::now();
+    let reqs: Vec<(String, u64, u64)> = (0..6)
+        .map(|i| (format!("cmpl-{i}-0"), i, 20 + i * 37))
+        .collect();
+    let mut d_blocks = Vec::new();
+    for (id, seed, tokens) in &reqs {
+        let params = p.prefill(id, *seed, *tokens);
+        assert_eq!(params.remote_engine_id, "prefill-engine");
+        let blocks = d.admit(&format!("{id}-d"), *tokens, params, now);
+        d_blocks.push(blocks);
+    }
+    assert_eq!(p.sched.held(), 6);
+    let (mut sent, mut recvd) = (HashSet::new(), HashSet::new());
+    run(&mut p, &mut d, |fp, fd| {
+        assert!(fd.failed_recving.is_empty(), "{fd:?}");
+        sent.extend(fp.sending.iter().cloned());
+        recvd.extend(fd.recving.iter().cloned());
+        sent.len() == 6 && recvd.len() == 6
+    });
+    for ((_, seed, _), blocks) in reqs.iter().zip(&d_blocks) {
+        d.check(*seed, blocks);
+    }
+    assert_eq!(p.sched.held(), 0, "P freed every request on completion");
+    assert_eq!(p.worker.leased(), 0);
+    assert_eq!(
+        d.sched.heartbeating(),
+        0,
+        "heartbeats stop when the KV arrived"
+    );
+    assert_eq!(p.worker.push_dropped(), 0);
+}
+
+#[test]
+fn pull_moves_every_kv_byte_and_p_frees_on_completion() {
+    both_directions("Pull");
+}
+
+#[test]
+fn push_moves_every_kv_byte_and_reports_completion() {
+    both_directions("Push");
+}
+
+#[test]
+fn a_dead_decode_instance_lets_p_reclaim_by_lease_expiry() {
+    // lease 6 s: heartbeats every 1 s extend by 4 s
+    let mut p = engine("prefill-engine", &cfg("Pull", "kv_producer", 6), false);
+    let mut d = engine("decode-engine", &cfg("Pull", "kv_consumer", 6), true);
+    let params = p.prefill("r", 1, 40);
+    // D admits it but never gets to schedule it; it heartbeats from admission
+    let req = EngineRequest {
+        request_id: "r-d".into(),
+        prompt_tokens: 40,
+        params: Some(params),
+    };
+    d.sched.get_num_new_matched_tokens(&req, 0, Instant::now());
+    let t0 = Instant::now();
+    let mut freed_at = None;
+    while t0.elapsed() < Duration::from_secs(10) {
+        let now = Instant::now();
+        assert!(p.step(now).sending.is_empty(), "freed while D heartbeats");
+        d.step(now);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(d); // D dies
+    let dead = Instant::now();
+    while freed_at.is_none() {
+        let f = p.step(Instant::now());
+        if f.sending == vec!["r".to_string()] {
+            freed_at = Some(dead.elapsed());
+        }
+        assert!(dead.elapsed() < Duration::from_secs(30), "never reclaimed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let at = freed_at.unwrap();
+    eprintln!("P reclaimed the blocks {at:?} after D died (lease 6 s, extension 4 s)");
+    assert!(at <= Duration::from_secs(8), "{at:?}");
+    assert_eq!(p.sched.held(), 0);
+}
+
+#[test]
+fn a_dead_prefill_instance_fails_the_receives_cleanly() {
+    for dir in ["Pull", "Push"] {
+        let mut p = engine("prefill-engine", &cfg(dir, "kv_producer", 30), false);
+        let mut d = engine("decode-engine", &cfg(dir, "kv_consumer", 30), true);
+        let params = p.prefill("r", 1, 40);
+        let addr = p.worker.agent().side_channel_addr();
+        drop(p); // P dies before D reaches it
+        let _ = addr;
+        let now = Instant::now();
+        d.admit("r-d", 40, params, now);
+        let t = Instant::now();
+        loop {
+            let f = d.step(Instant::now());
+            assert!(
+                f.recving.is_empty(),
+                "{dir}: a receive from a dead P reported success"
+            );
+            if f.failed_recving == vec!["r-d".to_string()] {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{dir}: the receive never failed"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+#[test]
+fn pull_and_push_instances_refuse_to_pair() {
+    let mut p = engine("prefill-engine", &cfg("Push", "kv_producer", 30), false);
+    let mut d = engine("decode-engine", &cfg("Pull", "kv_consumer", 30), true);
+    let params = p.prefill("r", 1, 40);
+    d.admit("r-d", 40, params, Instant::now());
+    let t = Instant::now();
+    loop {
+        let f = d.step(Instant::now());
+        p.step(Instant::now());
+        assert!(f.recving.is_empty());
+        if !f.failed_recving.is_empty() {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "paired anyway");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = Direction::Pull;
+}
