@@ -1,0 +1,401 @@
+//! kvrail-demo: disaggregated prefill/decode end to end. The proxy (this process) starts a
+//! prefill (P) and a decode (D) instance as child processes; each request goes proxy → P
+//! (prefill: the fake model computes KV into P's paged cache) → proxy → D (with P's
+//! transfer parameters), and D checks every KV byte it received before it "decodes".
+//! `--mode pull` (D READs) or `push` (P WRITEs). Prints each request's transfer latency and
+//! the totals. `--kill d` kills D mid-run and shows P reclaiming every block by lease
+//! expiry; `--kill p` kills P and shows D failing those requests cleanly.
+
+mod engine;
+mod model;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use kvrail::agent::BackendChoice;
+use serde_json::{json, Value};
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Mode {
+    Pull,
+    Push,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Kill {
+    D,
+    P,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Backend {
+    Auto,
+    Tcp,
+    Verbs,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "P/D disaggregation end to end over kvrail: a proxy, a prefill and a decode process"
+)]
+struct Args {
+    #[command(subcommand)]
+    instance: Option<Sub>,
+    /// Pull (D READs from P) or push (P WRITEs into D).
+    #[arg(long, value_enum, default_value = "pull")]
+    mode: Mode,
+    /// Requests to run.
+    #[arg(long, default_value_t = 8)]
+    requests: u64,
+    /// Prompt lengths are drawn between these (tokens).
+    #[arg(long, default_value_t = 40)]
+    min_tokens: u64,
+    #[arg(long, default_value_t = 300)]
+    max_tokens: u64,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV blocks per instance.
+    #[arg(long, default_value_t = 96)]
+    num_blocks: u64,
+    /// Model layers (8 KV heads, head size 128, fp16).
+    #[arg(long, default_value_t = 28)]
+    layers: usize,
+    /// `kv_lease_duration` in seconds.
+    #[arg(long, default_value_t = 30)]
+    lease: u64,
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: Backend,
+    /// RDMA devices of P (comma separated).
+    #[arg(long, default_value = "")]
+    p_devices: String,
+    /// RDMA devices of D (comma separated).
+    #[arg(long, default_value = "")]
+    d_devices: String,
+    /// Kill an instance mid-run.
+    #[arg(long, value_enum)]
+    kill: Option<Kill>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Sub {
+    /// (internal) run one instance; the proxy starts these.
+    Instance {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        kv_config: String,
+        #[arg(long)]
+        devices: String,
+    },
+}
+
+fn shape(a: &Args) -> model::Shape {
+    model::Shape {
+        layers: a.layers,
+        kv_heads: 8,
+        head_size: 128,
+        block_size: a.block_size,
+        num_blocks: a.num_blocks,
+    }
+}
+
+fn backend(b: Backend) -> BackendChoice {
+    match b {
+        Backend::Auto => BackendChoice::Auto,
+        Backend::Tcp => BackendChoice::Tcp,
+        Backend::Verbs => BackendChoice::Verbs,
+    }
+}
+
+struct Inst {
+    child: Child,
+    ctl: TcpStream,
+    lines: BufReader<TcpStream>,
+    backend: String,
+}
+
+impl Inst {
+    fn send(&mut self, v: Value) -> Result<(), String> {
+        writeln!(self.ctl, "{v}").map_err(|e| format!("control: {e}"))
+    }
+
+    fn recv(&mut self) -> Result<Value, String> {
+        let mut line = String::new();
+        match self.lines.read_line(&mut line) {
+            Ok(0) | Err(_) => Err("instance closed its control connection".into()),
+            Ok(_) => serde_json::from_str(&line).map_err(|e| format!("bad reply {line:?}: {e}")),
+        }
+    }
+
+    fn stats(&mut self) -> Result<Value, String> {
+        self.send(json!({"cmd": "stats"}))?;
+        loop {
+            let v = self.recv()?;
+            if let Some(s) = v.get("stats") {
+                return Ok(s.clone());
+            }
+        }
+    }
+}
+
+fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String> {
+    let kv = json!({
+        "kv_connector": if a.mode == Mode::Pull { "KvrailPullConnector" } else { "KvrailPushConnector" },
+        "kv_role": role,
+        "kv_buffer_device": "rbln",
+        "engine_id": name,
+        "kv_connector_extra_config": {"kv_lease_duration": a.lease},
+    });
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = Command::new(exe)
+        .args(["--backend", &format!("{:?}", a.backend).to_lowercase()])
+        .args(["--block-size", &a.block_size.to_string()])
+        .args(["--num-blocks", &a.num_blocks.to_string()])
+        .args(["--layers", &a.layers.to_string()])
+        .args([
+            "instance",
+            "--name",
+            name,
+            "--kv-config",
+            &kv.to_string(),
+            "--devices",
+            devices,
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting {name}: {e}"))?;
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().ok_or("no stdout")?)
+        .read_line(&mut first)
+        .map_err(|e| e.to_string())?;
+    let w: Vec<&str> = first.split_whitespace().collect();
+    let port = match w.as_slice() {
+        ["ready", port, "backend", _] => port.to_string(),
+        _ => return Err(format!("{name} did not start: {first:?}")),
+    };
+    let ctl = TcpStream::connect(format!("127.0.0.1:{port}")).map_err(|e| e.to_string())?;
+    Ok(Inst {
+        lines: BufReader::new(ctl.try_clone().map_err(|e| e.to_string())?),
+        ctl,
+        child,
+        backend: w[3].to_owned(),
+    })
+}
+
+struct Req {
+    id: String,
+    seed: u64,
+    tokens: u64,
+}
+
+fn requests(a: &Args) -> Vec<Req> {
+    (0..a.requests)
+        .map(|i| {
+            let seed = 0x5eed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let span = a.max_tokens.saturating_sub(a.min_tokens) + 1;
+            Req {
+                id: format!("cmpl-demo{i:04}-0"),
+                seed,
+                tokens: a.min_tokens + (seed >> 33) % span,
+            }
+        })
+        .collect()
+}
+
+fn prefill(p: &mut Inst, r: &Req) -> Result<Value, String> {
+    p.send(json!({"cmd": "prefill", "id": r.id, "seed": r.seed, "tokens": r.tokens}))?;
+    let v = p.recv()?;
+    if let Some(e) = v.get("error") {
+        return Err(format!("prefill {}: {e}", r.id));
+    }
+    Ok(v["params"].clone())
+}
+
+fn decode(d: &mut Inst, r: &Req, params: &Value) -> Result<(), String> {
+    d.send(
+        json!({"cmd": "decode", "id": r.id, "seed": r.seed, "tokens": r.tokens, "params": params}),
+    )
+}
+
+/// Normal run: every request's KV crosses and is checked; P frees everything.
+fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
+    let reqs = requests(a);
+    let t0 = Instant::now();
+    let (mut next, mut inflight, mut ok, mut bytes) = (0usize, 0usize, 0u64, 0u64);
+    let mut lat = Vec::new();
+    println!(
+        "{:<18} {:>7} {:>10} {:>12}",
+        "request", "tokens", "KV bytes", "transfer ms"
+    );
+    while (ok as usize) < reqs.len() {
+        while inflight < a.concurrency && next < reqs.len() {
+            let params = prefill(p, &reqs[next])?;
+            decode(d, &reqs[next], &params)?;
+            next += 1;
+            inflight += 1;
+        }
+        let v = d.recv()?;
+        if v["ok"] != json!(true) {
+            return Err(format!("{}: {}", v["id"], v["error"]));
+        }
+        let r = reqs
+            .iter()
+            .find(|r| v["id"] == json!(r.id))
+            .ok_or("unknown id")?;
+        let ms = v["ms"].as_f64().unwrap_or(0.0);
+        let b = v["bytes"].as_u64().unwrap_or(0);
+        println!("{:<18} {:>7} {:>10} {:>12.2}", r.id, r.tokens, b, ms);
+        lat.push(ms);
+        bytes += b;
+        ok += 1;
+        inflight -= 1;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    lat.sort_by(f64::total_cmp);
+    println!(
+        "{ok} requests, {:.1} MiB of KV checked byte for byte, {:.2} s, {:.1} MB/s; transfer ms p50 {:.2} max {:.2}",
+        bytes as f64 / (1 << 20) as f64,
+        secs,
+        bytes as f64 / secs / 1e6,
+        lat[lat.len() / 2],
+        lat[lat.len() - 1]
+    );
+    let t = Instant::now();
+    loop {
+        let s = p.stats()?;
+        if s["held"] == json!(0) {
+            println!(
+                "P holds no blocks (freed {} requests on completion)",
+                s["freed"]
+            );
+            return Ok(());
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            return Err(format!("P still holds blocks: {s}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kill D mid-run: P must reclaim every block by lease expiry.
+fn kill_d(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
+    let reqs = requests(a);
+    for r in &reqs {
+        let params = prefill(p, r)?;
+        decode(d, r, &params)?;
+    }
+    // let the first few complete, then kill D with the rest in flight or waiting
+    let _ = d.recv();
+    d.child.kill().map_err(|e| e.to_string())?;
+    let _ = d.child.wait();
+    let killed = Instant::now();
+    let s = p.stats()?;
+    println!("killed D; P holds {} requests' blocks", s["held"]);
+    loop {
+        let s = p.stats()?;
+        if s["held"] == json!(0) {
+            println!(
+                "P reclaimed every block {:.1} s after D died (lease {} s, extension {} s); free blocks {}",
+                killed.elapsed().as_secs_f64(),
+                a.lease,
+                a.lease * 2 / 3,
+                s["free_blocks"]
+            );
+            if s["free_blocks"] != json!(a.num_blocks) {
+                return Err(format!("blocks leaked: {s}"));
+            }
+            return Ok(());
+        }
+        if killed.elapsed() > Duration::from_secs(a.lease + 30) {
+            return Err(format!("P never reclaimed: {s}"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Kill P after its prefills: D must fail those requests cleanly, reporting none as done.
+fn kill_p(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
+    let reqs = requests(a);
+    let params: Vec<Value> = reqs
+        .iter()
+        .map(|r| prefill(p, r))
+        .collect::<Result<_, _>>()?;
+    p.child.kill().map_err(|e| e.to_string())?;
+    let _ = p.child.wait();
+    println!("killed P after {} prefills", reqs.len());
+    for (r, pr) in reqs.iter().zip(&params) {
+        decode(d, r, pr)?;
+    }
+    let mut failed = 0;
+    while failed < reqs.len() {
+        let v = d.recv()?;
+        if v["ok"] == json!(true) {
+            return Err(format!("{} reported success with P dead", v["id"]));
+        }
+        println!("{}: failed cleanly ({})", v["id"], v["error"]);
+        failed += 1;
+    }
+    let s = d.stats()?;
+    if s["free_blocks"] != json!(a.num_blocks) {
+        return Err(format!("D leaked blocks: {s}"));
+    }
+    println!("D failed all {failed} requests and holds no blocks");
+    Ok(())
+}
+
+fn main() {
+    let a = Args::parse();
+    if let Some(Sub::Instance {
+        name,
+        kv_config,
+        devices,
+    }) = &a.instance
+    {
+        let inst = engine::Instance {
+            name: name.clone(),
+            kv_config: kv_config.clone(),
+            backend: backend(a.backend),
+            devices: devices
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect(),
+            shape: shape(&a),
+        };
+        if let Err(e) = engine::serve(inst) {
+            eprintln!("{name}: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    let res = (|| {
+        let mut p = spawn(&a, "prefill-0", "kv_producer", &a.p_devices)?;
+        let mut d = spawn(&a, "decode-0", "kv_consumer", &a.d_devices)?;
+        let s = shape(&a);
+        println!(
+            "kvrail-demo: {:?} mode, P on {}, D on {}; model {} layers x 8 KV heads x 128, fp16, block size {}; lease {} s",
+            a.mode, p.backend, d.backend, s.layers, s.block_size, a.lease
+        );
+        let r = match a.kill {
+            None => run(&a, &mut p, &mut d),
+            Some(Kill::D) => kill_d(&a, &mut p, &mut d),
+            Some(Kill::P) => kill_p(&a, &mut p, &mut d),
+        };
+        for i in [&mut p, &mut d] {
+            let _ = i.send(json!({"cmd": "quit"}));
+            let _ = i.child.wait();
+        }
+        r
+    })();
+    if let Err(e) = res {
+        eprintln!("kvrail-demo: FAILED: {e}");
+        std::process::exit(1);
+    }
+}
