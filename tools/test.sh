@@ -3,7 +3,7 @@
 #   1. tier 1 on this host: `cargo test --workspace` (lab suites print SKIPPED here);
 #   2. tier 2 in the lab: the verbs suite on real queue pairs (Soft-RoCE, two rails, host A
 #      and host B in separate processes), the agent's shared suite (the same one tier 1 runs
-#      on TCP) on verbs, host bounce between NPU memories on verbs, the C ABI's C and Python checks on verbs, the agent's verbs-only cases, and kvrail-rails list/probe/link-down,
+#      on TCP) on verbs, host bounce between NPU memories on verbs, the C ABI's C and Python checks on verbs, the connector suite and kvrail-demo on verbs, the agent's verbs-only cases, and kvrail-rails list/probe/link-down,
 #      one VM boot per lab test binary.
 # Needs what tools/lab/setup.sh installs. KVRAIL_SKIP_LAB=1 runs tier 1 only (and says so).
 set -euo pipefail
@@ -31,6 +31,10 @@ echo "=== tier 2: the C ABI on verbs: the C example, the C error checks, the Pyt
 cargo build -q -p kvrail-ffi --lib   # the cdylib the C and Python programs load (not built in the VM)
 # (the test runs in ffi/; the VM may write only there unless told: the C programs go to target/)
 LAB_RW="$PWD" cargo test -p kvrail-ffi --test c_abi -- c_ python
+echo "=== tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) on verbs"
+cargo test --test connector_suite -- --test-threads=1
+echo "=== tier 2: kvrail-demo (proxy, P, D processes) on verbs across both rails"
+cargo test -p kvrail-tools --test demo -- --test-threads=1
 echo "=== tier 2: the agent's verbs-only cases (rails, striping, rail failure) inside the lab"
 cargo test --test agent_lab
 echo "=== tier 2: kvrail-rails (list, probe, link down) inside the Soft-RoCE lab"

@@ -11,6 +11,7 @@
 //! - [`kvmsg`]: the P/D notifications (completion, `HB:`, `PUSH_REG:`) and base request ids.
 //! - [`lease`]: P's leases and D's heartbeats.
 //! - [`push`]: P's push matching and D's receive accounting with its watchdog.
+//! - [`select`]: which bytes cross and when (`chunk_mode`, `swa_window_mode`, `push_stream`).
 //!
 //! The P/D machines take `now` as an argument and report `poll_timeout()`; tests drive them
 //! in virtual time (`pd_tests`).
@@ -20,6 +21,7 @@ pub mod handshake;
 pub mod kvmsg;
 pub mod lease;
 pub mod push;
+pub mod select;
 
 #[cfg(test)]
 mod pd_tests;

@@ -1,0 +1,275 @@
+//! Which bytes of a request's KV blocks cross the fabric, and when (SPEC §3, seed 001):
+//! `chunk_mode` (+ `chunk_tokens`), `swa_window_mode` and `push_stream`. They change how much
+//! or when data moves, never which bytes D ends up with: every token D will attend to is
+//! sent; what is skipped holds no token D uses.
+//!
+//! Blocks are in the HND layout: `[kv head][token in block][head bytes]`, so a token range
+//! of a block is one span per head.
+
+/// The geometry of one block (one plane of one layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockGeom {
+    /// KV heads.
+    pub kv_heads: u64,
+    /// Tokens per block.
+    pub block_size: u64,
+    /// Bytes of one token of one head (`head_size × dtype bytes`).
+    pub head_bytes: u64,
+}
+
+/// `len` bytes at `offset` of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// Offset in the block.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl BlockGeom {
+    /// Bytes of a block.
+    pub fn block_bytes(&self) -> u64 {
+        self.kv_heads * self.block_size * self.head_bytes
+    }
+
+    /// Tokens `[from, to)` of a block: one span per head (the whole block as one span when
+    /// the range is the whole block).
+    pub fn token_spans(&self, from: u64, to: u64) -> Vec<Span> {
+        let (from, to) = (from.min(self.block_size), to.min(self.block_size));
+        if from >= to {
+            return Vec::new();
+        }
+        if from == 0 && to == self.block_size {
+            return vec![Span {
+                offset: 0,
+                len: self.block_bytes(),
+            }];
+        }
+        (0..self.kv_heads)
+            .map(|h| Span {
+                offset: (h * self.block_size + from) * self.head_bytes,
+                len: (to - from) * self.head_bytes,
+            })
+            .collect()
+    }
+}
+
+/// `chunk_mode`'s chunk size: the smallest value at least `bound` (default: one prefill
+/// step) that divides the block's token span; the block size when none smaller does.
+pub fn chunk_tokens(block_size: u64, bound: u64) -> u64 {
+    let bound = bound.max(1);
+    (bound..block_size)
+        .find(|c| block_size.is_multiple_of(*c))
+        .unwrap_or(block_size)
+}
+
+/// What to send of a request of `tokens` tokens over `blocks` blocks, per block index:
+/// full blocks whole; with `chunk` (chunk_mode) the last block only up to the end of the
+/// chunk holding the last token; without, the last block whole.
+pub fn full_attention_spans(
+    g: &BlockGeom,
+    tokens: u64,
+    chunk: Option<u64>,
+) -> Vec<(u64, Vec<Span>)> {
+    let blocks = tokens.div_ceil(g.block_size);
+    (0..blocks)
+        .map(|b| {
+            let in_block = (tokens - b * g.block_size).min(g.block_size);
+            let to = match chunk {
+                Some(c) if in_block < g.block_size => in_block.div_ceil(c) * c,
+                _ => g.block_size,
+            };
+            (b, g.token_spans(0, to))
+        })
+        .collect()
+}
+
+/// `swa_window_mode` for a sliding-window layer of `window` tokens (`block_size % window ==
+/// 0`, ratio above 1): only the window-sized granules that hold one of the last `window`
+/// tokens go; blocks entirely before the window are skipped.
+///
+/// # Errors
+/// When the window does not divide the block or equals it (the mode does not apply).
+pub fn window_spans(
+    g: &BlockGeom,
+    tokens: u64,
+    window: u64,
+) -> Result<Vec<(u64, Vec<Span>)>, String> {
+    if window == 0 || !g.block_size.is_multiple_of(window) || g.block_size / window < 2 {
+        return Err(format!(
+            "swa_window_mode needs block_size ({}) to be a multiple (>1) of the window ({window})",
+            g.block_size
+        ));
+    }
+    let start = tokens.saturating_sub(window);
+    let first_granule = start / window;
+    let last_granule = tokens.saturating_sub(1) / window;
+    let mut out: Vec<(u64, Vec<Span>)> = Vec::new();
+    for gr in first_granule..=last_granule {
+        if tokens == 0 {
+            break;
+        }
+        let (from, to) = (gr * window, (gr + 1) * window);
+        let b = from / g.block_size;
+        let spans = g.token_spans(from - b * g.block_size, to - b * g.block_size);
+        match out.last_mut() {
+            Some((lb, s)) if *lb == b => s.extend(spans),
+            _ => out.push((b, spans)),
+        }
+    }
+    Ok(out)
+}
+
+/// `push_stream`: after each prefill step (`done[i]` tokens computed so far, rising), the
+/// blocks it closed go at once; the block holding the prompt's last tokens goes when the
+/// prefill ends. Returns, per step, the block indexes to send then.
+pub fn stream_schedule(done: &[u64], tokens: u64, block_size: u64) -> Vec<Vec<u64>> {
+    let mut sent = 0;
+    let total = tokens.div_ceil(block_size);
+    done.iter()
+        .enumerate()
+        .map(|(i, &d)| {
+            let last = i + 1 == done.len();
+            let closed = if last {
+                total
+            } else {
+                (d.min(tokens)) / block_size
+            };
+            let v: Vec<u64> = (sent..closed).collect();
+            sent = sent.max(closed);
+            v
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: BlockGeom = BlockGeom {
+        kv_heads: 4,
+        block_size: 64,
+        head_bytes: 8,
+    };
+
+    /// The KV of a prompt: token t's bytes are non-zero; slots after the prompt are zero.
+    fn source(tokens: u64) -> Vec<Vec<u8>> {
+        (0..tokens.div_ceil(G.block_size))
+            .map(|b| {
+                let mut v = vec![0u8; G.block_bytes() as usize];
+                for h in 0..G.kv_heads {
+                    for t in 0..G.block_size {
+                        let tok = b * G.block_size + t;
+                        if tok < tokens {
+                            for i in 0..G.head_bytes {
+                                v[((h * G.block_size + t) * G.head_bytes + i) as usize] =
+                                    (tok * 7 + h * 3 + i) as u8 | 1;
+                            }
+                        }
+                    }
+                }
+                v
+            })
+            .collect()
+    }
+
+    /// D's blocks start as garbage (0xEE); copy the selected spans; count bytes.
+    fn apply(src: &[Vec<u8>], sel: &[(u64, Vec<Span>)]) -> (Vec<Vec<u8>>, u64) {
+        let mut dst: Vec<Vec<u8>> = src.iter().map(|b| vec![0xEE; b.len()]).collect();
+        let mut n = 0;
+        for (b, spans) in sel {
+            for s in spans {
+                let r = s.offset as usize..(s.offset + s.len) as usize;
+                dst[*b as usize][r.clone()].copy_from_slice(&src[*b as usize][r]);
+                n += s.len;
+            }
+        }
+        (dst, n)
+    }
+
+    /// Every byte of the tokens in `[from, to)` is on D.
+    fn same_tokens(src: &[Vec<u8>], dst: &[Vec<u8>], from: u64, to: u64) {
+        for tok in from..to {
+            let (b, t) = ((tok / G.block_size) as usize, tok % G.block_size);
+            for h in 0..G.kv_heads {
+                let at = ((h * G.block_size + t) * G.head_bytes) as usize;
+                let r = at..at + G.head_bytes as usize;
+                assert_eq!(src[b][r.clone()], dst[b][r], "token {tok} head {h}");
+            }
+        }
+    }
+
+    #[test]
+    fn chunk_size_is_the_smallest_divisor_at_least_the_bound() {
+        assert_eq!(chunk_tokens(1024, 512), 512);
+        assert_eq!(chunk_tokens(1024, 300), 512);
+        assert_eq!(chunk_tokens(1024, 1), 1);
+        assert_eq!(chunk_tokens(96, 40), 48);
+        assert_eq!(
+            chunk_tokens(16, 512),
+            16,
+            "a step larger than the block: whole blocks"
+        );
+    }
+
+    #[test]
+    fn chunk_mode_sends_fewer_bytes_and_d_has_every_token() {
+        for tokens in [1, 17, 63, 64, 65, 100, 200, 256] {
+            let src = source(tokens);
+            let (full, full_n) = apply(&src, &full_attention_spans(&G, tokens, None));
+            let c = chunk_tokens(G.block_size, 16);
+            let (chunked, n) = apply(&src, &full_attention_spans(&G, tokens, Some(c)));
+            same_tokens(&src, &full, 0, tokens);
+            same_tokens(&src, &chunked, 0, tokens);
+            assert_eq!(full_n, src.len() as u64 * G.block_bytes());
+            // the last block carries only its chunks with tokens
+            let last = tokens - (src.len() as u64 - 1) * G.block_size;
+            let expect = (src.len() as u64 - 1) * G.block_bytes()
+                + if last == G.block_size {
+                    G.block_bytes()
+                } else {
+                    last.div_ceil(c) * c * G.kv_heads * G.head_bytes
+                };
+            assert_eq!(n, expect, "tokens {tokens}");
+            assert!(n <= full_n);
+            if tokens % G.block_size != 0 && tokens % G.block_size <= G.block_size - c {
+                assert!(n < full_n, "tokens {tokens}: fewer bytes");
+            }
+        }
+    }
+
+    #[test]
+    fn window_mode_sends_only_the_window_and_d_has_it() {
+        let w = 16;
+        for tokens in [1, 15, 16, 17, 64, 100, 129, 256] {
+            let src = source(tokens);
+            let sel = window_spans(&G, tokens, w).unwrap();
+            let (dst, n) = apply(&src, &sel);
+            same_tokens(&src, &dst, tokens.saturating_sub(w), tokens);
+            // at most two granules of the window
+            assert!(
+                n <= 2 * w * G.kv_heads * G.head_bytes,
+                "tokens {tokens}: {n}"
+            );
+            assert!(
+                n < src.len() as u64 * G.block_bytes() || tokens <= w,
+                "tokens {tokens}"
+            );
+        }
+        assert!(window_spans(&G, 10, 64).is_err(), "ratio 1: not applicable");
+        assert!(window_spans(&G, 10, 24).is_err(), "does not divide");
+    }
+
+    #[test]
+    fn push_stream_sends_each_block_once_as_it_closes() {
+        // 200 tokens, prefill steps of 64 tokens: blocks close at 64, 128, 192; the partial
+        // last block goes at the end
+        let s = stream_schedule(&[64, 128, 192, 200], 200, 64);
+        assert_eq!(s, vec![vec![0], vec![1], vec![2], vec![3]]);
+        let s = stream_schedule(&[50, 100, 150, 200], 200, 64);
+        assert_eq!(s, vec![vec![], vec![0], vec![1], vec![2, 3]]);
+        let all: Vec<u64> = s.concat();
+        assert_eq!(all, vec![0, 1, 2, 3], "every block exactly once");
+        assert_eq!(stream_schedule(&[10], 10, 64), vec![vec![0]]);
+    }
+}
