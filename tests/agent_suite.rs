@@ -440,6 +440,7 @@ impl SilentPeer {
                 kv_layout: "HND".into(),
                 block_size: 16,
                 layers: vec![],
+                requires_layers: false,
             },
             backend: BackendKind::Tcp,
             side_channel: self.addr.to_string(),

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use kvrail::agent::{Agent, AgentConfig, BackendChoice};
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::{
-    ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams, Scheduler, Worker,
+    agent_config, ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams,
+    Scheduler, Worker,
 };
 use kvrail::proto::handshake::Direction;
 
@@ -35,20 +36,23 @@ struct Engine {
 }
 
 fn engine(name: &str, json: &str, host_a: bool) -> Engine {
+    engine_with(name, json, host_a, layout())
+}
+
+fn engine_with(name: &str, json: &str, host_a: bool, l: KvLayout) -> Engine {
     let cfg = KvTransferConfig::from_json(json).unwrap();
-    let mut ac = AgentConfig {
+    let mut base = AgentConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         ..AgentConfig::default()
     };
-    ac.compat.direction = cfg.direction;
-    ac.layers = layout().layers.clone();
     if let Some(t) = lab::Topology::from_env() {
-        ac.backend = BackendChoice::Verbs;
-        ac.devices = if host_a { t.a_devs } else { t.b_devs };
+        base.backend = BackendChoice::Verbs;
+        base.devices = if host_a { t.a_devs } else { t.b_devs };
     }
+    let ac = agent_config(&cfg, &l, base);
     let agent = Arc::new(Agent::new(name, ac).unwrap());
     let sched = Scheduler::new(cfg.clone(), name, agent.side_channel_addr(), 1);
-    let worker = Worker::new(agent, cfg, layout(), 1).unwrap();
+    let worker = Worker::new(agent, cfg, l, 1).unwrap();
     Engine {
         sched,
         worker,
@@ -61,6 +65,11 @@ fn cfg(dir: &str, role: &str, lease: u64) -> String {
         r#"{{"kv_connector":"Kvrail{dir}Connector","kv_role":"{role}","kv_buffer_device":"rbln",
             "kv_connector_extra_config":{{"kv_lease_duration":{lease}}}}}"#
     )
+}
+
+/// The number in a layer name (`model.layers.3.attn` → 3).
+fn layer_no(name: &str) -> usize {
+    name.split('.').nth(2).and_then(|n| n.parse().ok()).unwrap()
 }
 
 /// The KV byte of (request seed, layer, plane, token block, offset): what the fake model
@@ -94,12 +103,12 @@ impl Engine {
 
     /// Prefill: compute the KV of `tokens` into fresh blocks; finish the request.
     fn prefill(&mut self, id: &str, seed: u64, tokens: u64) -> KvTransferParams {
-        let l = layout();
+        let l = self.worker.layout().clone();
         let blocks = self.alloc(tokens.div_ceil(16) as usize);
         for (li, r) in self.worker.regions().to_vec().iter().enumerate() {
             for p in 0..l.planes {
                 for (bi, b) in blocks.iter().enumerate() {
-                    let data = kv(seed, li, p, bi, l.block_bytes as usize);
+                    let data = kv(seed, layer_no(&l.layers[li]), p, bi, l.block_bytes as usize);
                     self.worker
                         .agent()
                         .write_region(*r, l.offset(p, *b), &data)
@@ -136,8 +145,14 @@ impl Engine {
     }
 
     fn check(&self, seed: u64, blocks: &[u64]) {
-        let l = layout();
+        self.check_layers(seed, blocks, &self.worker.layout().layers.clone());
+    }
+
+    /// The KV of `layers` is in `blocks`; every other layer's blocks are still zero.
+    fn check_layers(&self, seed: u64, blocks: &[u64], layers: &[String]) {
+        let l = self.worker.layout().clone();
         for (li, r) in self.worker.regions().iter().enumerate() {
+            let name = &l.layers[li];
             for p in 0..l.planes {
                 for (bi, b) in blocks.iter().enumerate() {
                     let mut got = vec![0u8; l.block_bytes as usize];
@@ -145,10 +160,12 @@ impl Engine {
                         .agent()
                         .read_region(*r, l.offset(p, *b), &mut got)
                         .unwrap();
-                    assert!(
-                        got == kv(seed, li, p, bi, got.len()),
-                        "KV differs: layer {li} plane {p} block {bi}"
-                    );
+                    let want = if layers.contains(name) {
+                        kv(seed, layer_no(name), p, bi, got.len())
+                    } else {
+                        vec![0; got.len()]
+                    };
+                    assert!(got == want, "KV differs: layer {name} plane {p} block {bi}");
                 }
             }
         }
@@ -300,4 +317,65 @@ fn pull_and_push_instances_refuse_to_pair() {
         std::thread::sleep(Duration::from_millis(5));
     }
     let _ = Direction::Pull;
+}
+
+/// A pipeline-parallel producer stage (layers 1 and 2 of 4) pushes into a decode instance
+/// that holds every layer: routed by layer name, D's layers 1 and 2 get the KV, 0 and 3 stay
+/// untouched. A stage owning a layer D lacks fails the handshake, and nothing is reported
+/// received.
+#[test]
+fn pipeline_parallel_producer_routes_by_layer_name() {
+    let stage = |layers: &[usize]| KvLayout {
+        layers: layers
+            .iter()
+            .map(|i| format!("model.layers.{i}.attn"))
+            .collect(),
+        ..layout()
+    };
+    let mut p = engine_with(
+        "prefill-pp1",
+        &cfg("Push", "kv_producer", 30),
+        false,
+        stage(&[1, 2]),
+    );
+    let mut d = engine("decode-engine", &cfg("Push", "kv_consumer", 30), true);
+    let params = p.prefill("r", 5, 50);
+    let blocks = d.admit("r-d", 50, params, Instant::now());
+    let mut got = false;
+    run(&mut p, &mut d, |_, fd| {
+        assert!(fd.failed_recving.is_empty(), "{fd:?}");
+        got |= fd.recving == vec!["r-d".to_string()];
+        got
+    });
+    d.check_layers(5, &blocks, &p.worker.layout().layers.clone());
+
+    // a stage with a layer the decode instance does not have
+    let mut p = engine_with(
+        "prefill-pp9",
+        &cfg("Push", "kv_producer", 30),
+        false,
+        stage(&[2, 9]),
+    );
+    let params = p.prefill("s", 6, 30);
+    d.admit("s-d", 30, params, Instant::now());
+    // the handshake fails on whichever side meets the other first: D's registration
+    // (reported failed at once) or P's WRITE (dropped, counted); never a success
+    let t = Instant::now();
+    loop {
+        let now = Instant::now();
+        let f = d.step(now);
+        assert!(
+            f.recving.is_empty(),
+            "KV reported received from a refused stage"
+        );
+        p.step(now);
+        if f.failed_recving == vec!["s-d".to_string()] || p.worker.push_dropped() > 0 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the refusal never surfaced"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }

@@ -38,6 +38,9 @@ pub struct AgentConfig {
     pub block_size: u32,
     /// Layer names this agent's regions hold (empty: no layer routing).
     pub layers: Vec<String>,
+    /// Refuse a peer that lacks one of `layers` (a pipeline-parallel producer routing by
+    /// layer name); false only advertises them (a consumer holding every layer).
+    pub require_layers: bool,
     /// The accelerator's NUMA node for rail selection (-1: any).
     pub numa: i32,
     /// Use only these RDMA devices as rails (empty: every usable one).
@@ -63,6 +66,7 @@ impl Default for AgentConfig {
             kv_layout: "HND".into(),
             block_size: 16,
             layers: Vec::new(),
+            require_layers: true,
             numa: -1,
             devices: Vec::new(),
         }

@@ -291,6 +291,7 @@ impl Agent {
             kv_layout: config.kv_layout.clone(),
             block_size: config.block_size,
             layers: config.layers.clone(),
+            requires_layers: config.require_layers && !config.layers.is_empty(),
         };
         let shared = Arc::new(Shared {
             name: name.to_owned(),

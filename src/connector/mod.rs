@@ -20,6 +20,29 @@ mod worker;
 mod writer;
 
 pub use layout::KvLayout;
+
+use crate::agent::AgentConfig;
+
+/// The agent settings a connector worker needs, on top of `base` (listen address, backend,
+/// devices, model compatibility): the direction in the compatibility hash (pull and push
+/// instances refuse to pair), block size, `stripe_width`, `enforce_handshake_compat`, and
+/// on a producer the layers it owns — a pipeline-parallel stage then refuses a peer that
+/// lacks one of them, and routes by layer name. A consumer (which holds every layer) does
+/// not require its producers to hold all of them.
+pub fn agent_config(
+    cfg: &config::KvTransferConfig,
+    layout: &KvLayout,
+    base: AgentConfig,
+) -> AgentConfig {
+    let mut a = base;
+    a.compat.direction = cfg.direction;
+    a.block_size = layout.block_size;
+    a.stripe_width = cfg.stripe_width;
+    a.enforce_handshake_compat = cfg.enforce_handshake_compat;
+    a.layers = layout.layers.clone();
+    a.require_layers = cfg.role != config::KvRole::Consumer;
+    a
+}
 pub use meta::{
     ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq,
 };

@@ -102,6 +102,10 @@ pub struct HandshakeInfo {
     pub block_size: u32,
     /// Layer names its regions hold (empty: it does not route by layer).
     pub layers: Vec<String>,
+    /// It routes by layer name (a pipeline-parallel producer): every one of its layers must
+    /// be on the peer. A consumer advertises its layers without requiring the producer's.
+    #[serde(default)]
+    pub requires_layers: bool,
 }
 
 /// A refused handshake.
@@ -188,7 +192,8 @@ pub fn check(
             theirs: theirs.block_size,
         });
     }
-    if let Some(layer) = ours.layers.iter().find(|l| !theirs.layers.contains(l)) {
+    let missing = ours.layers.iter().find(|l| !theirs.layers.contains(l));
+    if let Some(layer) = missing.filter(|_| ours.requires_layers) {
         return Err(HandshakeError::MissingLayer {
             peer,
             layer: layer.clone(),
@@ -225,6 +230,7 @@ mod tests {
 
     fn info(c: &CompatInfo) -> HandshakeInfo {
         HandshakeInfo {
+            requires_layers: true,
             agent: "prefill-0".into(),
             compat_hash: c.hash(),
             kv_layout: "HND".into(),
@@ -297,7 +303,7 @@ mod tests {
 
     #[test]
     fn mismatches_name_both_values() {
-        let ours = info(&compat());
+        let mut ours = info(&compat());
         let mut theirs = info(&CompatInfo {
             direction: Direction::Push,
             ..compat()
@@ -333,6 +339,10 @@ mod tests {
                 layer: "model.layers.1".into()
             }
         );
+        // a consumer advertises its layers without requiring the producer's
+        ours.requires_layers = false;
+        assert_eq!(check(&ours, &theirs, false), Ok(()));
+        ours.requires_layers = true;
         theirs.layers.push("model.layers.1".into());
         theirs.layers.push("model.layers.2".into()); // a superset is fine
         assert_eq!(

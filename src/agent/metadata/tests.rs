@@ -12,6 +12,7 @@ fn sample() -> AgentMetadata {
             kv_layout: "HND".into(),
             block_size: 16,
             layers: vec!["model.layers.0".into()],
+            requires_layers: true,
         },
         backend: BackendKind::Verbs,
         side_channel: "10.0.0.1:18515".into(),

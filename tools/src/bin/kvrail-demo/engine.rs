@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvrail::agent::{Agent, AgentConfig, BackendChoice};
 use kvrail::connector::config::KvTransferConfig;
-use kvrail::connector::{EngineRequest, KvTransferParams, Scheduler, Worker};
+use kvrail::connector::{agent_config, EngineRequest, KvTransferParams, Scheduler, Worker};
 use serde_json::{json, Value};
 
 use crate::model::{block, tokens, Shape};
@@ -34,19 +34,15 @@ struct Decoding {
 pub(crate) fn serve(inst: Instance) -> Result<(), String> {
     let cfg = KvTransferConfig::from_json(&inst.kv_config).map_err(|e| e.to_string())?;
     let layout = inst.shape.layout();
-    let mut ac = AgentConfig {
+    let mut base = AgentConfig {
         listen: "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
         backend: inst.backend,
         devices: inst.devices.clone(),
-        layers: layout.layers.clone(),
-        stripe_width: cfg.stripe_width,
-        enforce_handshake_compat: cfg.enforce_handshake_compat,
         ..AgentConfig::default()
     };
-    ac.compat.direction = cfg.direction;
-    ac.compat.model = "demo-28l-8h-128d".into();
-    ac.compat.dtype = "float16".into();
-    ac.block_size = layout.block_size;
+    base.compat.model = "demo-28l-8h-128d".into();
+    base.compat.dtype = "float16".into();
+    let ac = agent_config(&cfg, &layout, base);
     let agent = Arc::new(Agent::new(&inst.name, ac).map_err(|e| e.to_string())?);
     let mut sched = Scheduler::new(cfg.clone(), &inst.name, agent.side_channel_addr(), 1);
     let mut worker =
