@@ -87,6 +87,32 @@ int main(void) {
     expect("wait", kvrail_xfer_wait(x, 60000), KVRAIL_RESULT_OK, NULL);
     expect("free", kvrail_xfer_free(x), KVRAIL_RESULT_OK, NULL);
 
+    /* the connector */
+    kvrail_scheduler *s = NULL;
+    kvrail_worker *w = NULL;
+    const char *pull = "{\"kv_connector\":\"KvrailPullConnector\",\"kv_role\":\"kv_both\"}";
+    const char *layout = "{\"layers\":[\"l0\"],\"num_blocks\":4,\"block_bytes\":64,\"planes\":2,\"block_size\":16}";
+    expect("kv config: unknown extra key", kvrail_scheduler_new("{\"kv_connector\":\"KvrailPullConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"kv_lease\":3}}", "e", "127.0.0.1:1", 1, &s), KVRAIL_RESULT_INVALID_CONFIG, "kv_connector_extra_config.kv_lease");
+    expect("kv config: bad buffer device", kvrail_scheduler_new("{\"kv_connector\":\"KvrailPullConnector\",\"kv_role\":\"kv_both\",\"kv_buffer_device\":\"cuda\"}", "e", "127.0.0.1:1", 1, &s), KVRAIL_RESULT_INVALID_CONFIG, "kv_buffer_device");
+    expect("scheduler: bad address", kvrail_scheduler_new(pull, "e", "nowhere", 1, &s), KVRAIL_RESULT_INVALID_ARGUMENT, "side_channel_addr");
+    expect("scheduler", kvrail_scheduler_new(pull, "e", "127.0.0.1:1", 1, &s), KVRAIL_RESULT_OK, NULL);
+    uint64_t toks = 9;
+    bool as = false;
+    expect("bad params JSON", kvrail_scheduler_get_num_new_matched_tokens(s, "r", 10, "{\"tp_size\":\"x\"}", 0, &toks, &as), KVRAIL_RESULT_INVALID_ARGUMENT, "params_json");
+    expect("NULL scheduler", kvrail_scheduler_get_num_new_matched_tokens(NULL, "r", 10, NULL, 0, &toks, &as), KVRAIL_RESULT_NULL_PARAMETER, "scheduler");
+    expect("bad finished JSON", kvrail_scheduler_update_connector_output(s, "[]"), KVRAIL_RESULT_INVALID_ARGUMENT, "finished_json");
+    expect("layout: unknown key", kvrail_worker_new("w", tcp, pull, "{\"layerz\":[]}", 1, &w), KVRAIL_RESULT_INVALID_CONFIG, "layout_json");
+    expect("worker", kvrail_worker_new("w", tcp, pull, layout, 1, &w), KVRAIL_RESULT_OK, NULL);
+    uint8_t junk[3] = {0xc1, 0x00, 0xff};
+    expect("garbage metadata", kvrail_worker_start_load_kv(w, junk, 3), KVRAIL_RESULT_INVALID_ARGUMENT, "meta");
+    expect("no such layer", kvrail_worker_region(w, 5, &region), KVRAIL_RESULT_INVALID_ARGUMENT, "layer_index");
+    char tiny2[2];
+    expect("finished: small buffer", kvrail_worker_get_finished(w, (uint8_t *)tiny2, sizeof tiny2, &n), KVRAIL_RESULT_BUFFER_TOO_SMALL, "needed");
+    char fin[256];
+    expect("finished: kept for the next call", kvrail_worker_get_finished(w, (uint8_t *)fin, sizeof fin - 1, &n), KVRAIL_RESULT_OK, NULL);
+    kvrail_worker_free(w);
+    kvrail_scheduler_free(s);
+
     for (unsigned c = 0; c < 1000; c++)
         if (!kvrail_result_message(c)) { fprintf(stderr, "FAIL NULL message for %u\n", c); failures++; }
 

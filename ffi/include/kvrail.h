@@ -191,6 +191,16 @@ typedef uint32_t kvrail_xfer_state;
 typedef struct kvrail_agent kvrail_agent;
 
 /**
+ * A connector's scheduler side (opaque).
+ */
+typedef struct kvrail_scheduler kvrail_scheduler;
+
+/**
+ * A connector's worker side (opaque).
+ */
+typedef struct kvrail_worker kvrail_worker;
+
+/**
  * A transfer request (opaque), bound to the agent that created it.
  */
 typedef struct kvrail_xfer kvrail_xfer;
@@ -373,6 +383,189 @@ kvrail_result kvrail_agent_get_notif(const kvrail_agent *agent,
                                      size_t len,
                                      size_t *out_len,
                                      bool *out_got);
+
+/**
+ * Create the scheduler side for engine `engine_id` whose workers' side channel is
+ * `side_channel_addr` ("ip:port"), from the `kv_transfer_config` JSON.
+ *
+ * # Safety
+ * Strings NUL-terminated; `out` writable.
+ */
+kvrail_result kvrail_scheduler_new(const char *kv_transfer_config,
+                                   const char *engine_id,
+                                   const char *side_channel_addr,
+                                   uint32_t tp_size,
+                                   kvrail_scheduler **out);
+
+/**
+ * Free a scheduler (NULL is ignored).
+ *
+ * # Safety
+ * NULL or from [`kvrail_scheduler_new`]; not used afterwards.
+ */
+void kvrail_scheduler_free(kvrail_scheduler *s);
+
+/**
+ * Tokens the connector will load for a request beyond `num_computed` (`*out_tokens`), and
+ * whether they load asynchronously (`*out_async`).
+ *
+ * # Safety
+ * `s` from [`kvrail_scheduler_new`]; strings NUL-terminated (`params_json` may be NULL);
+ * out-pointers writable.
+ */
+kvrail_result kvrail_scheduler_get_num_new_matched_tokens(const kvrail_scheduler *s,
+                                                          const char *request_id,
+                                                          uint64_t prompt_tokens,
+                                                          const char *params_json,
+                                                          uint64_t num_computed,
+                                                          uint64_t *out_tokens,
+                                                          bool *out_async);
+
+/**
+ * Blocks were allocated for a request; with external tokens to load the workers receive
+ * into `blocks`.
+ *
+ * # Safety
+ * `s` from [`kvrail_scheduler_new`]; strings NUL-terminated (`params_json` may be NULL);
+ * `blocks` valid for `n_blocks`.
+ */
+kvrail_result kvrail_scheduler_update_state_after_alloc(const kvrail_scheduler *s,
+                                                        const char *request_id,
+                                                        uint64_t prompt_tokens,
+                                                        const char *params_json,
+                                                        const uint64_t *blocks,
+                                                        size_t n_blocks,
+                                                        uint64_t num_external_tokens);
+
+/**
+ * This step's metadata for the workers (msgpack bytes, for [`kvrail_worker_start_load_kv`])
+ * into `buf`. [`kvrail_result::BufferTooSmall`] keeps it for the next call
+ * (`kvrail_last_error` says the size).
+ *
+ * # Safety
+ * `s` from [`kvrail_scheduler_new`]; `buf` valid for `len` bytes; `out_len` writable.
+ */
+kvrail_result kvrail_scheduler_build_connector_meta(const kvrail_scheduler *s,
+                                                    uint8_t *buf,
+                                                    size_t len,
+                                                    size_t *out_len);
+
+/**
+ * A request finished on this engine: `*out_delay_free` says whether its blocks stay
+ * allocated (P keeps them for D), and the transfer parameters for D (JSON; empty when
+ * none) go to `params_buf`.
+ *
+ * # Safety
+ * `s` from [`kvrail_scheduler_new`]; strings NUL-terminated (`params_json` may be NULL);
+ * `blocks` valid for `n_blocks`; `params_buf` valid for `params_len`; out-pointers writable.
+ */
+kvrail_result kvrail_scheduler_request_finished(const kvrail_scheduler *s,
+                                                const char *request_id,
+                                                uint64_t prompt_tokens,
+                                                const char *params_json,
+                                                const uint64_t *blocks,
+                                                size_t n_blocks,
+                                                bool *out_delay_free,
+                                                uint8_t *params_buf,
+                                                size_t params_len,
+                                                size_t *out_params_len);
+
+/**
+ * The workers' report (the JSON [`kvrail_worker_get_finished`] wrote).
+ *
+ * # Safety
+ * `s` from [`kvrail_scheduler_new`]; `finished_json` NUL-terminated.
+ */
+kvrail_result kvrail_scheduler_update_connector_output(const kvrail_scheduler *s,
+                                                       const char *finished_json);
+
+/**
+ * Create a worker named `engine_id` (its agent's name): `agent_config_json` as for
+ * `kvrail_agent_new` (NULL: defaults), the `kv_transfer_config` JSON, and the KV layout as
+ * JSON `{"layers": [...], "num_blocks": N, "block_bytes": B, "planes": 2, "block_size":
+ * T}`. One region per layer is registered (see [`kvrail_worker_region`]).
+ *
+ * # Safety
+ * Strings NUL-terminated (`agent_config_json` may be NULL); `out` writable.
+ */
+kvrail_result kvrail_worker_new(const char *engine_id,
+                                const char *agent_config_json,
+                                const char *kv_transfer_config,
+                                const char *layout_json,
+                                uint32_t tp_size,
+                                kvrail_worker **out);
+
+/**
+ * Free a worker (NULL is ignored).
+ *
+ * # Safety
+ * NULL or from [`kvrail_worker_new`]; not used afterwards.
+ */
+void kvrail_worker_free(kvrail_worker *w);
+
+/**
+ * A new agent handle for the worker's agent (free it with `kvrail_agent_free`; the worker
+ * keeps its own): the engine writes and reads its KV cache through it.
+ *
+ * # Safety
+ * `w` from [`kvrail_worker_new`]; `out` writable.
+ */
+kvrail_result kvrail_worker_agent(const kvrail_worker *w, kvrail_agent **out);
+
+/**
+ * The region holding layer `layer_index` of the KV cache.
+ *
+ * # Safety
+ * `w` from [`kvrail_worker_new`]; `out_region` writable.
+ */
+kvrail_result kvrail_worker_region(const kvrail_worker *w,
+                                   size_t layer_index,
+                                   uint32_t *out_region);
+
+/**
+ * Start this step's work from the scheduler's metadata bytes.
+ *
+ * # Safety
+ * `w` from [`kvrail_worker_new`]; `meta` valid for `len` bytes.
+ */
+kvrail_result kvrail_worker_start_load_kv(const kvrail_worker *w, const uint8_t *meta, size_t len);
+
+/**
+ * Layers are loaded as a whole before a request runs: returns at once.
+ *
+ * # Safety
+ * `w` from [`kvrail_worker_new`]; `layer` NUL-terminated.
+ */
+kvrail_result kvrail_worker_wait_for_layer_load(const kvrail_worker *w, const char *layer);
+
+/**
+ * KV is computed in place in registered memory: returns at once.
+ *
+ * # Safety
+ * `w` from [`kvrail_worker_new`]; `layer` NUL-terminated.
+ */
+kvrail_result kvrail_worker_save_kv_layer(const kvrail_worker *w, const char *layer);
+
+/**
+ * Nothing is in flight on the save path: returns at once.
+ *
+ * # Safety
+ * `w` from [`kvrail_worker_new`].
+ */
+kvrail_result kvrail_worker_wait_for_save(const kvrail_worker *w);
+
+/**
+ * What finished since the last call, as JSON `{"sending": [...], "recving": [...],
+ * "failed_recving": [...]}` (pass it to [`kvrail_scheduler_update_connector_output`]).
+ * [`kvrail_result::BufferTooSmall`] keeps it for the next call.
+ *
+ * # Safety
+ * `w` from [`kvrail_worker_new`]; `buf` valid for `len` bytes; `out_len` writable.
+ */
+kvrail_result kvrail_worker_get_finished(const kvrail_worker *w,
+                                         uint8_t *buf,
+                                         size_t len,
+                                         size_t *out_len);
 
 /**
  * A static, NUL-terminated name for a `kvrail_result` value (never NULL; unknown values

@@ -23,6 +23,17 @@ pub(crate) struct AgentHandle {
     notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
 }
 
+impl AgentHandle {
+    /// A new handle (owned by the caller) for `agent`.
+    pub(crate) fn boxed(agent: Arc<Agent>) -> *mut kvrail_agent {
+        Box::into_raw(Box::new(Self {
+            agent,
+            notifs: Mutex::new(VecDeque::new()),
+        }))
+        .cast()
+    }
+}
+
 /// Remote access: peers may not touch the region.
 pub const KVRAIL_ACCESS_NONE: u32 = 0;
 /// Remote access: peers may READ the region.
@@ -52,7 +63,7 @@ fn bad_config(key: &str, why: impl std::fmt::Display) -> Failure {
 }
 
 /// The agent configuration from JSON (keys as in [`kvrail_agent_new`]).
-fn parse_config(json: &str) -> Result<AgentConfig, Failure> {
+pub(crate) fn parse_config(json: &str) -> Result<AgentConfig, Failure> {
     let j: ConfigJson = if json.trim().is_empty() {
         ConfigJson::default()
     } else {

@@ -18,10 +18,12 @@
 #![allow(non_camel_case_types)] // C type names
 
 mod agent;
+mod connector;
 mod result;
 mod util;
 mod xfer;
 
 pub use agent::*;
+pub use connector::*;
 pub use result::*;
 pub use xfer::*;

@@ -128,6 +128,16 @@ fn c_example_moves_bytes_between_two_agents() {
 }
 
 #[test]
+fn c_connector_pull_and_push() {
+    let bin = compile("connector");
+    let (a, b) = lab_config();
+    for mode in ["pull", "push"] {
+        let out = run(&bin, &[mode, &a, &b]);
+        assert!(out.contains(&format!("connector ({mode}): KV")), "{out}");
+    }
+}
+
+#[test]
 fn c_error_codes_for_bad_input() {
     let bin = compile("errors");
     let out = run(&bin, &[]);

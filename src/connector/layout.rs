@@ -5,7 +5,8 @@
 use crate::agent::{Desc, RegionId};
 
 /// The shape of one worker's KV cache.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct KvLayout {
     /// Layer names, in region order (they travel in the handshake for PP routing).
     pub layers: Vec<String>,

@@ -4,8 +4,10 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The `kv_transfer_params` of a request.
+/// The `kv_transfer_params` of a request (absent fields take their defaults, so the
+/// prefill leg needs only `{"do_remote_decode": true}`).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct KvTransferParams {
     /// Prefill leg: P keeps the KV for a decode instance.
     pub do_remote_decode: bool,
@@ -98,7 +100,7 @@ impl ConnectorMetadata {
 }
 
 /// What a worker's `get_finished` reports.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Finished {
     /// P: requests whose blocks may be freed (completed or lease expired).
     pub sending: Vec<String>,

@@ -1,0 +1,140 @@
+/* The connector through the C ABI, as an engine drives it: a prefill engine (scheduler +
+ * worker) computes KV for a request into its paged cache and finishes it; the decode engine
+ * admits the request with P's transfer parameters; both step (build_connector_meta ->
+ * start_load_kv -> get_finished -> update_connector_output) until D has the KV and P freed
+ * its blocks; D checks every byte. argv[1]: "pull" or "push"; argv[2] / argv[3]: the agents'
+ * JSON configurations (decode on host A, prefill on host B). */
+#define _POSIX_C_SOURCE 199309L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvrail.h"
+
+#define LAYERS 4
+#define BLOCK_BYTES 2048
+#define NBLOCKS 32
+
+static int fail(const char *what, kvrail_result r) {
+    char msg[512];
+    size_t n = 0;
+    kvrail_last_error((uint8_t *)msg, sizeof msg - 1, &n);
+    msg[n] = 0;
+    fprintf(stderr, "%s: %s (%u): %s\n", what, kvrail_result_message(r), (unsigned)r, msg);
+    return 1;
+}
+
+#define CHECK(call)                                          \
+    do {                                                     \
+        kvrail_result r_ = (call);                           \
+        if (r_ != KVRAIL_RESULT_OK) return fail(#call, r_);  \
+    } while (0)
+
+static uint8_t kv(int layer, int plane, int blk, size_t i) {
+    return (uint8_t)(i * 31 + (size_t)layer * 7 + (size_t)plane * 3 + (size_t)blk * 11) ^ (uint8_t)(i >> 8);
+}
+
+struct engine {
+    kvrail_scheduler *s;
+    kvrail_worker *w;
+    kvrail_agent *a;
+    uint32_t regions[LAYERS];
+};
+
+static int engine_new(struct engine *e, const char *name, const char *role, const char *mode,
+                      const char *agent_cfg) {
+    char kv_cfg[256], addr[64];
+    snprintf(kv_cfg, sizeof kv_cfg,
+             "{\"kv_connector\":\"Kvrail%sConnector\",\"kv_role\":\"%s\",\"kv_buffer_device\":\"rbln\"}",
+             strcmp(mode, "push") ? "Pull" : "Push", role);
+    const char *layout =
+        "{\"layers\":[\"model.layers.0\",\"model.layers.1\",\"model.layers.2\",\"model.layers.3\"],"
+        "\"num_blocks\":32,\"block_bytes\":2048,\"planes\":2,\"block_size\":16}";
+    CHECK(kvrail_worker_new(name, agent_cfg, kv_cfg, layout, 1, &e->w));
+    CHECK(kvrail_worker_agent(e->w, &e->a));
+    size_t n = 0;
+    CHECK(kvrail_agent_side_channel_addr(e->a, (uint8_t *)addr, sizeof addr - 1, &n));
+    addr[n] = 0;
+    CHECK(kvrail_scheduler_new(kv_cfg, name, addr, 1, &e->s));
+    for (size_t l = 0; l < LAYERS; l++) CHECK(kvrail_worker_region(e->w, l, &e->regions[l]));
+    return 0;
+}
+
+/* One engine step; `got` collects the finished JSON. */
+static int step(struct engine *e, char *got, size_t cap) {
+    uint8_t meta[65536];
+    size_t n = 0;
+    CHECK(kvrail_scheduler_build_connector_meta(e->s, meta, sizeof meta, &n));
+    CHECK(kvrail_worker_start_load_kv(e->w, meta, n));
+    CHECK(kvrail_worker_wait_for_layer_load(e->w, "model.layers.0"));
+    CHECK(kvrail_worker_get_finished(e->w, (uint8_t *)got, cap - 1, &n));
+    got[n] = 0;
+    CHECK(kvrail_scheduler_update_connector_output(e->s, got));
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    const char *mode = argc > 1 ? argv[1] : "pull";
+    const char *cfg_a = argc > 2 ? argv[2] : "{\"backend\":\"tcp\",\"listen\":\"127.0.0.1:0\"}";
+    const char *cfg_b = argc > 3 ? argv[3] : cfg_a;
+    struct engine p, d;
+    if (engine_new(&p, "prefill-engine", "kv_producer", mode, cfg_b)) return 1;
+    if (engine_new(&d, "decode-engine", "kv_consumer", mode, cfg_a)) return 1;
+
+    /* P: prefill 50 tokens into blocks 3..6, then finish the request */
+    uint64_t pblocks[4] = {3, 4, 5, 6}, dblocks[4] = {10, 11, 20, 21};
+    uint8_t buf[BLOCK_BYTES];
+    for (int l = 0; l < LAYERS; l++)
+        for (int pl = 0; pl < 2; pl++)
+            for (int b = 0; b < 4; b++) {
+                for (size_t i = 0; i < BLOCK_BYTES; i++) buf[i] = kv(l, pl, b, i);
+                uint64_t off = ((uint64_t)pl * NBLOCKS + pblocks[b]) * BLOCK_BYTES;
+                CHECK(kvrail_agent_write_region(p.a, p.regions[l], off, buf, BLOCK_BYTES));
+            }
+    bool delay = false;
+    char params[1024];
+    size_t plen = 0;
+    CHECK(kvrail_scheduler_request_finished(p.s, "cmpl-c-0", 50, "{\"do_remote_decode\":true}",
+                                            pblocks, 4, &delay, (uint8_t *)params, sizeof params - 1, &plen));
+    params[plen] = 0;
+    if (!delay) { fprintf(stderr, "P did not keep the blocks\n"); return 1; }
+
+    /* D: admit with P's parameters, allocate, receive */
+    uint64_t ext = 0;
+    bool async = false;
+    CHECK(kvrail_scheduler_get_num_new_matched_tokens(d.s, "cmpl-c-0-d", 50, params, 0, &ext, &async));
+    if (ext != 50 || !async) { fprintf(stderr, "matched %llu\n", (unsigned long long)ext); return 1; }
+    CHECK(kvrail_scheduler_update_state_after_alloc(d.s, "cmpl-c-0-d", 50, params, dblocks, 4, ext));
+
+    int sent = 0, recvd = 0;
+    for (int i = 0; i < 60000 && !(sent && recvd); i++) {
+        char fp[4096], fd[4096];
+        if (step(&p, fp, sizeof fp) || step(&d, fd, sizeof fd)) return 1;
+        if (strstr(fd, "\"failed_recving\":[\"")) { fprintf(stderr, "D failed: %s\n", fd); return 1; }
+        sent |= strstr(fp, "\"sending\":[\"cmpl-c-0\"]") != NULL;
+        recvd |= strstr(fd, "\"recving\":[\"cmpl-c-0-d\"]") != NULL;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    if (!(sent && recvd)) { fprintf(stderr, "no completion (sent %d, received %d)\n", sent, recvd); return 1; }
+    for (int l = 0; l < LAYERS; l++)
+        for (int pl = 0; pl < 2; pl++)
+            for (int b = 0; b < 4; b++) {
+                uint64_t off = ((uint64_t)pl * NBLOCKS + dblocks[b]) * BLOCK_BYTES;
+                CHECK(kvrail_agent_read_region(d.a, d.regions[l], off, buf, BLOCK_BYTES));
+                for (size_t i = 0; i < BLOCK_BYTES; i++)
+                    if (buf[i] != kv(l, pl, b, i)) {
+                        fprintf(stderr, "KV differs: layer %d plane %d block %d byte %zu\n", l, pl, b, i);
+                        return 1;
+                    }
+            }
+    struct engine *es[2] = {&d, &p};
+    for (int i = 0; i < 2; i++) {
+        kvrail_scheduler_free(es[i]->s);
+        kvrail_agent_free(es[i]->a);
+        kvrail_worker_free(es[i]->w);
+    }
+    printf("connector (%s): KV of 4 layers x 2 planes x 4 blocks arrived byte for byte; P freed its blocks\n", mode);
+    return 0;
+}
