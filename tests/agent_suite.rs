@@ -290,6 +290,45 @@ fn release_right_after_done_keeps_every_notification() {
     assert_eq!(got, want);
 }
 
+/// Regression: two threads loading the same peer at once each connected, and the second
+/// closed the first's connection with messages on it (found by the connector's push writer
+/// and worker handshaking with the same P concurrently).
+#[test]
+fn concurrent_loads_of_one_peer_share_one_connection() {
+    let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
+    let d = std::sync::Arc::new(Agent::new("decode-0", cfg(Host::A)).unwrap());
+    let addr = p.side_channel_addr();
+    let threads: Vec<_> = (0..8)
+        .map(|i| {
+            let d = d.clone();
+            std::thread::spawn(move || {
+                let name = d.load_remote(addr).unwrap();
+                d.send_notif(&name, format!("from thread {i}").into_bytes())
+                    .unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let mut got = Vec::new();
+    let t = Instant::now();
+    while got.len() < 8 {
+        got.extend(p.get_new_notifs().into_iter().map(|(_, b)| b));
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{} of 8 notifications arrived",
+            got.len()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    got.sort();
+    let want: Vec<Vec<u8>> = (0..8)
+        .map(|i| format!("from thread {i}").into_bytes())
+        .collect();
+    assert_eq!(got, want);
+}
+
 #[test]
 fn burst_of_100k_notifications_in_order() {
     let (p, d, _) = pair();

@@ -10,26 +10,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "kvrail.h"
+#include "check.h"
 
 #define LAYERS 4
 #define BLOCK_BYTES 2048
 #define NBLOCKS 32
 
-static int fail(const char *what, kvrail_result r) {
-    char msg[512];
-    size_t n = 0;
-    kvrail_last_error((uint8_t *)msg, sizeof msg - 1, &n);
-    msg[n] = 0;
-    fprintf(stderr, "%s: %s (%u): %s\n", what, kvrail_result_message(r), (unsigned)r, msg);
-    return 1;
-}
-
-#define CHECK(call)                                          \
-    do {                                                     \
-        kvrail_result r_ = (call);                           \
-        if (r_ != KVRAIL_RESULT_OK) return fail(#call, r_);  \
-    } while (0)
 
 static uint8_t kv(int layer, int plane, int blk, size_t i) {
     return (uint8_t)(i * 31 + (size_t)layer * 7 + (size_t)plane * 3 + (size_t)blk * 11) ^ (uint8_t)(i >> 8);

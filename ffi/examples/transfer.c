@@ -8,24 +8,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvrail.h"
+#include "check.h"
 
 #define LEN (1u << 20)
 
-static int fail(const char *what, kvrail_result r) {
-    char msg[512];
-    size_t n = 0;
-    kvrail_last_error((uint8_t *)msg, sizeof msg - 1, &n);
-    msg[n] = 0;
-    fprintf(stderr, "%s: %s (%u): %s\n", what, kvrail_result_message(r), (unsigned)r, msg);
-    return 1;
-}
-
-#define CHECK(call)                                 \
-    do {                                            \
-        kvrail_result r_ = (call);                  \
-        if (r_ != KVRAIL_RESULT_OK) return fail(#call, r_); \
-    } while (0)
 
 static uint8_t pattern(uint32_t seed, size_t i) { return (uint8_t)((i * 2654435761u) >> 13) ^ (uint8_t)seed ^ (uint8_t)i; }
 

@@ -70,6 +70,8 @@ fn compile(name: &str) -> PathBuf {
         .arg(crate_dir().join(format!("examples/{name}.c")))
         .arg("-I")
         .arg(crate_dir().join("include"))
+        .arg("-I")
+        .arg(crate_dir().join("examples"))
         .arg("-L")
         .arg(lib_dir())
         .arg("-lkvrail_ffi")

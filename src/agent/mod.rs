@@ -196,6 +196,8 @@ pub(crate) struct Shared {
     xfer_done_cv: std::sync::Condvar,
     /// Signalled when a notification is queued.
     notif_cv: std::sync::Condvar,
+    /// Serializes loads of one peer (by name).
+    loading: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     next_xfer: Mutex<u64>,
     notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
     /// Numbered notifications per target connection (see [`notifs`]).
@@ -304,6 +306,7 @@ impl Agent {
             xfers: Mutex::new(HashMap::new()),
             xfer_done_cv: std::sync::Condvar::new(),
             notif_cv: std::sync::Condvar::new(),
+            loading: Mutex::new(HashMap::new()),
             next_xfer: Mutex::new(1),
             notifs: Mutex::new(VecDeque::new()),
             seqs: Mutex::new(HashMap::new()),
@@ -452,6 +455,13 @@ impl Agent {
         };
         crate::proto::handshake::check_advertised(self.shared.addr.ip(), addr.ip())?;
         let name = meta.name().to_owned();
+        // One load of a peer at a time: two concurrent first loads would each connect, and the
+        // second would close the first's connection with messages still on it.
+        let serial = lock(&self.shared.loading)
+            .entry(name.clone())
+            .or_default()
+            .clone();
+        let _serial = lock(&serial);
         // Reloading a connected peer (after it registered more memory) keeps its connection.
         {
             let mut peers = lock(&self.shared.peers);

@@ -2,7 +2,7 @@
 //! `planes` planes (K and V) of `num_blocks` blocks of `block_bytes` bytes. Block `b` of a
 //! layer is one descriptor per plane.
 
-use crate::agent::{Desc, RegionId};
+use crate::agent::{Agent, Desc, RegionId};
 
 /// The shape of one worker's KV cache.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -85,6 +85,29 @@ impl KvLayout {
         }
         (l, r)
     }
+}
+
+/// `engine`'s regions for our layers, in our layer order, found by layer name in the metadata
+/// loaded from it (pipeline-parallel routing: region indexes may differ between the sides).
+pub(crate) fn remote_regions(
+    agent: &Agent,
+    engine: &str,
+    layout: &KvLayout,
+) -> Result<Vec<RegionId>, String> {
+    let meta = agent
+        .remote_metadata(engine)
+        .ok_or_else(|| format!("no metadata for {engine}"))?;
+    layout
+        .layers
+        .iter()
+        .map(|l| {
+            meta.regions
+                .iter()
+                .find(|r| r.layers.contains(l))
+                .map(|r| RegionId(r.id))
+                .ok_or_else(|| format!("{engine} has no region for layer {l:?}"))
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::config::KvTransferConfig;
-use super::layout::KvLayout;
+use super::layout::{remote_regions, KvLayout};
 use super::meta::{ConnectorMetadata, Finished, HeartbeatOut, RecvReq};
 use super::writer::{Writer, WriterEvent};
 use crate::agent::{Agent, AgentError, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
@@ -270,25 +270,6 @@ impl Worker {
         self.done.failed_recving.push(id.to_owned());
     }
 
-    /// The peer's layer regions in our layer order (pipeline-parallel routing by name).
-    fn remote_regions(&self, engine: &str) -> Result<Vec<RegionId>, String> {
-        let meta = self
-            .agent
-            .remote_metadata(engine)
-            .ok_or_else(|| format!("no metadata for {engine}"))?;
-        self.layout
-            .layers
-            .iter()
-            .map(|l| {
-                meta.regions
-                    .iter()
-                    .find(|r| r.layers.contains(l))
-                    .map(|r| RegionId(r.id))
-                    .ok_or_else(|| format!("{engine} has no region for layer {l:?}"))
-            })
-            .collect()
-    }
-
     fn post_read(&mut self, id: &str) -> Result<(), String> {
         let r = &self.recvs[id].req;
         let p = &r.params;
@@ -301,7 +282,7 @@ impl Worker {
         }
         // D may hold a prefix already: the last n remote blocks fill the n local ones
         let remote_blocks = &p.remote_block_ids[p.remote_block_ids.len() - n..];
-        let remote_regions = self.remote_regions(&p.remote_engine_id)?;
+        let remote_regions = remote_regions(&self.agent, &p.remote_engine_id, &self.layout)?;
         let (local, remote) = self.layout.paired_descs(
             &self.regions,
             &r.local_block_ids,

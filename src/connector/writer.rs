@@ -13,7 +13,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::layout::KvLayout;
+use super::layout::{remote_regions, KvLayout};
 use super::meta::RecvReq;
 use crate::agent::{Agent, AgentError, RegionId, XferId, XferOp, XferStatus};
 use crate::proto::kvmsg::{Completion, KvMsg, PushReg};
@@ -366,24 +366,7 @@ impl Loop {
             return Err(format!("{} local blocks for {n} remote ones", local.len()));
         }
         let local = &local[local.len() - n..];
-        let meta = self
-            .sh
-            .agent
-            .remote_metadata(&reg.engine_id)
-            .ok_or_else(|| format!("no metadata for {}", reg.engine_id))?;
-        let remote_regions = self
-            .sh
-            .layout
-            .layers
-            .iter()
-            .map(|l| {
-                meta.regions
-                    .iter()
-                    .find(|r| r.layers.contains(l))
-                    .map(|r| RegionId(r.id))
-                    .ok_or_else(|| format!("{} has no region for layer {l:?}", reg.engine_id))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let remote_regions = remote_regions(&self.sh.agent, &reg.engine_id, &self.sh.layout)?;
         let (l, r) = self
             .sh
             .layout
