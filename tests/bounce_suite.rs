@@ -268,11 +268,18 @@ fn bad_descriptors_are_rejected_naming_side_and_index() {
     .is_err());
 }
 
-/// Device memory whose runtime refuses copies at or beyond `bad_from`.
+/// Device memory whose runtime refuses copies at or beyond `bad_from` (while `on`).
 #[derive(Debug)]
 struct Refusing {
     mem: Arc<HostBuffer>,
     bad_from: u64,
+    on: std::sync::atomic::AtomicBool,
+}
+
+impl Refusing {
+    fn refuses(&self, end: u64) -> bool {
+        self.on.load(std::sync::atomic::Ordering::SeqCst) && end > self.bad_from
+    }
 }
 
 impl DeviceMemory for Refusing {
@@ -283,13 +290,13 @@ impl DeviceMemory for Refusing {
         self.mem.size()
     }
     fn copy_to_host(&self, offset: u64, out: &mut [u8]) -> Result<(), MemError> {
-        if offset + out.len() as u64 > self.bad_from {
+        if self.refuses(offset + out.len() as u64) {
             return Err(MemError::Device("test device refuses D2H here".into()));
         }
         self.mem.copy_to_host(offset, out)
     }
     fn copy_from_host(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
-        if offset + data.len() as u64 > self.bad_from {
+        if self.refuses(offset + data.len() as u64) {
             return Err(MemError::Device("test device refuses H2D here".into()));
         }
         self.mem.copy_from_host(offset, data)
@@ -306,6 +313,7 @@ fn device_copy_failures_fail_the_transfer_and_withhold_the_notification() {
         Arc::new(Refusing {
             mem: HostBuffer::new(len as usize).unwrap(),
             bad_from,
+            on: true.into(),
         })
     };
     let d_bad = d.add_device_memory(refusing(1 << 20));
@@ -471,5 +479,51 @@ fn dmabuf_probe_and_the_fallback_to_host_bounce() {
     } else {
         assert!(rails.is_empty(), "TCP registers no device memory");
         eprintln!("SKIPPED (outside the lab): the dma-buf probe on real queue pairs");
+    }
+}
+
+/// A repost right after a failure: acknowledgements (with errors) of the failed post that
+/// arrive late must not count toward the new one, which must move every byte.
+#[test]
+fn a_repost_after_a_failure_is_judged_on_its_own_chunks() {
+    let lib = runtime();
+    let (p, d, _) = pair(small_slots());
+    let len = 4u64 << 20;
+    let src = npu(&lib, 0, len);
+    let pat = pattern(9, len as usize);
+    src.copy_from_host(0, &pat).unwrap();
+    let ps = p.add_device_memory(src);
+    let target = Arc::new(Refusing {
+        mem: HostBuffer::new(len as usize).unwrap(),
+        bad_from: 0,
+        on: true.into(),
+    });
+    let ds = d.add_device_memory(target.clone());
+    let x = retry(|| {
+        p.create_xfer(
+            XferOp::Write,
+            vec![DevDesc::new(ps, 0, len)],
+            "decode-0",
+            vec![DevDesc::new(ds, 0, len)],
+            Some(b"second time".to_vec()),
+        )
+    });
+    for _ in 0..5 {
+        target.on.store(true, std::sync::atomic::Ordering::SeqCst);
+        p.post(x).unwrap();
+        assert!(matches!(wait(&p, x), XferStatus::Error(_)));
+        // the device recovers; repost at once, with the first post's chunks still around
+        target.on.store(false, std::sync::atomic::Ordering::SeqCst);
+        p.post(x).unwrap();
+        let s = wait(&p, x);
+        assert_eq!(
+            s,
+            XferStatus::Done,
+            "the repost was judged by the failed post's chunks"
+        );
+        let mut got = vec![0u8; len as usize];
+        target.mem.copy_to_host(0, &mut got).unwrap();
+        assert!(got == pat, "repost: bytes differ");
+        assert_eq!(next_notif(&d).1, b"second time");
     }
 }

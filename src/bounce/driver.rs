@@ -53,6 +53,8 @@ pub(crate) struct Xfer {
     remote: Vec<DevDesc>,
     pub(crate) notif: Option<Vec<u8>>,
     pub(crate) status: XferStatus,
+    /// Which post this is (see [`Tag::gen`]).
+    pub(crate) gen: u32,
     /// WRITE: chunks sent / acknowledged; all packed.
     sent: u32,
     acked: u32,
@@ -75,6 +77,7 @@ impl Xfer {
             remote,
             notif,
             status: XferStatus::NotPosted,
+            gen: 0,
             sent: 0,
             acked: 0,
             packed: false,
@@ -84,6 +87,7 @@ impl Xfer {
 
     pub(crate) fn reset(&mut self) {
         self.status = XferStatus::InProgress;
+        self.gen = self.gen.wrapping_add(1);
         (self.sent, self.acked, self.packed) = (0, 0, false);
         self.last_progress = Instant::now();
     }
@@ -286,7 +290,7 @@ fn handle(sh: &Shared, from: &str, w: Wire) {
                 }
             }
             if !tag.read {
-                if let Some(x) = st.xfers.get_mut(&tag.xid) {
+                if let Some(x) = ours_mut(&mut st, tag) {
                     if x.status == XferStatus::InProgress {
                         x.acked += 1;
                         x.last_progress = Instant::now();
@@ -304,8 +308,12 @@ fn handle(sh: &Shared, from: &str, w: Wire) {
             }
             pump(sh, &mut st, from);
         }
-        Wire::ReadReq { xid, pieces } => {
-            let tag = Tag { xid, read: true };
+        Wire::ReadReq { xid, gen, pieces } => {
+            let tag = Tag {
+                xid,
+                read: true,
+                gen,
+            };
             let bad = pieces.iter().enumerate().find_map(|(i, p)| {
                 let size = st.devices.get(&p.src.region).map(|m| m.size());
                 let d = DevDesc::new(super::DevRegionId(p.src.region), p.src.offset, p.src.len);
@@ -317,6 +325,7 @@ fn handle(sh: &Shared, from: &str, w: Wire) {
                     from,
                     &Wire::ReadFail {
                         xid,
+                        gen,
                         error: e.to_string(),
                     },
                 );
@@ -330,8 +339,12 @@ fn handle(sh: &Shared, from: &str, w: Wire) {
                 pump(sh, &mut st, from);
             }
         }
-        Wire::ReadFail { xid, error } => {
-            let tag = Tag { xid, read: true };
+        Wire::ReadFail { xid, gen, error } => {
+            let tag = Tag {
+                xid,
+                read: true,
+                gen,
+            };
             st.recvs.remove(&(from.to_owned(), tag));
             fail(&mut st, tag, &format!("{from} could not send: {error}"));
         }
@@ -343,11 +356,17 @@ fn handle(sh: &Shared, from: &str, w: Wire) {
     }
 }
 
+/// The local transfer `tag` names, if it is ours and this very post of it.
+fn ours_mut(st: &mut State, tag: Tag) -> Option<&mut Xfer> {
+    st.xfers
+        .get_mut(&tag.xid)
+        .filter(|x| x.gen == tag.gen && (x.op == XferOp::Read) == tag.read)
+}
+
 /// Fail the local transfer behind `tag` (if it is ours and in progress).
 fn fail(st: &mut State, tag: Tag, why: &str) {
-    if let Some(x) = st.xfers.get_mut(&tag.xid) {
-        let ours = (x.op == XferOp::Read) == tag.read;
-        if ours && x.status == XferStatus::InProgress {
+    if let Some(x) = ours_mut(st, tag) {
+        if x.status == XferStatus::InProgress {
             x.status = XferStatus::Error(why.to_owned());
         }
     }
@@ -364,6 +383,19 @@ fn receive(
     total: Option<u32>,
     notif: Option<Vec<u8>>,
 ) {
+    if tag.read && ours_mut(st, tag).is_none_or(|x| x.status != XferStatus::InProgress) {
+        // a chunk of a READ that is over (failed, released, or reposted): not placed
+        send(
+            sh,
+            from,
+            &Wire::Ack {
+                tag,
+                slot,
+                error: None,
+            },
+        );
+        return;
+    }
     let Some(l) = st.links.get(from) else {
         return;
     };
@@ -400,17 +432,17 @@ fn receive(
             error: error.clone(),
         },
     );
+    if tag.read {
+        if let Some(x) = ours_mut(st, tag) {
+            x.last_progress = Instant::now();
+        }
+    }
     let key = (from.to_owned(), tag);
     let r = st.recvs.entry(key.clone()).or_default();
     r.done += 1;
     r.total = r.total.or(total);
     r.notif = r.notif.take().or(notif);
     r.error = r.error.take().or(error);
-    if tag.read {
-        if let Some(x) = st.xfers.get_mut(&tag.xid) {
-            x.last_progress = Instant::now();
-        }
-    }
     if r.total != Some(r.done) {
         return;
     }
@@ -426,10 +458,10 @@ fn receive(
         }
         return;
     }
-    let Some(x) = st.xfers.get_mut(&tag.xid) else {
+    let Some(x) = ours_mut(st, tag) else {
         return;
     };
-    if x.status != XferStatus::InProgress || x.op != XferOp::Read {
+    if x.status != XferStatus::InProgress {
         return;
     }
     match r.error {
@@ -528,7 +560,7 @@ pub(crate) fn pump(sh: &Shared, st: &mut State, peer: &str) {
             l.queue.push_front(job);
         }
         if !tag.read {
-            if let Some(x) = st.xfers.get_mut(&tag.xid) {
+            if let Some(x) = ours_mut(st, tag) {
                 x.sent += 1;
                 x.packed = last;
             }
@@ -582,6 +614,7 @@ fn job_failed(sh: &Shared, st: &mut State, peer: &str, tag: Tag, why: &str) {
             peer,
             &Wire::ReadFail {
                 xid: tag.xid,
+                gen: tag.gen,
                 error: why.to_owned(),
             },
         );

@@ -273,7 +273,7 @@ impl Bounce {
             return Err(AgentError::Active(id.0));
         }
         x.reset();
-        let (op, peer) = (x.op, x.peer.clone());
+        let (op, peer, gen) = (x.op, x.peer.clone(), x.gen);
         let pieces: Vec<Piece> = x.pieces();
         let notif = x.notif.clone();
         if !st.links.contains_key(&peer) {
@@ -285,6 +285,7 @@ impl Bounce {
                     tag: Tag {
                         xid: id.0,
                         read: false,
+                        gen,
                     },
                     pieces: pieces.into(),
                     notif,
@@ -304,7 +305,15 @@ impl Bounce {
                         dst: p.src,
                     })
                     .collect();
-                driver::send(sh, &peer, &Wire::ReadReq { xid: id.0, pieces });
+                driver::send(
+                    sh,
+                    &peer,
+                    &Wire::ReadReq {
+                        xid: id.0,
+                        gen,
+                        pieces,
+                    },
+                );
             }
         }
         Ok(())

@@ -15,6 +15,9 @@ pub(crate) struct Tag {
     /// True: a READ, so `xid` is the receiver's (the initiator's); false: a WRITE, so `xid`
     /// is the sender's.
     pub(crate) read: bool,
+    /// Which post of the transfer: chunks and acknowledgements of an earlier (failed) post
+    /// never count toward a repost.
+    pub(crate) gen: u32,
 }
 
 /// Where `len` bytes of a chunk go: `offset` of device region `region` of the receiver.
@@ -62,9 +65,13 @@ pub(crate) enum Wire {
         error: Option<String>,
     },
     /// READ: send me these pieces (`src` on your devices, `dst` on mine) under `xid`.
-    ReadReq { xid: u64, pieces: Vec<Piece> },
-    /// READ `xid` failed on the sender's side.
-    ReadFail { xid: u64, error: String },
+    ReadReq {
+        xid: u64,
+        gen: u32,
+        pieces: Vec<Piece>,
+    },
+    /// READ `xid` (post `gen`) failed on the sender's side.
+    ReadFail { xid: u64, gen: u32, error: String },
     /// READ `xid` completed at the initiator; the engine's notification for the target.
     ReadDone {
         xid: u64,
@@ -112,6 +119,7 @@ mod tests {
         let tag = Tag {
             xid: 7,
             read: false,
+            gen: 2,
         };
         let p = Part {
             region: 1,
@@ -141,10 +149,12 @@ mod tests {
             },
             Wire::ReadReq {
                 xid: 9,
+                gen: 1,
                 pieces: vec![Piece { src: p, dst: p }],
             },
             Wire::ReadFail {
                 xid: 9,
+                gen: 1,
                 error: "x".into(),
             },
             Wire::ReadDone {
@@ -166,14 +176,18 @@ mod tests {
     #[test]
     fn golden_ack() {
         let w = Wire::Ack {
-            tag: Tag { xid: 1, read: true },
+            tag: Tag {
+                xid: 1,
+                read: true,
+                gen: 4,
+            },
             slot: 3,
             error: None,
         };
-        // MAGIC, then msgpack: {"Ack": [[1, true], 3, nil]}
+        // MAGIC, then msgpack: {"Ack": [[1, true, 4], 3, nil]}
         assert_eq!(
             w.encode(),
-            b"\xffKVRB1\x81\xa3Ack\x93\x92\x01\xc3\x03\xc0".to_vec()
+            b"\xffKVRB1\x81\xa3Ack\x93\x93\x01\xc3\x04\x03\xc0".to_vec()
         );
     }
 
