@@ -49,6 +49,8 @@ pub struct Worker {
     recvs: HashMap<String, Recv>,
     /// Heartbeats waiting for their engine's handshake.
     deferred_hb: Vec<HeartbeatOut>,
+    /// Push, P: requests whose lease ended while a WRITE still reads their blocks.
+    retiring: Vec<String>,
     /// Push, D.
     receiver: PushReceiver,
     writer: Option<Writer>,
@@ -96,6 +98,7 @@ impl Worker {
             handshakes: mpsc::channel(),
             recvs: HashMap::new(),
             deferred_hb: Vec::new(),
+            retiring: Vec::new(),
             writer: writer.transpose()?,
             done: Finished::default(),
             malformed: 0,
@@ -393,11 +396,26 @@ impl Worker {
             request_id, reason, ..
         }) = self.leases.poll_event()
         {
-            tracing::debug!(request = %request_id, ?reason, "blocks freed");
-            if let Some(w) = &self.writer {
-                w.evict(&request_id);
+            tracing::debug!(request = %request_id, ?reason, "lease over");
+            match &self.writer {
+                Some(w) => {
+                    w.evict(&request_id);
+                    // blocks a WRITE still reads are freed when it ends
+                    if w.retire(&request_id) {
+                        self.done.sending.push(request_id);
+                    } else {
+                        self.retiring.push(request_id);
+                    }
+                }
+                None => self.done.sending.push(request_id),
             }
-            self.done.sending.push(request_id);
+        }
+        if let Some(w) = &self.writer {
+            let (free, keep): (Vec<String>, Vec<String>) = std::mem::take(&mut self.retiring)
+                .into_iter()
+                .partition(|id| w.quiet(id));
+            self.retiring = keep;
+            self.done.sending.extend(free);
         }
         std::mem::take(&mut self.done)
     }

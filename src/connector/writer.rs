@@ -41,6 +41,9 @@ struct Inbox {
 }
 
 struct Shared {
+    /// P: request id → (WRITEs in flight, retired). A retired request's blocks may be freed
+    /// once no WRITE reads them, and no new WRITE starts.
+    writing: Mutex<HashMap<String, (u32, bool)>>,
     agent: Arc<Agent>,
     layout: KvLayout,
     regions: Vec<RegionId>,
@@ -70,6 +73,7 @@ impl Writer {
         tp_size: u32,
     ) -> Result<Self, AgentError> {
         let shared = Arc::new(Shared {
+            writing: Mutex::new(HashMap::new()),
             agent,
             layout,
             regions,
@@ -124,6 +128,32 @@ impl Writer {
 
     pub(crate) fn dropped(&self) -> u64 {
         self.shared.dropped.load(Ordering::Relaxed)
+    }
+
+    /// P: the request is over (its lease ran out): no WRITE starts for it from now on.
+    /// True when its blocks may be freed now; false while a WRITE still reads them (ask
+    /// [`Writer::quiet`] again later).
+    pub(crate) fn retire(&self, id: &str) -> bool {
+        let mut w = lock(&self.shared.writing);
+        let e = w.entry(id.to_owned()).or_insert((0, false));
+        e.1 = true;
+        if e.0 == 0 {
+            w.remove(id);
+            return true;
+        }
+        false
+    }
+
+    /// P: whether a retired request's last WRITE ended (then its blocks may be freed).
+    pub(crate) fn quiet(&self, id: &str) -> bool {
+        let mut w = lock(&self.shared.writing);
+        match w.get(id) {
+            Some((n, _)) if *n > 0 => false,
+            _ => {
+                w.remove(id);
+                true
+            }
+        }
     }
 }
 
@@ -317,15 +347,28 @@ impl Loop {
                 Ok(XferStatus::Done) => {
                     let _ = self.sh.agent.release(x);
                     self.inflight.swap_remove(i);
+                    self.ended(&id);
                     self.event(WriterEvent::Pushed(id));
                 }
                 other => {
                     let _ = self.sh.agent.release(x);
                     self.inflight.swap_remove(i);
+                    self.ended(&id);
                     tracing::warn!(request = %id, "push WRITE failed: {other:?}");
                     self.matcher.write_failed();
                     self.sh.dropped.fetch_add(1, Ordering::Relaxed);
                 }
+            }
+        }
+    }
+
+    /// A WRITE for `id` is over (done or failed).
+    fn ended(&self, id: &str) {
+        let mut w = lock(&self.sh.writing);
+        if let Some(e) = w.get_mut(id) {
+            e.0 = e.0.saturating_sub(1);
+            if e.0 == 0 && !e.1 {
+                w.remove(id);
             }
         }
     }
@@ -376,13 +419,29 @@ impl Loop {
             tp_size: self.sh.tp_size,
         }
         .encode();
-        let x = self
+        {
+            // a retired request's blocks may already be free: never read them
+            let mut w = lock(&self.sh.writing);
+            let e = w.entry(id.to_owned()).or_insert((0, false));
+            if e.1 {
+                return Err("the request's lease ended".into());
+            }
+            e.0 += 1;
+        }
+        let posted = self
             .sh
             .agent
             .create_xfer(XferOp::Write, l, &reg.engine_id, r, Some(notif))
-            .map_err(|e| e.to_string())?;
-        self.sh.agent.post(x).map_err(|e| e.to_string())?;
-        self.inflight.push((x, id.to_owned()));
-        Ok(())
+            .and_then(|x| self.sh.agent.post(x).map(|()| x));
+        match posted {
+            Ok(x) => {
+                self.inflight.push((x, id.to_owned()));
+                Ok(())
+            }
+            Err(e) => {
+                self.ended(id);
+                Err(e.to_string())
+            }
+        }
     }
 }
