@@ -26,6 +26,7 @@ fn layout() -> KvLayout {
         block_bytes: 2 * 16 * 32 * 2, // 2 KV heads × 16 tokens × head size 32 × fp16
         planes: 2,
         block_size: 16,
+        kv_heads: 2,
     }
 }
 
@@ -377,5 +378,73 @@ fn pipeline_parallel_producer_routes_by_layer_name() {
             "the refusal never surfaced"
         );
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// `chunk_mode`: the request's partly filled last block moves only up to the end of the chunk
+/// holding its last token; D still has every token's KV (checked token by token over D blocks
+/// filled with garbage first), and the bytes moved are counted against whole blocks.
+#[test]
+fn chunk_mode_moves_fewer_bytes_and_every_token() {
+    let l = layout();
+    let head_bytes = l.block_bytes / 2 / 16;
+    for dir in ["Pull", "Push"] {
+        let mut moved = Vec::new();
+        for chunk in [false, true] {
+            let json = format!(
+                r#"{{"kv_connector":"Kvrail{dir}Connector","kv_role":"kv_both",
+                    "kv_connector_extra_config":{{"chunk_mode":{chunk}{}}}}}"#,
+                if chunk { r#","chunk_tokens":4"# } else { "" }
+            );
+            let mut p = engine("prefill-engine", &json, false);
+            let mut d = engine("decode-engine", &json, true);
+            let params = p.prefill("r", 3, 50); // 4 blocks; the last holds 2 tokens
+            let blocks = d.admit("r-d", 50, params, Instant::now());
+            for r in d.worker.regions().to_vec() {
+                d.worker
+                    .agent()
+                    .write_region(r, 0, &vec![0xEE; l.layer_bytes() as usize])
+                    .unwrap();
+            }
+            let mut got = false;
+            run(&mut p, &mut d, |_, fd| {
+                assert!(fd.failed_recving.is_empty(), "{fd:?}");
+                got |= !fd.recving.is_empty();
+                got
+            });
+            for (li, r) in d.worker.regions().iter().enumerate() {
+                for plane in 0..2 {
+                    for (bi, b) in blocks.iter().enumerate() {
+                        let want = kv(3, li, plane, bi, l.block_bytes as usize);
+                        let mut have = vec![0u8; l.block_bytes as usize];
+                        d.worker
+                            .agent()
+                            .read_region(*r, l.offset(plane, *b), &mut have)
+                            .unwrap();
+                        for t in 0..16u64 {
+                            if bi as u64 * 16 + t >= 50 {
+                                break;
+                            }
+                            for h in 0..2u64 {
+                                let at = ((h * 16 + t) * head_bytes) as usize;
+                                let s = at..at + head_bytes as usize;
+                                assert!(
+                                    have[s.clone()] == want[s],
+                                    "{dir} chunk {chunk}: layer {li} block {bi} token {t} head {h}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            moved.push(p.worker.bytes_posted() + d.worker.bytes_posted());
+        }
+        let whole = 4 * 2 * 4 * l.block_bytes; // layers x planes x blocks
+        let chunked = 4 * 2 * (3 * l.block_bytes + 2 * 4 * head_bytes);
+        assert_eq!(
+            moved,
+            vec![whole, chunked],
+            "{dir}: bytes moved without and with chunk_mode"
+        );
     }
 }

@@ -3,6 +3,7 @@
 //! layer is one descriptor per plane.
 
 use crate::agent::{Agent, Desc, RegionId};
+use crate::proto::select::BlockGeom;
 
 /// The shape of one worker's KV cache.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -18,6 +19,13 @@ pub struct KvLayout {
     pub planes: u64,
     /// Tokens per block.
     pub block_size: u32,
+    /// KV heads in a block (HND: `[head][token][head bytes]`); 1 when unknown.
+    #[serde(default = "one")]
+    pub kv_heads: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 impl KvLayout {
@@ -110,6 +118,59 @@ pub(crate) fn remote_regions(
         .collect()
 }
 
+impl KvLayout {
+    /// One block's geometry, for choosing token spans.
+    pub fn geom(&self) -> BlockGeom {
+        let heads = self.kv_heads.max(1);
+        BlockGeom {
+            kv_heads: heads,
+            block_size: u64::from(self.block_size.max(1)),
+            head_bytes: self.block_bytes / heads / u64::from(self.block_size.max(1)),
+        }
+    }
+
+    /// Like [`KvLayout::paired_descs`] for a request of `tokens` tokens whose last blocks are
+    /// the last of both lists. With `chunk` (`chunk_mode`), the request's last block, when
+    /// partly filled, moves only up to the end of the chunk holding its last token (one span
+    /// per head); every other block moves whole.
+    pub fn request_descs(
+        &self,
+        local_regions: &[RegionId],
+        local: &[u64],
+        remote_regions: &[RegionId],
+        remote: &[u64],
+        tokens: u64,
+        chunk: Option<u64>,
+    ) -> (Vec<Desc>, Vec<Desc>) {
+        let g = self.geom();
+        let n = local.len().min(remote.len());
+        let in_last =
+            tokens.saturating_sub((tokens.div_ceil(g.block_size).max(1) - 1) * g.block_size);
+        let partial = chunk.filter(|_| n > 0 && in_last > 0 && in_last < g.block_size);
+        let Some(c) = partial else {
+            return self.paired_descs(local_regions, local, remote_regions, remote);
+        };
+        let (mut l, mut r) = self.paired_descs(
+            local_regions,
+            &local[..n - 1],
+            remote_regions,
+            &remote[..n - 1],
+        );
+        let to = (in_last.div_ceil(c.max(1)) * c.max(1)).min(g.block_size);
+        let spans = g.token_spans(0, to);
+        for (lr, rr) in local_regions.iter().zip(remote_regions) {
+            for p in 0..self.planes {
+                let (lb, rb) = (self.offset(p, local[n - 1]), self.offset(p, remote[n - 1]));
+                for s in &spans {
+                    l.push(Desc::new(*lr, lb + s.offset, s.len));
+                    r.push(Desc::new(*rr, rb + s.offset, s.len));
+                }
+            }
+        }
+        (l, r)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +183,7 @@ mod tests {
             block_bytes: 100,
             planes: 2,
             block_size: 16,
+            kv_heads: 1,
         };
         assert_eq!(l.layer_bytes(), 2000);
         let d = l.descs(&[RegionId(0)], &[1, 2, 3, 7]);
@@ -149,5 +211,52 @@ mod tests {
         assert_eq!(b[0], Desc::new(RegionId(5), 400, 200));
         assert_eq!(b[1], Desc::new(RegionId(5), 900, 100));
         assert!(a.iter().zip(&b).all(|(x, y)| x.len == y.len));
+    }
+
+    #[test]
+    fn chunk_mode_cuts_only_a_partly_filled_last_block() {
+        let l = KvLayout {
+            layers: vec!["l0".into()],
+            num_blocks: 10,
+            block_bytes: 2 * 16 * 4, // 2 heads x 16 tokens x 4 bytes
+            planes: 1,
+            block_size: 16,
+            kv_heads: 2,
+        };
+        let r = [RegionId(0)];
+        // 35 tokens: blocks 0, 1 full; block 2 holds 3 tokens -> chunk 4 -> 4 tokens per head
+        let (a, b) = l.request_descs(&r, &[1, 2, 3], &r, &[5, 6, 7], 35, Some(4));
+        assert_eq!(
+            a[0],
+            Desc::new(RegionId(0), 128, 256),
+            "the full blocks as one run"
+        );
+        assert_eq!(
+            &a[1..],
+            &[
+                Desc::new(RegionId(0), 384, 16),
+                Desc::new(RegionId(0), 448, 16)
+            ]
+        );
+        assert_eq!(
+            &b[1..],
+            &[
+                Desc::new(RegionId(0), 896, 16),
+                Desc::new(RegionId(0), 960, 16)
+            ]
+        );
+        // a full last block, or no chunk mode: whole blocks
+        assert_eq!(
+            l.request_descs(&r, &[1, 2], &r, &[5, 6], 32, Some(4))
+                .0
+                .len(),
+            1
+        );
+        assert_eq!(
+            l.request_descs(&r, &[1, 2, 3], &r, &[5, 6, 7], 35, None)
+                .0
+                .len(),
+            1
+        );
     }
 }

@@ -47,6 +47,20 @@ pub struct RecvReq {
     pub local_block_ids: Vec<u64>,
     /// Where the KV is.
     pub params: KvTransferParams,
+    /// The prompt's tokens (what `chunk_mode` cuts the last block to).
+    #[serde(default)]
+    pub tokens: u64,
+}
+
+/// A finished prefill P holds for D.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendReq {
+    /// P's request id.
+    pub request_id: String,
+    /// Its blocks.
+    pub block_ids: Vec<u64>,
+    /// The prompt's tokens.
+    pub tokens: u64,
 }
 
 /// A heartbeat the worker must send.
@@ -68,8 +82,8 @@ pub struct HeartbeatOut {
 pub struct ConnectorMetadata {
     /// D: receives to start.
     pub reqs_to_recv: Vec<RecvReq>,
-    /// P: finished prefills to hold under a lease (request id, blocks).
-    pub reqs_to_send: Vec<(String, Vec<u64>)>,
+    /// P: finished prefills to hold under a lease.
+    pub reqs_to_send: Vec<SendReq>,
     /// D: heartbeats due.
     pub heartbeats: Vec<HeartbeatOut>,
     /// D: registrations the watchdog dropped (stop re-sending them).

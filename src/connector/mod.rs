@@ -44,7 +44,7 @@ pub fn agent_config(
     a
 }
 pub use meta::{
-    ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq,
+    ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq, SendReq,
 };
 pub use scheduler::Scheduler;
 pub use worker::Worker;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::config::{KvRole, KvTransferConfig};
 use super::meta::{
-    ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq,
+    ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq, SendReq,
 };
 use crate::proto::handshake::Direction;
 use crate::proto::lease::{HeartbeatAction, Heartbeats};
@@ -23,7 +23,7 @@ pub struct Scheduler {
     /// P engine → its side channel (for heartbeats).
     engines: HashMap<String, (String, u16)>,
     pending_recv: Vec<RecvReq>,
-    pending_send: Vec<(String, Vec<u64>)>,
+    pending_send: Vec<SendReq>,
     /// Push, D: registration watchdog deadlines.
     watchdog: HashMap<String, Instant>,
     expired: Vec<String>,
@@ -114,6 +114,7 @@ impl Scheduler {
             request_id: req.request_id.clone(),
             local_block_ids: block_ids,
             params: p.clone(),
+            tokens: req.prompt_tokens,
         });
     }
 
@@ -178,8 +179,11 @@ impl Scheduler {
             return (false, None);
         }
         self.sending.insert(req.request_id.clone());
-        self.pending_send
-            .push((req.request_id.clone(), block_ids.to_vec()));
+        self.pending_send.push(SendReq {
+            request_id: req.request_id.clone(),
+            block_ids: block_ids.to_vec(),
+            tokens: req.prompt_tokens,
+        });
         let params = KvTransferParams {
             do_remote_decode: false,
             do_remote_prefill: true,

@@ -18,6 +18,7 @@ use crate::proto::handshake::Direction;
 use crate::proto::kvmsg::{Completion, KvMsg};
 use crate::proto::lease::{LeaseEvent, Leases};
 use crate::proto::push::PushReceiver;
+use crate::proto::select::chunk_tokens;
 
 /// A finished handshake: the engine, and the outcome.
 type Handshake = (String, Result<(), String>);
@@ -55,6 +56,10 @@ pub struct Worker {
     receiver: PushReceiver,
     writer: Option<Writer>,
     done: Finished,
+    /// `chunk_mode`'s chunk (tokens), when on.
+    chunk: Option<u64>,
+    /// Bytes of the READs this worker posted.
+    read_bytes: u64,
     /// Notifications that did not parse (dropped).
     pub malformed: u64,
 }
@@ -80,8 +85,19 @@ impl Worker {
             .iter()
             .map(|l| agent.register(layout.layer_bytes() as usize, access, vec![l.clone()]))
             .collect::<Result<Vec<_>, _>>()?;
-        let writer = (cfg.direction == Direction::Push)
-            .then(|| Writer::start(agent.clone(), layout.clone(), regions.clone(), tp_size));
+        let chunk = cfg.chunk_mode.then(|| {
+            let bs = u64::from(layout.block_size);
+            chunk_tokens(bs, cfg.chunk_tokens.unwrap_or(bs))
+        });
+        let writer = (cfg.direction == Direction::Push).then(|| {
+            Writer::start(
+                agent.clone(),
+                layout.clone(),
+                regions.clone(),
+                tp_size,
+                chunk,
+            )
+        });
         Ok(Self {
             leases: Leases::new(Duration::from_secs(cfg.lease_duration_s), tp_size),
             // the scheduler runs the registration watchdog; this one never fires first
@@ -101,6 +117,8 @@ impl Worker {
             retiring: Vec::new(),
             writer: writer.transpose()?,
             done: Finished::default(),
+            chunk,
+            read_bytes: 0,
             malformed: 0,
         })
     }
@@ -123,6 +141,11 @@ impl Worker {
     /// Requests P holds under a lease.
     pub fn leased(&self) -> usize {
         self.leases.len()
+    }
+
+    /// Bytes this worker asked the fabric to move (its READs, its writer's WRITEs).
+    pub fn bytes_posted(&self) -> u64 {
+        self.read_bytes + self.writer.as_ref().map_or(0, Writer::bytes_posted)
     }
 
     /// Push work dropped after a failed handshake or WRITE (P side).
@@ -160,10 +183,10 @@ impl Worker {
 
     /// This step's work from the scheduler (call once per step).
     pub fn start_load_kv(&mut self, meta: &ConnectorMetadata, now: Instant) {
-        for (id, blocks) in &meta.reqs_to_send {
-            self.leases.pin(id, blocks.clone(), now);
+        for s in &meta.reqs_to_send {
+            self.leases.pin(&s.request_id, s.block_ids.clone(), now);
             if let Some(w) = &self.writer {
-                w.finished(id, blocks.clone());
+                w.finished(&s.request_id, s.block_ids.clone(), s.tokens);
             }
         }
         for r in &meta.reqs_to_recv {
@@ -286,12 +309,15 @@ impl Worker {
         // D may hold a prefix already: the last n remote blocks fill the n local ones
         let remote_blocks = &p.remote_block_ids[p.remote_block_ids.len() - n..];
         let remote_regions = remote_regions(&self.agent, &p.remote_engine_id, &self.layout)?;
-        let (local, remote) = self.layout.paired_descs(
+        let (local, remote) = self.layout.request_descs(
             &self.regions,
             &r.local_block_ids,
             &remote_regions,
             remote_blocks,
+            r.tokens,
+            self.chunk,
         );
+        let bytes: u64 = local.iter().map(|d| d.len).sum();
         let notif = Completion {
             request_id: p.remote_request_id.clone(),
             tp_size: self.tp_size,
@@ -308,6 +334,7 @@ impl Worker {
             )
             .map_err(|e| e.to_string())?;
         self.agent.post(x).map_err(|e| e.to_string())?;
+        self.read_bytes += bytes;
         if let Some(r) = self.recvs.get_mut(id) {
             r.xfer = Some(x);
         }

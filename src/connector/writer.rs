@@ -34,7 +34,7 @@ pub(crate) enum WriterEvent {
 struct Inbox {
     woken: bool,
     regs: VecDeque<RecvReq>,
-    finished: VecDeque<(String, Vec<u64>)>,
+    finished: VecDeque<(String, Vec<u64>, u64)>,
     evict: VecDeque<String>,
     forget: VecDeque<String>,
     handshakes: VecDeque<(String, Result<(), String>)>,
@@ -53,6 +53,10 @@ struct Shared {
     stop: AtomicBool,
     events: Mutex<VecDeque<WriterEvent>>,
     dropped: AtomicU64,
+    /// Bytes of the WRITEs posted.
+    bytes: AtomicU64,
+    /// `chunk_mode`'s chunk (tokens), when on.
+    chunk: Option<u64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -71,6 +75,7 @@ impl Writer {
         layout: KvLayout,
         regions: Vec<RegionId>,
         tp_size: u32,
+        chunk: Option<u64>,
     ) -> Result<Self, AgentError> {
         let shared = Arc::new(Shared {
             writing: Mutex::new(HashMap::new()),
@@ -83,6 +88,8 @@ impl Writer {
             stop: AtomicBool::new(false),
             events: Mutex::new(VecDeque::new()),
             dropped: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            chunk,
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -106,8 +113,12 @@ impl Writer {
         self.push(|i| i.regs.push_back(r));
     }
 
-    pub(crate) fn finished(&self, id: &str, blocks: Vec<u64>) {
-        self.push(|i| i.finished.push_back((id.to_owned(), blocks)));
+    pub(crate) fn finished(&self, id: &str, blocks: Vec<u64>, tokens: u64) {
+        self.push(|i| i.finished.push_back((id.to_owned(), blocks, tokens)));
+    }
+
+    pub(crate) fn bytes_posted(&self) -> u64 {
+        self.shared.bytes.load(Ordering::Relaxed)
     }
 
     pub(crate) fn evict(&self, id: &str) {
@@ -182,6 +193,8 @@ struct Loop {
     waiting: Vec<RecvReq>,
     /// P: WRITEs in flight (xfer, P request id).
     inflight: Vec<(XferId, String)>,
+    /// P: each finished request's prompt tokens.
+    tokens: HashMap<String, u64>,
 }
 
 impl Loop {
@@ -192,6 +205,7 @@ impl Loop {
             conns: HashMap::new(),
             waiting: Vec::new(),
             inflight: Vec::new(),
+            tokens: HashMap::new(),
         }
     }
 
@@ -303,10 +317,12 @@ impl Loop {
                 }
             }
         }
-        for (id, blocks) in w.finished.drain(..) {
+        for (id, blocks, tokens) in w.finished.drain(..) {
+            self.tokens.insert(id.clone(), tokens);
             self.matcher.on_finished(&id, blocks);
         }
         for id in w.evict.drain(..) {
+            self.tokens.remove(&id);
             self.matcher.evict(&id);
         }
         for (_, m) in self.sh.agent.get_new_notifs() {
@@ -410,10 +426,16 @@ impl Loop {
         }
         let local = &local[local.len() - n..];
         let remote_regions = remote_regions(&self.sh.agent, &reg.engine_id, &self.sh.layout)?;
-        let (l, r) = self
-            .sh
-            .layout
-            .paired_descs(&self.sh.regions, local, &remote_regions, remote);
+        let tokens = self.tokens.get(id).copied().unwrap_or(0);
+        let (l, r) = self.sh.layout.request_descs(
+            &self.sh.regions,
+            local,
+            &remote_regions,
+            remote,
+            tokens,
+            self.sh.chunk,
+        );
+        let bytes: u64 = l.iter().map(|d| d.len).sum();
         let notif = Completion {
             request_id: reg.request_id.clone(),
             tp_size: self.sh.tp_size,
@@ -436,6 +458,7 @@ impl Loop {
         match posted {
             Ok(x) => {
                 self.inflight.push((x, id.to_owned()));
+                self.sh.bytes.fetch_add(bytes, Ordering::Relaxed);
                 Ok(())
             }
             Err(e) => {

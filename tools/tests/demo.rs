@@ -97,6 +97,24 @@ fn killed_prefill_instance_d_fails_cleanly() {
 }
 
 #[test]
+fn chunk_mode_moves_less_and_d_still_checks_every_token() {
+    for mode in ["pull", "push"] {
+        let t = demo(&["--mode", mode, "--requests", "4", "--chunk-tokens", "4"]);
+        let pct: f64 = t
+            .lines()
+            .find_map(|l| l.strip_prefix("moved over the fabric: "))
+            .and_then(|l| l.split('(').nth(1))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no fabric line:\n{t}"));
+        assert!(
+            pct < 100.0,
+            "{mode}: chunk_mode moved {pct} % of the blocks"
+        );
+    }
+}
+
+#[test]
 fn block_size_1024() {
     if lab().is_some() {
         eprintln!("SKIPPED in the lab: 112 MiB per block is too much for rxe under emulation");

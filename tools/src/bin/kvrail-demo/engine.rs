@@ -155,6 +155,7 @@ pub(crate) fn serve(inst: Instance) -> Result<(), String> {
                     &mut out,
                     json!({"stats": {"held": held.len(), "leased": worker.leased(),
                         "free_blocks": free.len(), "freed": freed,
+                        "bytes_posted": worker.bytes_posted(),
                         "push_dropped": worker.push_dropped()}}),
                 )?,
                 "quit" => return Ok(()),
@@ -185,7 +186,16 @@ pub(crate) fn serve(inst: Instance) -> Result<(), String> {
                         agent
                             .read_region(*r, layout.offset(p, *b), &mut got)
                             .map_err(|e| e.to_string())?;
-                        if got != block(&inst.shape, &d.toks, li, p, bi) {
+                        // every token of the prompt in this block, per head (what the
+                        // model reads; with chunk_mode the rest of a last block is not sent)
+                        let want = block(&inst.shape, &d.toks, li, p, bi);
+                        let in_block = (d.toks.len() as u64)
+                            .saturating_sub(bi as u64 * layout.block_size as u64);
+                        let spans = layout.geom().token_spans(0, in_block);
+                        if spans.iter().any(|s| {
+                            let r = s.offset as usize..(s.offset + s.len) as usize;
+                            got[r.clone()] != want[r]
+                        }) {
                             bad = Some(format!("layer {li} plane {p} block {bi}"));
                             break 'check;
                         }

@@ -81,6 +81,10 @@ struct Args {
     /// Kill an instance mid-run.
     #[arg(long, value_enum)]
     kill: Option<Kill>,
+    /// Turn on chunk_mode with this chunk_tokens bound (the last block moves only up to the
+    /// chunk holding the prompt's last token).
+    #[arg(long)]
+    chunk_tokens: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -146,12 +150,17 @@ impl Inst {
 }
 
 fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String> {
+    let mut extra = json!({"kv_lease_duration": a.lease});
+    if let Some(c) = a.chunk_tokens {
+        extra["chunk_mode"] = json!(true);
+        extra["chunk_tokens"] = json!(c);
+    }
     let kv = json!({
         "kv_connector": if a.mode == Mode::Pull { "KvrailPullConnector" } else { "KvrailPushConnector" },
         "kv_role": role,
         "kv_buffer_device": "rbln",
         "engine_id": name,
-        "kv_connector_extra_config": {"kv_lease_duration": a.lease},
+        "kv_connector_extra_config": extra,
     });
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = Command::new(exe)
@@ -260,7 +269,7 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
     let secs = t0.elapsed().as_secs_f64();
     lat.sort_by(f64::total_cmp);
     println!(
-        "{ok} requests, {:.1} MiB of KV checked byte for byte, {:.2} s, {:.1} MB/s; transfer ms p50 {:.2} max {:.2}",
+        "{ok} requests, {:.1} MiB of KV blocks, every prompt token checked byte for byte, {:.2} s, {:.1} MB/s; transfer ms p50 {:.2} max {:.2}",
         bytes as f64 / (1 << 20) as f64,
         secs,
         bytes as f64 / secs / 1e6,
@@ -271,6 +280,13 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
     loop {
         let s = p.stats()?;
         if s["held"] == json!(0) {
+            let moved = s["bytes_posted"].as_u64().unwrap_or(0)
+                + d.stats()?["bytes_posted"].as_u64().unwrap_or(0);
+            println!(
+                "moved over the fabric: {:.1} MiB ({:.0} % of the blocks)",
+                moved as f64 / (1 << 20) as f64,
+                moved as f64 * 100.0 / bytes.max(1) as f64
+            );
             println!(
                 "P holds no blocks (freed {} requests on completion)",
                 s["freed"]

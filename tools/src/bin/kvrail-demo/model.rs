@@ -24,6 +24,7 @@ impl Shape {
             block_bytes: (self.kv_heads * self.block_size * self.head_size * 2) as u64,
             planes: 2,
             block_size: self.block_size as u32,
+            kv_heads: self.kv_heads as u64,
         }
     }
 }
