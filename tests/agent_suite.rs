@@ -329,6 +329,43 @@ fn concurrent_loads_of_one_peer_share_one_connection() {
     assert_eq!(got, want);
 }
 
+/// Regression: once a dead peer's connection writer had stopped, posting to it deadlocked
+/// (the failure was reported with the agent's transfer map still locked). Every post to a
+/// dead peer must fail, promptly, however many come.
+#[test]
+fn posts_to_a_dead_peer_fail_and_never_hang() {
+    let (p, d, peer) = pair();
+    let src = p.register(4096, RemoteAccess::READ, vec![]).unwrap();
+    let dst = d.register(4096, RemoteAccess::NONE, vec![]).unwrap();
+    load(&d, &p);
+    drop(p);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for _ in 0..5 {
+            let x = d
+                .create_xfer(
+                    XferOp::Read,
+                    vec![Desc::new(dst, 0, 4096)],
+                    &peer,
+                    vec![Desc::new(src, 0, 4096)],
+                    None,
+                )
+                .unwrap();
+            let s = match d.post(x) {
+                Err(e) => XferStatus::Error(e.to_string()),
+                Ok(()) => d.wait(x, Duration::from_secs(60)).unwrap(),
+            };
+            tx.send(s).unwrap();
+        }
+    });
+    for i in 0..5 {
+        let s = rx
+            .recv_timeout(Duration::from_secs(90))
+            .unwrap_or_else(|_| panic!("post #{i} to a dead peer hung"));
+        assert!(matches!(s, XferStatus::Error(_)), "post #{i}: {s:?}");
+    }
+}
+
 #[test]
 fn burst_of_100k_notifications_in_order() {
     let (p, d, _) = pair();

@@ -448,3 +448,41 @@ fn chunk_mode_moves_fewer_bytes_and_every_token() {
         );
     }
 }
+
+/// A prefill instance that dies and comes back (same engine id, new address): D fails what
+/// was in flight to the old one cleanly, then handshakes again and receives from the new one.
+#[test]
+fn a_restarted_prefill_instance_is_found_again() {
+    let mut d = engine("decode-engine", &cfg("Pull", "kv_consumer", 30), true);
+    let mut p = engine("prefill-engine", &cfg("Pull", "kv_producer", 30), false);
+    let params = p.prefill("r0", 1, 40);
+    let b = d.admit("r0-d", 40, params, Instant::now());
+    let mut ok = false;
+    run(&mut p, &mut d, |_, fd| {
+        ok |= fd.recving == vec!["r0-d".to_string()];
+        ok
+    });
+    d.check(1, &b);
+    drop(p);
+    let mut p = engine("prefill-engine", &cfg("Pull", "kv_producer", 30), false);
+    for round in 1..=3u64 {
+        let id = format!("r{round}");
+        let params = p.prefill(&id, round, 40);
+        let b = d.admit(&format!("{id}-d"), 40, params, Instant::now());
+        let mut outcome = None;
+        run(&mut p, &mut d, |_, fd| {
+            if !fd.recving.is_empty() {
+                outcome = Some(true);
+            } else if !fd.failed_recving.is_empty() {
+                outcome = Some(false);
+            }
+            outcome.is_some()
+        });
+        if outcome == Some(true) {
+            d.check(round, &b);
+            return;
+        }
+        eprintln!("round {round}: failed cleanly against the old connection");
+    }
+    panic!("D never reached the restarted prefill instance");
+}

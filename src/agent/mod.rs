@@ -715,23 +715,27 @@ impl Agent {
             remote: x.remote.clone(),
             notif: x.notif.clone(),
         };
-        if x.op == XferOp::Read && x.remaining == 0 {
-            // nothing to read: done at once (the notification still goes)
-            drop(xfers);
-            self.shared.finish(id.0, Ok(()));
-            if let Some(n) = self.xfer_notif(id) {
-                p.conn.submit(tcp::Work::Notif(n));
+        // Nothing is sent with the agent's maps locked: a closed connection fails the
+        // transfer, which takes them again.
+        let tx = p.conn.sender();
+        let open = p.conn.is_open();
+        let empty_read = x.op == XferOp::Read && x.remaining == 0;
+        let notif = x.notif.clone();
+        drop(xfers);
+        drop(peers);
+        if empty_read {
+            // nothing to read: done at once; the notification is queued first
+            if let Some(n) = notif {
+                let _ = tx.send(tcp::Work::Notif(n));
             }
+            self.shared.finish(id.0, Ok(()));
             return Ok(());
         }
-        p.conn.submit(work);
+        if !open || tx.send(work).is_err() {
+            self.shared
+                .finish(id.0, Err("the connection to the peer is closed".into()));
+        }
         Ok(())
-    }
-
-    fn xfer_notif(&self, id: XferId) -> Option<Vec<u8>> {
-        lock(&self.shared.xfers)
-            .get(&id.0)
-            .and_then(|x| x.notif.clone())
     }
 
     /// Where a transfer stands.

@@ -264,9 +264,6 @@ impl Worker {
                 _ => {}
             }
         }
-        if self.cfg.direction == Direction::Push {
-            return;
-        }
         let ids: Vec<String> = self
             .recvs
             .iter()
@@ -288,11 +285,23 @@ impl Worker {
                 _ => {}
             }
         }
+        // what waited for a failed handshake has failed; the next request tries again
+        // (the engine may be back)
+        self.conns.retain(|_, c| !matches!(c, Conn::Failed(_)));
     }
 
     fn fail_recv(&mut self, id: &str, why: &str) {
         tracing::warn!(request = %id, "KV receive failed: {why}");
-        self.recvs.remove(id);
+        if let Some(r) = self.recvs.remove(id) {
+            // handshake again before the next READ from that engine: its connection may be
+            // gone (a restarted P at the same address is then found again)
+            if matches!(
+                self.conns.get(&r.req.params.remote_engine_id),
+                Some(Conn::Up)
+            ) {
+                self.conns.remove(&r.req.params.remote_engine_id);
+            }
+        }
         self.done.failed_recving.push(id.to_owned());
     }
 

@@ -135,11 +135,18 @@ impl PeerConn {
             let tx = tx.clone();
             let name = name.clone();
             let closed = closed.clone();
+            let sd = s
+                .try_clone()
+                .map_err(|e| conn_err("data connection", addr, e))?;
             std::thread::Builder::new()
                 .name(format!("kvrail-rd-{name}"))
                 .spawn(move || {
                     initiator_reader(&shared, reader, &tx, &name);
+                    // Nothing will answer on this connection again: stop it both ways, so the
+                    // writer fails (and fails what is queued) instead of sending into a
+                    // half-open socket whose answers nobody reads.
                     closed.store(true, Ordering::Release);
+                    let _ = sd.shutdown(NetShutdown::Both);
                 })
                 .map_err(|e| conn_err("thread for", addr, e))?;
         }
@@ -163,6 +170,11 @@ impl PeerConn {
             self.shared
                 .finish(id, Err("the connection to the peer is closed".into()));
         }
+    }
+
+    /// The writer's queue (send to it with no agent lock held).
+    pub(crate) fn sender(&self) -> mpsc::Sender<Work> {
+        self.tx.clone()
     }
 
     /// Queue work for the writer; false when the connection is closed.
