@@ -635,6 +635,14 @@ impl Agent {
         let p = peers
             .get(&x.peer)
             .ok_or_else(|| AgentError::UnknownPeer(x.peer.clone()))?;
+        if !p.conn.is_open() {
+            // the peer is gone (its queue pairs too): nothing posted would ever complete
+            return Err(AgentError::Connection {
+                what: "connection to",
+                addr: p.addr.to_string(),
+                message: format!("{} closed; load the peer again", x.peer),
+            });
+        }
         let mut held = Vec::with_capacity(x.local.len());
         {
             let regions = lock(&self.shared.regions);
