@@ -84,6 +84,22 @@ fn pair() -> (Agent, Agent, String) {
     (p, d, name)
 }
 
+/// The bytes of the next `n` notifications at `a`, waiting at most `limit` for them.
+fn collect_notifs(a: &Agent, n: usize, limit: Duration) -> Vec<Vec<u8>> {
+    let mut got = Vec::new();
+    let t = Instant::now();
+    while got.len() < n {
+        got.extend(a.get_new_notifs().into_iter().map(|(_, b)| b));
+        assert!(
+            t.elapsed() < limit,
+            "{} of {n} notifications arrived",
+            got.len()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    got
+}
+
 /// `a` (re)loads `b`'s metadata, e.g. after `b` registered memory.
 fn load(a: &Agent, b: &Agent) -> String {
     a.load_remote(b.side_channel_addr()).unwrap()
@@ -275,17 +291,7 @@ fn release_right_after_done_keeps_every_notification() {
         );
         d.release(x).unwrap();
     }
-    let mut got = Vec::new();
-    let t = Instant::now();
-    while got.len() < rounds {
-        got.extend(p.get_new_notifs().into_iter().map(|(_, b)| b));
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "{} of {rounds} notifications arrived",
-            got.len()
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let got = collect_notifs(&p, rounds, Duration::from_secs(60));
     let want: Vec<Vec<u8>> = (0..rounds).map(|i| format!("n{i}").into_bytes()).collect();
     assert_eq!(got, want);
 }
@@ -311,17 +317,7 @@ fn concurrent_loads_of_one_peer_share_one_connection() {
     for t in threads {
         t.join().unwrap();
     }
-    let mut got = Vec::new();
-    let t = Instant::now();
-    while got.len() < 8 {
-        got.extend(p.get_new_notifs().into_iter().map(|(_, b)| b));
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "{} of 8 notifications arrived",
-            got.len()
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let mut got = collect_notifs(&p, 8, Duration::from_secs(30));
     got.sort();
     let want: Vec<Vec<u8>> = (0..8)
         .map(|i| format!("from thread {i}").into_bytes())

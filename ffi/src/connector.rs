@@ -39,6 +39,28 @@ struct WorkerHandle {
     pending: Mutex<Option<Vec<u8>>>,
 }
 
+/// Write the output kept from a call whose buffer was too small, or else a fresh one from
+/// `make`, into `buf`; an output that does not fit is kept for the next call.
+///
+/// # Safety
+/// As for [`write_bytes`].
+unsafe fn hand_out(
+    pending: &Mutex<Option<Vec<u8>>>,
+    make: impl FnOnce() -> Vec<u8>,
+    buf: *mut u8,
+    len: usize,
+    out_len: *mut usize,
+) -> Result<(), Failure> {
+    let mut pending = pending.lock().unwrap_or_else(|p| p.into_inner());
+    let bytes = pending.take().unwrap_or_else(make);
+    // SAFETY: the caller's promises.
+    let r = unsafe { write_bytes(&bytes, buf, len, out_len) };
+    if r.is_err() {
+        *pending = Some(bytes);
+    }
+    r
+}
+
 fn config(json: &str) -> Result<KvTransferConfig, Failure> {
     KvTransferConfig::from_json(json)
         .map_err(|e| Failure::new(kvrail_result::InvalidConfig, e.to_string()))
@@ -228,22 +250,14 @@ pub unsafe extern "C" fn kvrail_scheduler_build_connector_meta(
     boundary(|| {
         // SAFETY: the caller's promise.
         let h = unsafe { sched(s) }?;
-        let mut pending = h.pending.lock().unwrap_or_else(|p| p.into_inner());
-        let bytes = match pending.take() {
-            Some(b) => b,
-            None => {
-                h.s.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .build_connector_meta(Instant::now())
-                    .encode()
-            }
+        let make = || {
+            h.s.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .build_connector_meta(Instant::now())
+                .encode()
         };
         // SAFETY: the caller's promises.
-        let r = unsafe { write_bytes(&bytes, buf, len, out_len) };
-        if r.is_err() {
-            *pending = Some(bytes);
-        }
-        r
+        unsafe { hand_out(&h.pending, make, buf, len, out_len) }
     })
 }
 
@@ -522,22 +536,14 @@ pub unsafe extern "C" fn kvrail_worker_get_finished(
     boundary(|| {
         // SAFETY: the caller's promise.
         let h = unsafe { worker(w) }?;
-        let mut pending = h.pending.lock().unwrap_or_else(|p| p.into_inner());
-        let bytes = match pending.take() {
-            Some(b) => b,
-            None => {
-                let f =
-                    h.w.lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .get_finished(Instant::now());
-                serde_json::to_vec(&f).unwrap_or_default()
-            }
+        let make = || {
+            let f =
+                h.w.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_finished(Instant::now());
+            serde_json::to_vec(&f).unwrap_or_default()
         };
         // SAFETY: the caller's promises.
-        let r = unsafe { write_bytes(&bytes, buf, len, out_len) };
-        if r.is_err() {
-            *pending = Some(bytes);
-        }
-        r
+        unsafe { hand_out(&h.pending, make, buf, len, out_len) }
     })
 }

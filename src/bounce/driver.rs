@@ -309,11 +309,7 @@ fn handle(sh: &Shared, from: &str, w: Wire) {
             pump(sh, &mut st, from);
         }
         Wire::ReadReq { xid, gen, pieces } => {
-            let tag = Tag {
-                xid,
-                read: true,
-                gen,
-            };
+            let tag = Tag::read(xid, gen);
             let bad = pieces.iter().enumerate().find_map(|(i, p)| {
                 let size = st.devices.get(&p.src.region).map(|m| m.size());
                 let d = DevDesc::new(super::DevRegionId(p.src.region), p.src.offset, p.src.len);
@@ -340,11 +336,7 @@ fn handle(sh: &Shared, from: &str, w: Wire) {
             }
         }
         Wire::ReadFail { xid, gen, error } => {
-            let tag = Tag {
-                xid,
-                read: true,
-                gen,
-            };
+            let tag = Tag::read(xid, gen);
             st.recvs.remove(&(from.to_owned(), tag));
             fail(&mut st, tag, &format!("{from} could not send: {error}"));
         }

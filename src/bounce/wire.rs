@@ -20,6 +20,17 @@ pub(crate) struct Tag {
     pub(crate) gen: u32,
 }
 
+impl Tag {
+    /// The tag of post `gen` of the initiator's READ `xid`.
+    pub(crate) fn read(xid: u64, gen: u32) -> Self {
+        Self {
+            xid,
+            read: true,
+            gen,
+        }
+    }
+}
+
 /// Where `len` bytes of a chunk go: `offset` of device region `region` of the receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Part {
