@@ -27,6 +27,7 @@ fn layout() -> KvLayout {
         planes: 2,
         block_size: 16,
         kv_heads: 2,
+        sliding_windows: Default::default(),
     }
 }
 

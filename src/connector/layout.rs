@@ -1,9 +1,13 @@
 //! The paged KV cache as the connector sees it: one registered region per layer, each
-//! `planes` planes (K and V) of `num_blocks` blocks of `block_bytes` bytes. Block `b` of a
-//! layer is one descriptor per plane.
+//! `planes` planes (K and V) of `num_blocks` blocks of `block_bytes` bytes, a block in the
+//! HND layout `[head][token][head bytes]`; and which descriptors move a request between two
+//! workers whose caches may differ in block count and in their share of the heads.
 
+use std::collections::BTreeMap;
+
+use super::tp::HeadSlice;
 use crate::agent::{Agent, Desc, RegionId};
-use crate::proto::select::BlockGeom;
+use crate::proto::select::{full_attention_ranges, window_ranges, BlockGeom, BlockRanges};
 
 /// The shape of one worker's KV cache.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -22,6 +26,10 @@ pub struct KvLayout {
     /// KV heads in a block (HND: `[head][token][head bytes]`); 1 when unknown.
     #[serde(default = "one")]
     pub kv_heads: u64,
+    /// Sliding-window layers: layer name → window (tokens). With `swa_window_mode` only the
+    /// window of these layers moves.
+    #[serde(default)]
+    pub sliding_windows: BTreeMap<String, u64>,
 }
 
 fn one() -> u64 {
@@ -38,84 +46,67 @@ impl KvLayout {
     pub fn offset(&self, plane: u64, block: u64) -> u64 {
         (plane * self.num_blocks + block) * self.block_bytes
     }
-
-    /// Descriptors for `blocks` in every layer: for each layer, plane, block (in that order),
-    /// with `regions[i]` the region of layer `i`. Consecutive blocks coalesce into one
-    /// descriptor.
-    pub fn descs(&self, regions: &[RegionId], blocks: &[u64]) -> Vec<Desc> {
-        let mut out = Vec::new();
-        for &r in regions {
-            for p in 0..self.planes {
-                let mut i = 0;
-                while i < blocks.len() {
-                    let mut j = i + 1;
-                    while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
-                        j += 1;
-                    }
-                    out.push(Desc::new(
-                        r,
-                        self.offset(p, blocks[i]),
-                        (j - i) as u64 * self.block_bytes,
-                    ));
-                    i = j;
-                }
-            }
-        }
-        out
-    }
-
-    /// Like [`KvLayout::descs`], pairing local `a` with remote `b` (same count): runs are
-    /// cut where either side's block ids stop being consecutive, so the two lists match
-    /// descriptor for descriptor.
-    pub fn paired_descs(
-        &self,
-        local_regions: &[RegionId],
-        local: &[u64],
-        remote_regions: &[RegionId],
-        remote: &[u64],
-    ) -> (Vec<Desc>, Vec<Desc>) {
-        let n = local.len().min(remote.len());
-        let (mut l, mut r) = (Vec::new(), Vec::new());
-        for (lr, rr) in local_regions.iter().zip(remote_regions) {
-            for p in 0..self.planes {
-                let mut i = 0;
-                while i < n {
-                    let mut j = i + 1;
-                    while j < n && local[j] == local[j - 1] + 1 && remote[j] == remote[j - 1] + 1 {
-                        j += 1;
-                    }
-                    let len = (j - i) as u64 * self.block_bytes;
-                    l.push(Desc::new(*lr, self.offset(p, local[i]), len));
-                    r.push(Desc::new(*rr, self.offset(p, remote[i]), len));
-                    i = j;
-                }
-            }
-        }
-        (l, r)
-    }
 }
 
-/// `engine`'s regions for our layers, in our layer order, found by layer name in the metadata
-/// loaded from it (pipeline-parallel routing: region indexes may differ between the sides).
-pub(crate) fn remote_regions(
+/// Where a peer worker keeps our layers: its regions (in our layer order, found by layer
+/// name), its blocks per plane and its KV heads per block (it may hold another share of the
+/// heads, and another number of blocks, than we do).
+pub(crate) struct PeerKv {
+    pub(crate) regions: Vec<RegionId>,
+    pub(crate) num_blocks: u64,
+    pub(crate) heads: u64,
+}
+
+/// `peer`'s KV for our layers, from the metadata loaded from it (pipeline-parallel routing:
+/// region indexes may differ between the sides), when it holds `heads` heads per block.
+pub(crate) fn peer_kv(
     agent: &Agent,
-    engine: &str,
+    peer: &str,
     layout: &KvLayout,
-) -> Result<Vec<RegionId>, String> {
+    heads: u64,
+) -> Result<PeerKv, String> {
     let meta = agent
-        .remote_metadata(engine)
-        .ok_or_else(|| format!("no metadata for {engine}"))?;
-    layout
-        .layers
-        .iter()
-        .map(|l| {
-            meta.regions
-                .iter()
-                .find(|r| r.layers.contains(l))
-                .map(|r| RegionId(r.id))
-                .ok_or_else(|| format!("{engine} has no region for layer {l:?}"))
-        })
-        .collect()
+        .remote_metadata(peer)
+        .ok_or_else(|| format!("no metadata for {peer}"))?;
+    let g = layout.geom();
+    let block_bytes = heads * g.block_size * g.head_bytes;
+    let mut regions = Vec::new();
+    let mut num_blocks = None;
+    for l in &layout.layers {
+        let r = meta
+            .regions
+            .iter()
+            .find(|r| r.layers.contains(l))
+            .ok_or_else(|| format!("{peer} has no region for layer {l:?}"))?;
+        let per_plane = layout.planes.max(1) * block_bytes;
+        if block_bytes == 0 || r.len % per_plane != 0 {
+            return Err(format!(
+                "{peer}'s region for layer {l:?} is {} bytes: not whole blocks of {heads} \
+                 heads × {} tokens × {} bytes in {} planes",
+                r.len, g.block_size, g.head_bytes, layout.planes
+            ));
+        }
+        let n = r.len / per_plane;
+        if num_blocks.is_some_and(|m| m != n) {
+            return Err(format!("{peer}'s layer regions differ in size"));
+        }
+        num_blocks = Some(n);
+        regions.push(RegionId(r.id));
+    }
+    Ok(PeerKv {
+        regions,
+        num_blocks: num_blocks.unwrap_or(0),
+        heads,
+    })
+}
+
+/// What of a request moves: its prompt `tokens` (0: unknown, whole blocks), `chunk_mode`'s
+/// chunk, and whether `swa_window_mode` cuts the sliding-window layers.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Select {
+    pub(crate) tokens: u64,
+    pub(crate) chunk: Option<u64>,
+    pub(crate) swa: bool,
 }
 
 impl KvLayout {
@@ -129,134 +120,358 @@ impl KvLayout {
         }
     }
 
-    /// Like [`KvLayout::paired_descs`] for a request of `tokens` tokens whose last blocks are
-    /// the last of both lists. With `chunk` (`chunk_mode`), the request's last block, when
-    /// partly filled, moves only up to the end of the chunk holding its last token (one span
-    /// per head); every other block moves whole.
-    pub fn request_descs(
+    /// The token ranges of each request block that move for layer `layer`.
+    fn ranges(&self, layer: &str, nblocks: u64, sel: Select) -> Result<BlockRanges, String> {
+        let bs = u64::from(self.block_size.max(1));
+        if sel.tokens == 0 {
+            return Ok((0..nblocks).map(|b| (b, vec![(0, bs)])).collect());
+        }
+        match self.sliding_windows.get(layer).filter(|_| sel.swa) {
+            Some(&w) => {
+                window_ranges(bs, sel.tokens, w).map_err(|e| format!("layer {layer:?}: {e}"))
+            }
+            None => Ok(full_attention_ranges(bs, sel.tokens, sel.chunk)),
+        }
+    }
+
+    /// The paired descriptors (ours, the peer's; same count, same lengths) that move a
+    /// request between our `local` blocks and the peer's `remote` blocks: the heads of
+    /// `slice`, and of each layer only the token ranges the selection keeps. The two block
+    /// lists are aligned at their ends (one side may hold a prefix already); adjacent spans
+    /// contiguous on both sides coalesce into one descriptor.
+    ///
+    /// # Errors
+    /// A sliding window the block size does not suit.
+    pub(crate) fn transfer_descs(
         &self,
         local_regions: &[RegionId],
         local: &[u64],
-        remote_regions: &[RegionId],
+        peer: &PeerKv,
         remote: &[u64],
-        tokens: u64,
-        chunk: Option<u64>,
-    ) -> (Vec<Desc>, Vec<Desc>) {
+        slice: &HeadSlice,
+        sel: Select,
+    ) -> Result<(Vec<Desc>, Vec<Desc>), String> {
         let g = self.geom();
-        let n = local.len().min(remote.len());
-        let in_last =
-            tokens.saturating_sub((tokens.div_ceil(g.block_size).max(1) - 1) * g.block_size);
-        let partial = chunk.filter(|_| n > 0 && in_last > 0 && in_last < g.block_size);
-        let Some(c) = partial else {
-            return self.paired_descs(local_regions, local, remote_regions, remote);
+        let (bs, hb) = (g.block_size, g.head_bytes);
+        let peer_block = peer.heads * bs * hb;
+        let m = local.len().min(remote.len()) as u64;
+        let nblocks = if sel.tokens == 0 {
+            m
+        } else {
+            sel.tokens.div_ceil(bs)
         };
-        let (mut l, mut r) = self.paired_descs(
-            local_regions,
-            &local[..n - 1],
-            remote_regions,
-            &remote[..n - 1],
-        );
-        let to = (in_last.div_ceil(c.max(1)) * c.max(1)).min(g.block_size);
-        let spans = g.token_spans(0, to);
-        for (lr, rr) in local_regions.iter().zip(remote_regions) {
+        let (mut l, mut r): (Vec<Desc>, Vec<Desc>) = (Vec::new(), Vec::new());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (Some(&lr), Some(&rr)) = (local_regions.get(i), peer.regions.get(i)) else {
+                continue;
+            };
+            let ranges = self.ranges(layer, nblocks, sel)?;
             for p in 0..self.planes {
-                let (lb, rb) = (self.offset(p, local[n - 1]), self.offset(p, remote[n - 1]));
-                for s in &spans {
-                    l.push(Desc::new(*lr, lb + s.offset, s.len));
-                    r.push(Desc::new(*rr, rb + s.offset, s.len));
+                for (k, rs) in &ranges {
+                    // request block k is pair j, counting the pairs from the end
+                    let Some(j) = (k + m).checked_sub(nblocks).filter(|j| *j < m) else {
+                        continue;
+                    };
+                    let (lj, rj) = (
+                        local[local.len() - m as usize + j as usize],
+                        remote[remote.len() - m as usize + j as usize],
+                    );
+                    let lbase = self.offset(p, lj);
+                    let rbase = (p * peer.num_blocks + rj) * peer_block;
+                    for &(from, to) in rs {
+                        let spans: Vec<(u64, u64, u64)> = if from == 0 && to == bs {
+                            vec![(
+                                slice.local * bs * hb,
+                                slice.remote * bs * hb,
+                                slice.count * bs * hb,
+                            )]
+                        } else {
+                            (0..slice.count)
+                                .map(|h| {
+                                    (
+                                        ((slice.local + h) * bs + from) * hb,
+                                        ((slice.remote + h) * bs + from) * hb,
+                                        (to - from) * hb,
+                                    )
+                                })
+                                .collect()
+                        };
+                        for (lo, ro, len) in spans {
+                            push_coalesced(
+                                &mut l,
+                                &mut r,
+                                Desc::new(lr, lbase + lo, len),
+                                Desc::new(rr, rbase + ro, len),
+                            );
+                        }
+                    }
                 }
             }
         }
-        (l, r)
+        Ok((l, r))
     }
+}
+
+/// Append a descriptor pair, merging it into the last pair when it continues both.
+fn push_coalesced(l: &mut Vec<Desc>, r: &mut Vec<Desc>, a: Desc, b: Desc) {
+    if let (Some(la), Some(lb)) = (l.last_mut(), r.last_mut()) {
+        if la.region == a.region
+            && lb.region == b.region
+            && la.offset + la.len == a.offset
+            && lb.offset + lb.len == b.offset
+        {
+            la.len += a.len;
+            lb.len += b.len;
+            return;
+        }
+    }
+    l.push(a);
+    r.push(b);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::connector::tp::head_slices;
 
-    #[test]
-    fn descriptors_coalesce_runs_on_both_sides() {
-        let l = KvLayout {
-            layers: vec!["l0".into(), "l1".into()],
-            num_blocks: 10,
-            block_bytes: 100,
+    fn layout(heads: u64, num_blocks: u64) -> KvLayout {
+        KvLayout {
+            layers: vec!["l0".into(), "swa1".into()],
+            num_blocks,
+            block_bytes: heads * 16 * 4, // heads × 16 tokens × 4 bytes
             planes: 2,
             block_size: 16,
-            kv_heads: 1,
-        };
-        assert_eq!(l.layer_bytes(), 2000);
-        let d = l.descs(&[RegionId(0)], &[1, 2, 3, 7]);
-        assert_eq!(
-            d,
-            vec![
-                Desc::new(RegionId(0), 100, 300),
-                Desc::new(RegionId(0), 700, 100),
-                Desc::new(RegionId(0), 1100, 300),
-                Desc::new(RegionId(0), 1700, 100)
-            ]
-        );
-        let (a, b) = l.paired_descs(
-            &[RegionId(0), RegionId(1)],
-            &[1, 2, 3],
-            &[RegionId(5), RegionId(6)],
-            &[4, 5, 9],
-        );
-        assert_eq!(
-            a.len(),
-            8,
-            "runs cut where the remote side breaks: 2 per plane per layer"
-        );
-        assert_eq!(a[0], Desc::new(RegionId(0), 100, 200));
-        assert_eq!(b[0], Desc::new(RegionId(5), 400, 200));
-        assert_eq!(b[1], Desc::new(RegionId(5), 900, 100));
-        assert!(a.iter().zip(&b).all(|(x, y)| x.len == y.len));
+            kv_heads: heads,
+            sliding_windows: [("swa1".to_owned(), 4)].into(),
+        }
+    }
+
+    fn whole(heads: u64) -> HeadSlice {
+        HeadSlice {
+            peer_rank: 0,
+            local: 0,
+            remote: 0,
+            count: heads,
+        }
     }
 
     #[test]
-    fn chunk_mode_cuts_only_a_partly_filled_last_block() {
-        let l = KvLayout {
-            layers: vec!["l0".into()],
-            num_blocks: 10,
-            block_bytes: 2 * 16 * 4, // 2 heads x 16 tokens x 4 bytes
-            planes: 1,
-            block_size: 16,
-            kv_heads: 2,
+    fn whole_blocks_coalesce_and_the_peer_keeps_its_own_block_count() {
+        let l = layout(1, 10);
+        let peer = PeerKv {
+            regions: vec![RegionId(5), RegionId(6)],
+            num_blocks: 20,
+            heads: 1,
         };
-        let r = [RegionId(0)];
-        // 35 tokens: blocks 0, 1 full; block 2 holds 3 tokens -> chunk 4 -> 4 tokens per head
-        let (a, b) = l.request_descs(&r, &[1, 2, 3], &r, &[5, 6, 7], 35, Some(4));
-        assert_eq!(
-            a[0],
-            Desc::new(RegionId(0), 128, 256),
-            "the full blocks as one run"
+        let sel = Select::default();
+        let (a, b) = l
+            .transfer_descs(
+                &[RegionId(0), RegionId(1)],
+                &[1, 2, 3],
+                &peer,
+                &[4, 5, 9],
+                &whole(1),
+                sel,
+            )
+            .unwrap();
+        assert_eq!(a.len(), 8, "runs cut where the remote side breaks");
+        assert_eq!(a[0], Desc::new(RegionId(0), 64, 128));
+        assert_eq!(b[0], Desc::new(RegionId(5), 256, 128));
+        assert_eq!(b[1], Desc::new(RegionId(5), 576, 64));
+        // plane 1 (V) of the peer starts after ITS 20 blocks, not our 10
+        assert_eq!(a[2], Desc::new(RegionId(0), (10 + 1) * 64, 128));
+        assert_eq!(b[2], Desc::new(RegionId(5), (20 + 4) * 64, 128));
+        assert!(a.iter().zip(&b).all(|(x, y)| x.len == y.len));
+    }
+
+    /// Every byte of a global KV cache: (layer, plane, global head, token, byte).
+    fn val(layer: usize, plane: u64, head: u64, tok: u64, i: u64) -> u8 {
+        ((layer as u64 * 31 + plane * 17 + head * 13 + tok * 7 + i) % 251) as u8 | 1
+    }
+
+    /// A rank's cache (one Vec per layer) holding `toks` tokens in `blocks`.
+    fn cache(l: &KvLayout, rank: u64, blocks: &[u64], toks: u64) -> Vec<Vec<u8>> {
+        let g = l.geom();
+        (0..l.layers.len())
+            .map(|li| {
+                let mut v = vec![0u8; l.layer_bytes() as usize];
+                for p in 0..l.planes {
+                    for (k, &b) in blocks.iter().enumerate() {
+                        for h in 0..g.kv_heads {
+                            for t in 0..g.block_size {
+                                let tok = k as u64 * g.block_size + t;
+                                if tok >= toks {
+                                    continue;
+                                }
+                                for i in 0..g.head_bytes {
+                                    let at =
+                                        l.offset(p, b) + (h * g.block_size + t) * g.head_bytes + i;
+                                    v[at as usize] = val(li, p, rank * g.kv_heads + h, tok, i);
+                                }
+                            }
+                        }
+                    }
+                }
+                v
+            })
+            .collect()
+    }
+
+    /// D (TP `dtp`) READs from P (TP `ptp`) with the selection; returns the bytes moved, and
+    /// checks every byte D attends to: all tokens of full layers, the window's of `swa1`.
+    fn pull(dtp: u32, ptp: u32, toks: u64, sel: Select) -> u64 {
+        let total = 8;
+        let (pl, dl) = (
+            layout(total / u64::from(ptp), 40),
+            layout(total / u64::from(dtp), 12),
+        );
+        let pblocks: Vec<u64> = (0..toks.div_ceil(16)).map(|i| 30 - 3 * i).collect();
+        let dblocks: Vec<u64> = (0..toks.div_ceil(16)).map(|i| 2 + i).collect();
+        let pcaches: Vec<_> = (0..u64::from(ptp))
+            .map(|r| cache(&pl, r, &pblocks, toks))
+            .collect();
+        let mut moved = 0;
+        for d in 0..dtp {
+            let mut dc: Vec<Vec<u8>> = vec![vec![0xEE; dl.layer_bytes() as usize]; 2];
+            let (slices, ph) = head_slices(dl.kv_heads, d, dtp, ptp).unwrap();
+            for s in &slices {
+                let peer = PeerKv {
+                    regions: vec![RegionId(0), RegionId(1)],
+                    num_blocks: 40,
+                    heads: ph,
+                };
+                let (a, b) = dl
+                    .transfer_descs(
+                        &[RegionId(0), RegionId(1)],
+                        &dblocks,
+                        &peer,
+                        &pblocks,
+                        s,
+                        sel,
+                    )
+                    .unwrap();
+                for (x, y) in a.iter().zip(&b) {
+                    let src = &pcaches[s.peer_rank as usize][y.region.0 as usize];
+                    dc[x.region.0 as usize][x.offset as usize..(x.offset + x.len) as usize]
+                        .copy_from_slice(&src[y.offset as usize..(y.offset + y.len) as usize]);
+                    moved += x.len;
+                }
+            }
+            let g = dl.geom();
+            for (li, name) in dl.layers.iter().enumerate() {
+                let from = match dl.sliding_windows.get(name) {
+                    Some(w) if sel.swa => toks.saturating_sub(*w),
+                    _ => 0,
+                };
+                for p in 0..2 {
+                    for tok in from..toks {
+                        let b = dblocks[(tok / 16) as usize];
+                        for h in 0..g.kv_heads {
+                            for i in 0..g.head_bytes {
+                                let at = dl.offset(p, b) + (h * 16 + tok % 16) * g.head_bytes + i;
+                                let want = val(li, p, u64::from(d) * g.kv_heads + h, tok, i);
+                                assert_eq!(
+                                    dc[li][at as usize], want,
+                                    "D tp {dtp} rank {d} from P tp {ptp}: layer {li} plane {p} \
+                                     token {tok} head {h}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        moved
+    }
+
+    #[test]
+    fn every_tp_pairing_gives_d_every_byte_of_its_heads() {
+        let full = pull(
+            1,
+            1,
+            70,
+            Select {
+                tokens: 70,
+                ..Select::default()
+            },
         );
         assert_eq!(
-            &a[1..],
-            &[
-                Desc::new(RegionId(0), 384, 16),
-                Desc::new(RegionId(0), 448, 16)
-            ]
+            full,
+            2 * 2 * 5 * 8 * 16 * 4,
+            "5 whole blocks of 8 heads, 2 layers, K and V"
         );
+        for (dtp, ptp) in [(2, 1), (1, 2), (4, 2), (2, 4), (8, 1), (1, 8), (2, 2)] {
+            assert_eq!(
+                pull(
+                    dtp,
+                    ptp,
+                    70,
+                    Select {
+                        tokens: 70,
+                        ..Select::default()
+                    }
+                ),
+                full
+            );
+        }
+    }
+
+    #[test]
+    fn chunk_and_window_modes_move_less_and_keep_the_bytes_d_uses() {
+        let base = Select {
+            tokens: 70,
+            ..Select::default()
+        };
+        let full = pull(1, 1, 70, base);
+        // 70 tokens: the last block holds 6; chunk 4 → 8 of its 16 tokens go
+        let chunked = pull(
+            1,
+            1,
+            70,
+            Select {
+                chunk: Some(4),
+                ..base
+            },
+        );
+        assert_eq!(full - chunked, 2 * 2 * 8 * 8 * 4);
+        // window 4 on swa1: 70 tokens → tokens 66..70 sit in granules 16 and 17 (64..72)
+        let swa = pull(1, 1, 70, Select { swa: true, ..base });
         assert_eq!(
-            &b[1..],
-            &[
-                Desc::new(RegionId(0), 896, 16),
-                Desc::new(RegionId(0), 960, 16)
-            ]
+            swa,
+            full / 2 + 2 * 8 * 8 * 4,
+            "full l0 + two 4-token granules of swa1"
         );
-        // a full last block, or no chunk mode: whole blocks
-        assert_eq!(
-            l.request_descs(&r, &[1, 2], &r, &[5, 6], 32, Some(4))
-                .0
-                .len(),
-            1
-        );
-        assert_eq!(
-            l.request_descs(&r, &[1, 2, 3], &r, &[5, 6, 7], 35, None)
-                .0
-                .len(),
-            1
-        );
+        for (dtp, ptp) in [(2, 1), (1, 2), (4, 2)] {
+            let both = Select {
+                chunk: Some(4),
+                swa: true,
+                ..base
+            };
+            assert!(pull(dtp, ptp, 70, both) < full);
+        }
+        let bad = KvLayout {
+            sliding_windows: [("swa1".to_owned(), 5)].into(),
+            ..layout(1, 4)
+        };
+        let peer = PeerKv {
+            regions: vec![RegionId(0), RegionId(1)],
+            num_blocks: 4,
+            heads: 1,
+        };
+        let e = bad
+            .transfer_descs(
+                &[RegionId(0), RegionId(1)],
+                &[0],
+                &peer,
+                &[0],
+                &whole(1),
+                Select {
+                    swa: true,
+                    tokens: 3,
+                    chunk: None,
+                },
+            )
+            .unwrap_err();
+        assert!(e.contains("swa1") && e.contains("window (5)"), "{e}");
     }
 }

@@ -25,6 +25,24 @@ pub struct KvTransferParams {
     pub remote_request_id: String,
     /// P's tensor-parallel size.
     pub tp_size: u32,
+    /// P's side-channel port of each TP rank (rank `k` at `remote_ports[k]`); empty:
+    /// `remote_port + k`.
+    pub remote_ports: Vec<u16>,
+}
+
+impl KvTransferParams {
+    /// P's TP size (at least 1).
+    pub fn p_tp(&self) -> u32 {
+        self.tp_size.max(1)
+    }
+
+    /// The side-channel port of P's rank `rank`.
+    pub fn rank_port(&self, rank: u32) -> u16 {
+        self.remote_ports
+            .get(rank as usize)
+            .copied()
+            .unwrap_or_else(|| self.remote_port.saturating_add(rank as u16))
+    }
 }
 
 /// A request as the connector sees it.
@@ -70,8 +88,12 @@ pub struct HeartbeatOut {
     pub engine: String,
     /// P's side channel.
     pub host: String,
-    /// P's side-channel port.
+    /// P's side-channel port (rank 0).
     pub port: u16,
+    /// The port of each of P's TP ranks (empty: P runs TP 1 at `port`); each D worker sends
+    /// the heartbeat to every P rank it reads from, so together they reach all of them.
+    #[serde(default)]
+    pub ports: Vec<u16>,
     /// The encoded `HB:` message.
     #[serde(with = "serde_bytes")]
     pub message: Vec<u8>,

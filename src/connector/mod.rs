@@ -16,6 +16,7 @@ pub mod config;
 mod layout;
 mod meta;
 mod scheduler;
+pub mod tp;
 mod worker;
 mod writer;
 

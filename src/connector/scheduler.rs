@@ -20,8 +20,10 @@ pub struct Scheduler {
     side_channel: SocketAddr,
     tp_size: u32,
     hb: Heartbeats,
-    /// P engine → its side channel (for heartbeats).
-    engines: HashMap<String, (String, u16)>,
+    /// P engine → its side channel: host, rank 0's port, every rank's port (heartbeats).
+    engines: HashMap<String, (String, u16, Vec<u16>)>,
+    /// P: the side-channel port of each TP rank (empty: `side_channel`'s port + rank).
+    rank_ports: Vec<u16>,
     pending_recv: Vec<RecvReq>,
     pending_send: Vec<SendReq>,
     /// Push, D: registration watchdog deadlines.
@@ -46,12 +48,19 @@ impl Scheduler {
             side_channel,
             tp_size,
             engines: HashMap::new(),
+            rank_ports: Vec::new(),
             pending_recv: Vec::new(),
             pending_send: Vec::new(),
             watchdog: HashMap::new(),
             expired: Vec::new(),
             sending: HashSet::new(),
         }
+    }
+
+    /// P with TP above 1: the side-channel port of each rank's worker, when they are not
+    /// `side_channel`'s port + rank. They travel to D in the transfer parameters.
+    pub fn set_rank_ports(&mut self, ports: Vec<u16>) {
+        self.rank_ports = ports;
     }
 
     fn consumes(&self) -> bool {
@@ -78,9 +87,10 @@ impl Scheduler {
         else {
             return (0, false);
         };
+        let ports = (0..p.p_tp()).map(|k| p.rank_port(k)).collect();
         self.engines.insert(
             p.remote_engine_id.clone(),
-            (p.remote_host.clone(), p.remote_port),
+            (p.remote_host.clone(), p.remote_port, ports),
         );
         self.hb.track(
             &req.request_id,
@@ -129,11 +139,12 @@ impl Scheduler {
                 HeartbeatAction::Send {
                     engine, message, ..
                 } => {
-                    if let Some((host, port)) = self.engines.get(&engine) {
+                    if let Some((host, port, ports)) = self.engines.get(&engine) {
                         heartbeats.push(HeartbeatOut {
                             engine: engine.clone(),
                             host: host.clone(),
                             port: *port,
+                            ports: ports.clone(),
                             message,
                         });
                     }
@@ -193,6 +204,7 @@ impl Scheduler {
             remote_block_ids: block_ids.to_vec(),
             remote_request_id: req.request_id.clone(),
             tp_size: self.tp_size,
+            remote_ports: self.rank_ports.clone(),
         };
         (true, Some(params))
     }

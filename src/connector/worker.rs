@@ -1,7 +1,8 @@
-//! The worker side (one per TP rank; here TP 1, the agent named after the engine): owns the
-//! agent and the registered KV cache; P holds finished requests under leases and frees them
-//! on completions or expiry; D READs (pull) or registers and waits for P's WRITEs (push),
-//! and sends heartbeats. Handshakes run on helper threads and never block a step.
+//! The worker side (one per TP rank, its agent named [`rank_agent_name`]): owns the agent
+//! and the registered KV cache; P holds finished requests under leases and frees them on
+//! completions or expiry; D READs (pull) or registers and waits for P's WRITEs (push), from
+//! or by every P rank whose heads it shares, and sends heartbeats to them. Handshakes run
+//! on helper threads and never block a step.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -10,8 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::config::KvTransferConfig;
-use super::layout::{remote_regions, KvLayout};
-use super::meta::{ConnectorMetadata, Finished, HeartbeatOut, RecvReq};
+use super::layout::{peer_kv, KvLayout, Select};
+use super::meta::{ConnectorMetadata, Finished, RecvReq};
+use super::tp::{head_slices, rank_agent_name, HeadSlice};
 use super::writer::{Writer, WriterEvent};
 use crate::agent::{Agent, AgentError, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
 use crate::proto::handshake::Direction;
@@ -20,20 +22,28 @@ use crate::proto::lease::{LeaseEvent, Leases};
 use crate::proto::push::PushReceiver;
 use crate::proto::select::chunk_tokens;
 
-/// A finished handshake: the engine, and the outcome.
+/// A finished handshake: the peer agent, and the outcome.
 type Handshake = (String, Result<(), String>);
 
-/// A peer engine's connection state.
+/// A peer agent's connection state.
 enum Conn {
     Connecting,
     Up,
     Failed(String),
 }
 
-/// A pull receive.
+/// A pull receive: one READ from each P rank whose heads this worker holds.
 struct Recv {
     req: RecvReq,
-    xfer: Option<XferId>,
+    /// (P rank's agent, the heads it gives us).
+    sources: Vec<(String, HeadSlice)>,
+    /// P's heads per block.
+    peer_heads: u64,
+    /// The READs in flight.
+    xfers: Vec<XferId>,
+    posted: bool,
+    /// The first failure: reported once no READ still writes into the blocks.
+    error: Option<String>,
 }
 
 /// The worker side of a connector.
@@ -42,14 +52,16 @@ pub struct Worker {
     cfg: KvTransferConfig,
     layout: KvLayout,
     regions: Vec<RegionId>,
+    tp_rank: u32,
     tp_size: u32,
     leases: Leases,
+    /// By peer agent (one per P rank).
     conns: HashMap<String, Conn>,
     handshakes: (mpsc::Sender<Handshake>, mpsc::Receiver<Handshake>),
     /// Pull, D: receives by request id.
     recvs: HashMap<String, Recv>,
-    /// Heartbeats waiting for their engine's handshake.
-    deferred_hb: Vec<HeartbeatOut>,
+    /// Heartbeats waiting for their P rank's handshake: (agent, message).
+    deferred_hb: Vec<(String, Vec<u8>)>,
     /// Push, P: requests whose lease ended while a WRITE still reads their blocks.
     retiring: Vec<String>,
     /// Push, D.
@@ -65,8 +77,8 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// A worker over `agent` (named after the engine), registering one region per layer of
-    /// `layout`.
+    /// The worker of TP rank 0 over `agent` (named after the engine), registering one region
+    /// per layer of `layout`.
     ///
     /// # Errors
     /// What registering the KV cache returns.
@@ -76,6 +88,29 @@ impl Worker {
         layout: KvLayout,
         tp_size: u32,
     ) -> Result<Self, AgentError> {
+        Self::with_rank(agent, cfg, layout, 0, tp_size)
+    }
+
+    /// The worker of TP rank `tp_rank` of `tp_size` over `agent`, which must be named
+    /// [`rank_agent_name`]`(engine, tp_rank)` (peers find rank `k` under that name at the
+    /// port the scheduler advertises for it); `layout` is this rank's share of the cache
+    /// (`kv_heads` per rank).
+    ///
+    /// # Errors
+    /// A rank not below the size; what registering the KV cache returns.
+    pub fn with_rank(
+        agent: Arc<Agent>,
+        cfg: KvTransferConfig,
+        layout: KvLayout,
+        tp_rank: u32,
+        tp_size: u32,
+    ) -> Result<Self, AgentError> {
+        let tp_size = tp_size.max(1);
+        if tp_rank >= tp_size {
+            return Err(AgentError::Unsupported(format!(
+                "tp rank {tp_rank} is not below tp size {tp_size}"
+            )));
+        }
         let access = match cfg.direction {
             Direction::Pull => RemoteAccess::READ,
             Direction::Push => RemoteAccess::WRITE,
@@ -94,8 +129,12 @@ impl Worker {
                 agent.clone(),
                 layout.clone(),
                 regions.clone(),
-                tp_size,
-                chunk,
+                (tp_rank, tp_size),
+                Select {
+                    tokens: 0,
+                    chunk,
+                    swa: cfg.swa_window_mode,
+                },
             )
         });
         Ok(Self {
@@ -109,6 +148,7 @@ impl Worker {
             cfg,
             layout,
             regions,
+            tp_rank,
             tp_size,
             conns: HashMap::new(),
             handshakes: mpsc::channel(),
@@ -153,16 +193,37 @@ impl Worker {
         self.writer.as_ref().map_or(0, Writer::dropped)
     }
 
-    /// Start a handshake with `engine` at `host:port` on a helper thread (once).
-    fn connect(&mut self, engine: &str, host: &str, port: u16) {
-        if self.conns.contains_key(engine) {
+    /// This worker's TP rank.
+    pub fn tp_rank(&self) -> u32 {
+        self.tp_rank
+    }
+
+    /// The P ranks whose heads this worker shares when P runs TP `p_tp`, each with its
+    /// agent name and head slice; and P's heads per block.
+    fn sources(&self, engine: &str, p_tp: u32) -> Result<(Vec<(String, HeadSlice)>, u64), String> {
+        let (slices, peer_heads) = head_slices(
+            self.layout.kv_heads.max(1),
+            self.tp_rank,
+            self.tp_size,
+            p_tp,
+        )?;
+        let v = slices
+            .into_iter()
+            .map(|s| (rank_agent_name(engine, s.peer_rank), s))
+            .collect();
+        Ok((v, peer_heads))
+    }
+
+    /// Start a handshake with peer agent `peer` at `host:port` on a helper thread (once).
+    fn connect(&mut self, peer: &str, host: &str, port: u16) {
+        if self.conns.contains_key(peer) {
             return;
         }
-        self.conns.insert(engine.to_owned(), Conn::Connecting);
-        let (agent, tx, engine, addr) = (
+        self.conns.insert(peer.to_owned(), Conn::Connecting);
+        let (agent, tx, peer, addr) = (
             self.agent.clone(),
             self.handshakes.0.clone(),
-            engine.to_owned(),
+            peer.to_owned(),
             format!("{host}:{port}"),
         );
         std::thread::spawn(move || {
@@ -171,13 +232,13 @@ impl Worker {
                 .map_err(|e| format!("{addr}: {e}"))
                 .and_then(|a| agent.load_remote(a).map_err(|e| e.to_string()))
                 .and_then(|name| {
-                    if name == engine {
+                    if name == peer {
                         Ok(())
                     } else {
-                        Err(format!("{addr} is engine {name:?}, expected {engine:?}"))
+                        Err(format!("{addr} is agent {name:?}, expected {peer:?}"))
                     }
                 });
-            let _ = tx.send((engine, r));
+            let _ = tx.send((peer, r));
         });
     }
 
@@ -191,15 +252,28 @@ impl Worker {
         }
         for r in &meta.reqs_to_recv {
             let p = &r.params;
+            let (sources, peer_heads) = match self.sources(&p.remote_engine_id, p.p_tp()) {
+                Ok(v) => v,
+                Err(e) => {
+                    self.done.failed_recving.push(r.request_id.clone());
+                    tracing::warn!(request = %r.request_id, "KV receive failed: {e}");
+                    continue;
+                }
+            };
+            for (peer, s) in &sources {
+                self.connect(peer, &p.remote_host, p.rank_port(s.peer_rank));
+            }
             match self.cfg.direction {
                 Direction::Pull => {
-                    self.recvs.insert(
-                        r.request_id.clone(),
-                        Recv {
-                            req: r.clone(),
-                            xfer: None,
-                        },
-                    );
+                    let recv = Recv {
+                        req: r.clone(),
+                        sources,
+                        peer_heads,
+                        xfers: Vec::new(),
+                        posted: false,
+                        error: None,
+                    };
+                    self.recvs.insert(r.request_id.clone(), recv);
                 }
                 Direction::Push => {
                     self.receiver.registered(&r.request_id, now);
@@ -208,7 +282,6 @@ impl Worker {
                     }
                 }
             }
-            self.connect(&p.remote_engine_id, &p.remote_host, p.remote_port);
         }
         for id in &meta.expired_registrations {
             // the scheduler's watchdog gave up: no longer watched, no longer re-sent
@@ -218,8 +291,19 @@ impl Worker {
             }
         }
         for hb in &meta.heartbeats {
-            self.connect(&hb.engine, &hb.host, hb.port);
-            self.deferred_hb.push(hb.clone());
+            let p_tp = hb.ports.len().max(1) as u32;
+            let Ok((sources, _)) = self.sources(&hb.engine, p_tp) else {
+                continue;
+            };
+            for (peer, s) in sources {
+                let port = hb
+                    .ports
+                    .get(s.peer_rank as usize)
+                    .copied()
+                    .unwrap_or(hb.port);
+                self.connect(&peer, &hb.host, port);
+                self.deferred_hb.push((peer, hb.message.clone()));
+            }
         }
         self.pump();
         if let Some(w) = &self.writer {
@@ -240,49 +324,50 @@ impl Worker {
 
     /// Start what waited for a handshake: READs, heartbeats.
     fn pump(&mut self) {
-        while let Ok((engine, r)) = self.handshakes.1.try_recv() {
+        while let Ok((peer, r)) = self.handshakes.1.try_recv() {
             let conn = match r {
                 Ok(()) => Conn::Up,
                 Err(e) => {
-                    tracing::warn!(%engine, "handshake failed: {e}");
+                    tracing::warn!(%peer, "handshake failed: {e}");
                     Conn::Failed(e)
                 }
             };
-            self.conns.insert(engine, conn);
+            self.conns.insert(peer, conn);
         }
-        // heartbeats whose engine is up go now; a failed engine's are dropped
+        // heartbeats whose P rank is up go now; a failed rank's are dropped
         let hbs = std::mem::take(&mut self.deferred_hb);
-        for hb in hbs {
-            match self.conns.get(&hb.engine) {
+        for (peer, msg) in hbs {
+            match self.conns.get(&peer) {
                 Some(Conn::Up) => {
-                    if let Err(e) = self.agent.send_notif(&hb.engine, hb.message) {
-                        tracing::warn!(engine = %hb.engine, "heartbeat: {e}");
-                        self.conns.remove(&hb.engine);
+                    if let Err(e) = self.agent.send_notif(&peer, msg) {
+                        tracing::warn!(%peer, "heartbeat: {e}");
+                        self.conns.remove(&peer);
                     }
                 }
-                Some(Conn::Connecting) => self.deferred_hb.push(hb),
+                Some(Conn::Connecting) => self.deferred_hb.push((peer, msg)),
                 _ => {}
             }
         }
         let ids: Vec<String> = self
             .recvs
             .iter()
-            .filter(|(_, r)| r.xfer.is_none())
+            .filter(|(_, r)| !r.posted)
             .map(|(k, _)| k.clone())
             .collect();
         for id in ids {
-            let engine = self.recvs[&id].req.params.remote_engine_id.clone();
-            match self.conns.get(&engine) {
-                Some(Conn::Up) => {
-                    if let Err(e) = self.post_read(&id) {
-                        self.fail_recv(&id, &e);
-                    }
+            let mut failed = None;
+            let mut ready = true;
+            for (peer, _) in &self.recvs[&id].sources {
+                match self.conns.get(peer) {
+                    Some(Conn::Up) => {}
+                    Some(Conn::Failed(e)) => failed = Some(format!("handshake with {peer}: {e}")),
+                    _ => ready = false,
                 }
-                Some(Conn::Failed(e)) => {
-                    let e = format!("handshake with {engine}: {e}");
-                    self.fail_recv(&id, &e);
-                }
-                _ => {}
+            }
+            if let Some(e) = failed {
+                self.fail_recv(&id, &e);
+            } else if ready {
+                self.post_reads(&id);
             }
         }
         // what waited for a failed handshake has failed; the next request tries again
@@ -293,20 +378,49 @@ impl Worker {
     fn fail_recv(&mut self, id: &str, why: &str) {
         tracing::warn!(request = %id, "KV receive failed: {why}");
         if let Some(r) = self.recvs.remove(id) {
-            // handshake again before the next READ from that engine: its connection may be
-            // gone (a restarted P at the same address is then found again)
-            if matches!(
-                self.conns.get(&r.req.params.remote_engine_id),
-                Some(Conn::Up)
-            ) {
-                self.conns.remove(&r.req.params.remote_engine_id);
+            // handshake again before the next READ from those ranks: their connections may
+            // be gone (a restarted P at the same address is then found again)
+            for (peer, _) in &r.sources {
+                if matches!(self.conns.get(peer), Some(Conn::Up)) {
+                    self.conns.remove(peer);
+                }
             }
         }
         self.done.failed_recving.push(id.to_owned());
     }
 
-    fn post_read(&mut self, id: &str) -> Result<(), String> {
-        let r = &self.recvs[id].req;
+    /// Post one READ per source rank. A rank whose READ cannot be posted fails the receive,
+    /// reported once the READs already posted have ended.
+    fn post_reads(&mut self, id: &str) {
+        let Some(r) = self.recvs.get(id) else {
+            return;
+        };
+        let (req, sources, peer_heads) = (r.req.clone(), r.sources.clone(), r.peer_heads);
+        let mut xfers = Vec::new();
+        let mut error = None;
+        for (peer, slice) in &sources {
+            match self.post_read(&req, peer, slice, peer_heads) {
+                Ok(x) => xfers.push(x),
+                Err(e) => {
+                    error = Some(format!("READ from {peer}: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(r) = self.recvs.get_mut(id) {
+            r.posted = true;
+            r.xfers = xfers;
+            r.error = error;
+        }
+    }
+
+    fn post_read(
+        &mut self,
+        r: &RecvReq,
+        peer: &str,
+        slice: &HeadSlice,
+        peer_heads: u64,
+    ) -> Result<XferId, String> {
         let p = &r.params;
         let n = r.local_block_ids.len();
         if p.remote_block_ids.len() < n {
@@ -315,17 +429,21 @@ impl Worker {
                 p.remote_block_ids.len()
             ));
         }
-        // D may hold a prefix already: the last n remote blocks fill the n local ones
-        let remote_blocks = &p.remote_block_ids[p.remote_block_ids.len() - n..];
-        let remote_regions = remote_regions(&self.agent, &p.remote_engine_id, &self.layout)?;
-        let (local, remote) = self.layout.request_descs(
+        let pk = peer_kv(&self.agent, peer, &self.layout, peer_heads)?;
+        let sel = Select {
+            tokens: r.tokens,
+            chunk: self.chunk,
+            swa: self.cfg.swa_window_mode,
+        };
+        // D may hold a prefix already: the lists are aligned at their ends
+        let (local, remote) = self.layout.transfer_descs(
             &self.regions,
             &r.local_block_ids,
-            &remote_regions,
-            remote_blocks,
-            r.tokens,
-            self.chunk,
-        );
+            &pk,
+            &p.remote_block_ids,
+            slice,
+            sel,
+        )?;
         let bytes: u64 = local.iter().map(|d| d.len).sum();
         let notif = Completion {
             request_id: p.remote_request_id.clone(),
@@ -334,20 +452,14 @@ impl Worker {
         .encode();
         let x = self
             .agent
-            .create_xfer(
-                XferOp::Read,
-                local,
-                &p.remote_engine_id,
-                remote,
-                Some(notif),
-            )
+            .create_xfer(XferOp::Read, local, peer, remote, Some(notif))
             .map_err(|e| e.to_string())?;
-        self.agent.post(x).map_err(|e| e.to_string())?;
-        self.read_bytes += bytes;
-        if let Some(r) = self.recvs.get_mut(id) {
-            r.xfer = Some(x);
+        if let Err(e) = self.agent.post(x) {
+            let _ = self.agent.release(x);
+            return Err(e.to_string());
         }
-        Ok(())
+        self.read_bytes += bytes;
+        Ok(x)
     }
 
     fn handle_msg(&mut self, m: &[u8], now: Instant) {
@@ -383,11 +495,13 @@ impl Worker {
                 for ev in w.events() {
                     match ev {
                         WriterEvent::Notif(m) => self.handle_msg(&m, now),
-                        WriterEvent::Pushed(id) => {
-                            // the WRITE and its completion are done: P frees now
-                            if self.leases.abort(&id) {
-                                self.done.sending.push(id);
-                            }
+                        WriterEvent::Pushed(id, d_tp) => {
+                            // a WRITE and its completion are done: P frees once every D
+                            // rank that takes its heads has been written
+                            self.leases.handle_completion(&Completion {
+                                request_id: id,
+                                tp_size: d_tp,
+                            });
                         }
                         WriterEvent::RegistrationFailed(id, why) => {
                             tracing::warn!(request = %id, "push registration failed: {why}");
@@ -398,27 +512,42 @@ impl Worker {
             }
         }
         self.pump();
-        // pull receives
-        let ids: Vec<(String, XferId)> = self
+        // pull receives: done when every READ ended; failed when one failed
+        let ids: Vec<String> = self
             .recvs
             .iter()
-            .filter_map(|(k, r)| r.xfer.map(|x| (k.clone(), x)))
+            .filter(|(_, r)| r.posted)
+            .map(|(k, _)| k.clone())
             .collect();
-        for (id, x) in ids {
-            match self.agent.status(x) {
-                Ok(XferStatus::InProgress) => {}
-                Ok(XferStatus::Done) => {
-                    let _ = self.agent.release(x);
-                    self.recvs.remove(&id);
-                    self.done.recving.push(id);
+        for id in ids {
+            let Some(r) = self.recvs.get_mut(&id) else {
+                continue;
+            };
+            let mut still = Vec::new();
+            for x in std::mem::take(&mut r.xfers) {
+                match self.agent.status(x) {
+                    Ok(XferStatus::InProgress) => still.push(x),
+                    Ok(XferStatus::Done) => {
+                        let _ = self.agent.release(x);
+                    }
+                    other => {
+                        let _ = self.agent.release(x);
+                        let why = match other {
+                            Ok(XferStatus::Error(e)) => e,
+                            o => format!("{o:?}"),
+                        };
+                        r.error.get_or_insert(why);
+                    }
                 }
-                other => {
-                    let _ = self.agent.release(x);
-                    let why = match other {
-                        Ok(XferStatus::Error(e)) => e,
-                        o => format!("{o:?}"),
-                    };
-                    self.fail_recv(&id, &why);
+            }
+            r.xfers = still;
+            if r.xfers.is_empty() {
+                match r.error.clone() {
+                    Some(e) => self.fail_recv(&id, &e),
+                    None => {
+                        self.recvs.remove(&id);
+                        self.done.recving.push(id);
+                    }
                 }
             }
         }

@@ -13,8 +13,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::layout::{remote_regions, KvLayout};
+use super::layout::{peer_kv, KvLayout, Select};
 use super::meta::RecvReq;
+use super::tp::{head_slices, rank_agent_name};
 use crate::agent::{Agent, AgentError, RegionId, XferId, XferOp, XferStatus};
 use crate::proto::kvmsg::{Completion, KvMsg, PushReg};
 use crate::proto::push::{PushAction, PushMatcher};
@@ -24,8 +25,9 @@ use crate::proto::push::{PushAction, PushMatcher};
 pub(crate) enum WriterEvent {
     /// A notification that is not the writer's (heartbeats, completions, malformed).
     Notif(Vec<u8>),
-    /// P: the WRITEs of this request (and their completion notification) are done.
-    Pushed(String),
+    /// P: a WRITE of this request (and its completion notification) is done, into a D
+    /// worker of this TP size.
+    Pushed(String, u32),
     /// D: the handshake with P or the `PUSH_REG` send failed.
     RegistrationFailed(String, String),
 }
@@ -47,7 +49,8 @@ struct Shared {
     agent: Arc<Agent>,
     layout: KvLayout,
     regions: Vec<RegionId>,
-    tp_size: u32,
+    /// This worker's (TP rank, TP size).
+    tp: (u32, u32),
     inbox: Mutex<Inbox>,
     wake: Condvar,
     stop: AtomicBool,
@@ -55,8 +58,8 @@ struct Shared {
     dropped: AtomicU64,
     /// Bytes of the WRITEs posted.
     bytes: AtomicU64,
-    /// `chunk_mode`'s chunk (tokens), when on.
-    chunk: Option<u64>,
+    /// What of a request moves (`chunk_mode`, `swa_window_mode`; tokens per request).
+    sel: Select,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -74,22 +77,22 @@ impl Writer {
         agent: Arc<Agent>,
         layout: KvLayout,
         regions: Vec<RegionId>,
-        tp_size: u32,
-        chunk: Option<u64>,
+        tp: (u32, u32),
+        sel: Select,
     ) -> Result<Self, AgentError> {
         let shared = Arc::new(Shared {
             writing: Mutex::new(HashMap::new()),
             agent,
             layout,
             regions,
-            tp_size,
+            tp,
             inbox: Mutex::new(Inbox::default()),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             events: Mutex::new(VecDeque::new()),
             dropped: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
-            chunk,
+            sel,
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -189,10 +192,10 @@ struct Loop {
     sh: Arc<Shared>,
     matcher: PushMatcher,
     conns: HashMap<String, Conn>,
-    /// D: registrations waiting for the handshake with their P engine.
-    waiting: Vec<RecvReq>,
-    /// P: WRITEs in flight (xfer, P request id).
-    inflight: Vec<(XferId, String)>,
+    /// D: registrations waiting for the handshake with a P rank: (its agent, the receive).
+    waiting: Vec<(String, RecvReq)>,
+    /// P: WRITEs in flight (xfer, P request id, D's TP size).
+    inflight: Vec<(XferId, String, u32)>,
     /// P: each finished request's prompt tokens.
     tokens: HashMap<String, u64>,
 }
@@ -277,14 +280,14 @@ impl Loop {
                     self.conns.remove(&engine);
                 }
             }
-            // D: registrations that waited for this P
+            // D: registrations that waited for this P rank
             let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
                 .into_iter()
-                .partition(|r| r.params.remote_engine_id == engine);
+                .partition(|(peer, _)| *peer == engine);
             self.waiting = rest;
-            for reg in mine {
+            for (peer, reg) in mine {
                 match &r {
-                    Ok(()) => self.send_reg(reg),
+                    Ok(()) => self.send_reg(&peer, reg),
                     Err(e) => self.event(WriterEvent::RegistrationFailed(
                         reg.request_id,
                         format!("handshake with {engine}: {e}"),
@@ -304,16 +307,28 @@ impl Loop {
             }
         }
         for id in w.forget.drain(..) {
-            self.waiting.retain(|r| r.request_id != id);
+            self.waiting.retain(|(_, r)| r.request_id != id);
         }
         for reg in w.regs.drain(..) {
-            let e = reg.params.remote_engine_id.clone();
-            match self.conns.get(&e) {
-                Some(Conn::Up) => self.send_reg(reg),
-                _ => {
-                    let addr = format!("{}:{}", reg.params.remote_host, reg.params.remote_port);
-                    self.waiting.push(reg);
-                    self.handshake(&e, addr);
+            // one registration to each P rank whose heads this worker takes
+            let p = &reg.params;
+            let (rank, tp) = self.sh.tp;
+            let slices = match head_slices(self.sh.layout.kv_heads.max(1), rank, tp, p.p_tp()) {
+                Ok((v, _)) => v,
+                Err(e) => {
+                    self.event(WriterEvent::RegistrationFailed(reg.request_id, e));
+                    continue;
+                }
+            };
+            for s in slices {
+                let peer = rank_agent_name(&p.remote_engine_id, s.peer_rank);
+                match self.conns.get(&peer) {
+                    Some(Conn::Up) => self.send_reg(&peer, reg.clone()),
+                    _ => {
+                        let addr = format!("{}:{}", p.remote_host, p.rank_port(s.peer_rank));
+                        self.waiting.push((peer.clone(), reg.clone()));
+                        self.handshake(&peer, addr);
+                    }
                 }
             }
         }
@@ -357,14 +372,14 @@ impl Loop {
         }
         let mut i = 0;
         while i < self.inflight.len() {
-            let (x, id) = self.inflight[i].clone();
+            let (x, id, d_tp) = self.inflight[i].clone();
             match self.sh.agent.status(x) {
                 Ok(XferStatus::InProgress) => i += 1,
                 Ok(XferStatus::Done) => {
                     let _ = self.sh.agent.release(x);
                     self.inflight.swap_remove(i);
                     self.ended(&id);
-                    self.event(WriterEvent::Pushed(id));
+                    self.event(WriterEvent::Pushed(id, d_tp));
                 }
                 other => {
                     let _ = self.sh.agent.release(x);
@@ -389,23 +404,19 @@ impl Loop {
         }
     }
 
-    fn send_reg(&self, r: RecvReq) {
+    fn send_reg(&self, peer: &str, r: RecvReq) {
         let reg = PushReg {
             request_id: r.request_id.clone(),
             engine_id: self.sh.agent.name().to_owned(),
             host: self.sh.agent.side_channel_addr().ip().to_string(),
             port: self.sh.agent.side_channel_addr().port(),
-            tp_rank: 0,
-            tp_size: self.sh.tp_size,
+            tp_rank: self.sh.tp.0,
+            tp_size: self.sh.tp.1,
             block_ids: r.local_block_ids.clone(),
             remote_engine_id: r.params.remote_engine_id.clone(),
             remote_request_id: r.params.remote_request_id.clone(),
         };
-        if let Err(e) = self
-            .sh
-            .agent
-            .send_notif(&r.params.remote_engine_id, reg.encode())
-        {
+        if let Err(e) = self.sh.agent.send_notif(peer, reg.encode()) {
             self.event(WriterEvent::RegistrationFailed(
                 r.request_id,
                 format!("sending PUSH_REG: {e}"),
@@ -420,25 +431,31 @@ impl Loop {
         remote: &[u64],
         reg: &PushReg,
     ) -> Result<(), String> {
-        let n = remote.len();
-        if local.len() < n {
-            return Err(format!("{} local blocks for {n} remote ones", local.len()));
-        }
-        let local = &local[local.len() - n..];
-        let remote_regions = remote_regions(&self.sh.agent, &reg.engine_id, &self.sh.layout)?;
-        let tokens = self.tokens.get(id).copied().unwrap_or(0);
-        let (l, r) = self.sh.layout.request_descs(
-            &self.sh.regions,
-            local,
-            &remote_regions,
-            remote,
-            tokens,
-            self.sh.chunk,
-        );
+        let (rank, tp) = self.sh.tp;
+        let (slices, peer_heads) =
+            head_slices(self.sh.layout.kv_heads.max(1), rank, tp, reg.tp_size)?;
+        let slice = slices
+            .iter()
+            .find(|s| s.peer_rank == reg.tp_rank)
+            .ok_or_else(|| {
+                format!(
+                    "D rank {} of {} holds none of P rank {rank}'s heads",
+                    reg.tp_rank, reg.tp_size
+                )
+            })?;
+        let peer = peer_kv(&self.sh.agent, &reg.engine_id, &self.sh.layout, peer_heads)?;
+        let sel = Select {
+            tokens: self.tokens.get(id).copied().unwrap_or(0),
+            ..self.sh.sel
+        };
+        let (l, r) =
+            self.sh
+                .layout
+                .transfer_descs(&self.sh.regions, local, &peer, remote, slice, sel)?;
         let bytes: u64 = l.iter().map(|d| d.len).sum();
         let notif = Completion {
             request_id: reg.request_id.clone(),
-            tp_size: self.sh.tp_size,
+            tp_size: tp,
         }
         .encode();
         {
@@ -457,7 +474,7 @@ impl Loop {
             .and_then(|x| self.sh.agent.post(x).map(|()| x));
         match posted {
             Ok(x) => {
-                self.inflight.push((x, id.to_owned()));
+                self.inflight.push((x, id.to_owned(), reg.tp_size.max(1)));
                 self.sh.bytes.fetch_add(bytes, Ordering::Relaxed);
                 Ok(())
             }

@@ -63,61 +63,90 @@ pub fn chunk_tokens(block_size: u64, bound: u64) -> u64 {
         .unwrap_or(block_size)
 }
 
-/// What to send of a request of `tokens` tokens over `blocks` blocks, per block index:
-/// full blocks whole; with `chunk` (chunk_mode) the last block only up to the end of the
-/// chunk holding the last token; without, the last block whole.
+/// Token ranges `[from, to)` within each request block (by the block's index in the
+/// request) that must cross the fabric.
+pub type BlockRanges = Vec<(u64, Vec<(u64, u64)>)>;
+
+/// Token ranges for a full-attention layer: full blocks whole; with `chunk` (chunk_mode) the
+/// last block only up to the end of the chunk holding the last token; without, the last
+/// block whole.
+pub fn full_attention_ranges(block_size: u64, tokens: u64, chunk: Option<u64>) -> BlockRanges {
+    let bs = block_size.max(1);
+    (0..tokens.div_ceil(bs))
+        .map(|b| {
+            let in_block = (tokens - b * bs).min(bs);
+            let to = match chunk {
+                Some(c) if in_block < bs => (in_block.div_ceil(c.max(1)) * c.max(1)).min(bs),
+                _ => bs,
+            };
+            (b, vec![(0, to)])
+        })
+        .collect()
+}
+
+/// Token ranges for a sliding-window layer of `window` tokens under `swa_window_mode`
+/// (`block_size % window == 0`, ratio above 1): only the window-sized granules that hold
+/// one of the last `window` tokens; blocks entirely before the window are skipped.
+///
+/// # Errors
+/// When the window does not divide the block or equals it (the mode does not apply).
+pub fn window_ranges(block_size: u64, tokens: u64, window: u64) -> Result<BlockRanges, String> {
+    if window == 0 || !block_size.is_multiple_of(window) || block_size / window < 2 {
+        return Err(format!(
+            "swa_window_mode needs block_size ({block_size}) to be a multiple (>1) of the \
+             window ({window})"
+        ));
+    }
+    let mut out: BlockRanges = Vec::new();
+    if tokens == 0 {
+        return Ok(out);
+    }
+    let first_granule = tokens.saturating_sub(window) / window;
+    let last_granule = (tokens - 1) / window;
+    for gr in first_granule..=last_granule {
+        let (from, to) = (gr * window, (gr + 1) * window);
+        let b = from / block_size;
+        let r = (from - b * block_size, to - b * block_size);
+        match out.last_mut() {
+            Some((lb, v)) if *lb == b => match v.last_mut() {
+                Some(last) if last.1 == r.0 => last.1 = r.1,
+                _ => v.push(r),
+            },
+            _ => out.push((b, vec![r])),
+        }
+    }
+    Ok(out)
+}
+
+fn spans_of(g: &BlockGeom, ranges: BlockRanges) -> Vec<(u64, Vec<Span>)> {
+    ranges
+        .into_iter()
+        .map(|(b, rs)| {
+            let spans = rs.iter().flat_map(|&(f, t)| g.token_spans(f, t)).collect();
+            (b, spans)
+        })
+        .collect()
+}
+
+/// [`full_attention_ranges`] as byte spans of each block.
 pub fn full_attention_spans(
     g: &BlockGeom,
     tokens: u64,
     chunk: Option<u64>,
 ) -> Vec<(u64, Vec<Span>)> {
-    let blocks = tokens.div_ceil(g.block_size);
-    (0..blocks)
-        .map(|b| {
-            let in_block = (tokens - b * g.block_size).min(g.block_size);
-            let to = match chunk {
-                Some(c) if in_block < g.block_size => in_block.div_ceil(c) * c,
-                _ => g.block_size,
-            };
-            (b, g.token_spans(0, to))
-        })
-        .collect()
+    spans_of(g, full_attention_ranges(g.block_size, tokens, chunk))
 }
 
-/// `swa_window_mode` for a sliding-window layer of `window` tokens (`block_size % window ==
-/// 0`, ratio above 1): only the window-sized granules that hold one of the last `window`
-/// tokens go; blocks entirely before the window are skipped.
+/// [`window_ranges`] as byte spans of each block.
 ///
 /// # Errors
-/// When the window does not divide the block or equals it (the mode does not apply).
+/// As [`window_ranges`].
 pub fn window_spans(
     g: &BlockGeom,
     tokens: u64,
     window: u64,
 ) -> Result<Vec<(u64, Vec<Span>)>, String> {
-    if window == 0 || !g.block_size.is_multiple_of(window) || g.block_size / window < 2 {
-        return Err(format!(
-            "swa_window_mode needs block_size ({}) to be a multiple (>1) of the window ({window})",
-            g.block_size
-        ));
-    }
-    let start = tokens.saturating_sub(window);
-    let first_granule = start / window;
-    let last_granule = tokens.saturating_sub(1) / window;
-    let mut out: Vec<(u64, Vec<Span>)> = Vec::new();
-    for gr in first_granule..=last_granule {
-        if tokens == 0 {
-            break;
-        }
-        let (from, to) = (gr * window, (gr + 1) * window);
-        let b = from / g.block_size;
-        let spans = g.token_spans(from - b * g.block_size, to - b * g.block_size);
-        match out.last_mut() {
-            Some((lb, s)) if *lb == b => s.extend(spans),
-            _ => out.push((b, spans)),
-        }
-    }
-    Ok(out)
+    Ok(spans_of(g, window_ranges(g.block_size, tokens, window)?))
 }
 
 /// `push_stream`: after each prefill step (`done[i]` tokens computed so far, rising), the

@@ -25,6 +25,7 @@ impl Shape {
             planes: 2,
             block_size: self.block_size as u32,
             kv_heads: self.kv_heads as u64,
+            sliding_windows: Default::default(),
         }
     }
 }
