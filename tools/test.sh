@@ -33,6 +33,8 @@ cargo build -q -p kvrail-ffi --lib   # the cdylib the C and Python programs load
 LAB_RW="$PWD" cargo test -p kvrail-ffi --test c_abi -- c_ python
 echo "=== tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) on verbs"
 cargo test --test connector_suite -- --test-threads=1
+echo "=== tier 2: heterogeneous TP (P and D ranks with different head shares) on verbs"
+cargo test --test connector_tp -- --test-threads=1
 echo "=== tier 2: kvrail-demo (proxy, P, D processes) on verbs across both rails"
 cargo test -p kvrail-tools --test demo -- --test-threads=1
 echo "=== tier 2: the agent's verbs-only cases (rails, striping, rail failure) inside the lab"
