@@ -35,6 +35,8 @@ echo "=== tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) 
 cargo test --test connector_suite -- --test-threads=1
 echo "=== tier 2: heterogeneous TP (P and D ranks with different head shares) on verbs"
 cargo test --test connector_tp -- --test-threads=1
+echo "=== tier 2: link_down_exit_s with the real rxe links taken down"
+cargo test --test connector_link_down -- --test-threads=1
 echo "=== tier 2: kvrail-demo (proxy, P, D processes) on verbs across both rails"
 cargo test -p kvrail-tools --test demo -- --test-threads=1
 echo "=== tier 2: the agent's verbs-only cases (rails, striping, rail failure) inside the lab"

@@ -871,6 +871,24 @@ impl Agent {
         Vec::new()
     }
 
+    /// The local links the agent's rails run on, as (RDMA device, port) (verbs backend;
+    /// empty on TCP).
+    pub fn local_links(&self) -> Vec<(String, u8)> {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            // a rail's name is `device:port`
+            return v
+                .rails
+                .iter()
+                .map(|r| {
+                    let dev = r.name.rsplit_once(':').map_or(&*r.name, |(d, _)| d);
+                    (dev.to_owned(), r.port)
+                })
+                .collect();
+        }
+        Vec::new()
+    }
+
     /// Bytes moved over each rail since the agent started (verbs backend; empty on TCP).
     pub fn rail_bytes(&self) -> Vec<(String, u64)> {
         #[cfg(feature = "verbs")]

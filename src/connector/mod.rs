@@ -14,6 +14,7 @@
 
 pub mod config;
 mod layout;
+pub mod linkwatch;
 mod meta;
 mod scheduler;
 pub mod tp;

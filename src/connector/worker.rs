@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::config::KvTransferConfig;
 use super::layout::{peer_kv, KvLayout, Select};
+use super::linkwatch::{exit_process, LinkDownAction, LinkMonitor};
 use super::meta::{ConnectorMetadata, Finished, RecvReq};
 use super::tp::{head_slices, rank_agent_name, HeadSlice};
 use super::writer::{Writer, WriterEvent};
@@ -21,6 +22,7 @@ use crate::proto::kvmsg::{Completion, KvMsg};
 use crate::proto::lease::{LeaseEvent, Leases};
 use crate::proto::push::PushReceiver;
 use crate::proto::select::chunk_tokens;
+use crate::rails::SysfsRoot;
 
 /// A finished handshake: the peer agent, and the outcome.
 type Handshake = (String, Result<(), String>);
@@ -72,6 +74,8 @@ pub struct Worker {
     chunk: Option<u64>,
     /// Bytes of the READs this worker posted.
     read_bytes: u64,
+    /// `link_down_exit_s`: the monitor of this worker's local links.
+    links: Option<LinkMonitor>,
     /// Notifications that did not parse (dropped).
     pub malformed: u64,
 }
@@ -159,8 +163,44 @@ impl Worker {
             done: Finished::default(),
             chunk,
             read_bytes: 0,
+            links: None,
             malformed: 0,
         })
+        .map(|mut w| {
+            w.watch_links(SysfsRoot::system(), Duration::from_secs(1), exit_process());
+            w
+        })
+    }
+
+    /// `link_down_exit_s` (a producer's setting; 0: off): (re)start the monitor of this
+    /// worker's local links under `root`, read every `poll`, with `action` instead of the
+    /// default (log and exit the process with
+    /// [`LINK_DOWN_EXIT_CODE`](super::linkwatch::LINK_DOWN_EXIT_CODE)) — for an engine
+    /// that shuts down its own way. On TCP there are no links: nothing is watched.
+    pub fn watch_links(&mut self, root: SysfsRoot, poll: Duration, action: LinkDownAction) {
+        self.links = None;
+        if self.cfg.link_down_exit_s == 0 {
+            return;
+        }
+        let links = self.agent.local_links();
+        if links.is_empty() {
+            tracing::warn!(
+                "link_down_exit_s is set but the agent runs on TCP: no RDMA links to watch"
+            );
+            return;
+        }
+        self.links = Some(LinkMonitor::start(
+            links,
+            root,
+            Duration::from_secs(self.cfg.link_down_exit_s),
+            poll,
+            action,
+        ));
+    }
+
+    /// The `link_down_exit_s` monitor, when one runs.
+    pub fn link_monitor(&self) -> Option<&LinkMonitor> {
+        self.links.as_ref()
     }
 
     /// The agent.

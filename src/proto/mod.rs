@@ -10,6 +10,7 @@
 
 //! - [`kvmsg`]: the P/D notifications (completion, `HB:`, `PUSH_REG:`) and base request ids.
 //! - [`lease`]: P's leases and D's heartbeats.
+//! - [`linkwatch`]: `link_down_exit_s`'s link-loss clock.
 //! - [`push`]: P's push matching and D's receive accounting with its watchdog.
 //! - [`select`]: which bytes cross and when (`chunk_mode`, `swa_window_mode`, `push_stream`).
 //!
@@ -20,6 +21,7 @@ pub mod frame;
 pub mod handshake;
 pub mod kvmsg;
 pub mod lease;
+pub mod linkwatch;
 pub mod push;
 pub mod select;
 
