@@ -33,8 +33,8 @@ cargo build -q -p kvrail-ffi --lib   # the cdylib the C and Python programs load
 LAB_RW="$PWD" cargo test -p kvrail-ffi --test c_abi -- c_ python
 echo "=== tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) on verbs"
 cargo test --test connector_suite -- --test-threads=1
-echo "=== tier 2: heterogeneous TP (P and D ranks with different head shares) on verbs"
-cargo test --test connector_tp -- --test-threads=1
+echo "=== tier 2: heterogeneous TP, push_stream and swa_window_mode between multi-rank engines on verbs"
+cargo test --test connector_engines -- --test-threads=1
 echo "=== tier 2: link_down_exit_s with the real rxe links taken down"
 cargo test --test connector_link_down -- --test-threads=1
 echo "=== tier 2: kvrail-demo (proxy, P, D processes) on verbs across both rails"

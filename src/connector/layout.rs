@@ -101,12 +101,16 @@ pub(crate) fn peer_kv(
 }
 
 /// What of a request moves: its prompt `tokens` (0: unknown, whole blocks), `chunk_mode`'s
-/// chunk, and whether `swa_window_mode` cuts the sliding-window layers.
+/// chunk, whether `swa_window_mode` cuts the sliding-window layers, and where the block
+/// lists sit in the request.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Select {
     pub(crate) tokens: u64,
     pub(crate) chunk: Option<u64>,
     pub(crate) swa: bool,
+    /// The request block index of the first pair when the two lists are paired explicitly
+    /// (a streamed part of a request); None: the lists are aligned at the request's end.
+    pub(crate) first: Option<u64>,
 }
 
 impl KvLayout {
@@ -156,9 +160,14 @@ impl KvLayout {
         let peer_block = peer.heads * bs * hb;
         let m = local.len().min(remote.len()) as u64;
         let nblocks = if sel.tokens == 0 {
-            m
+            sel.first.unwrap_or(0) + m
         } else {
             sel.tokens.div_ceil(bs)
+        };
+        // request block k is pair k - shift
+        let shift = match sel.first {
+            Some(f) => i128::from(f),
+            None => i128::from(nblocks) - i128::from(m),
         };
         let (mut l, mut r): (Vec<Desc>, Vec<Desc>) = (Vec::new(), Vec::new());
         for (i, layer) in self.layers.iter().enumerate() {
@@ -168,10 +177,11 @@ impl KvLayout {
             let ranges = self.ranges(layer, nblocks, sel)?;
             for p in 0..self.planes {
                 for (k, rs) in &ranges {
-                    // request block k is pair j, counting the pairs from the end
-                    let Some(j) = (k + m).checked_sub(nblocks).filter(|j| *j < m) else {
+                    let j = i128::from(*k) - shift;
+                    if j < 0 || j >= i128::from(m) {
                         continue;
-                    };
+                    }
+                    let j = j as u64;
                     let (lj, rj) = (
                         local[local.len() - m as usize + j as usize],
                         remote[remote.len() - m as usize + j as usize],
@@ -468,7 +478,7 @@ mod tests {
                 Select {
                     swa: true,
                     tokens: 3,
-                    chunk: None,
+                    ..Select::default()
                 },
             )
             .unwrap_err();

@@ -81,6 +81,19 @@ pub struct SendReq {
     pub tokens: u64,
 }
 
+/// A running prefill's progress (`push_stream`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamReq {
+    /// P's request id.
+    pub request_id: String,
+    /// Its blocks so far.
+    pub block_ids: Vec<u64>,
+    /// Prompt tokens whose KV is in the cache.
+    pub computed: u64,
+    /// The prompt's tokens.
+    pub tokens: u64,
+}
+
 /// A heartbeat the worker must send.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeartbeatOut {
@@ -106,6 +119,9 @@ pub struct ConnectorMetadata {
     pub reqs_to_recv: Vec<RecvReq>,
     /// P: finished prefills to hold under a lease.
     pub reqs_to_send: Vec<SendReq>,
+    /// P, push with `push_stream`: running prefills and how far they got.
+    #[serde(default)]
+    pub reqs_streaming: Vec<StreamReq>,
     /// D: heartbeats due.
     pub heartbeats: Vec<HeartbeatOut>,
     /// D: registrations the watchdog dropped (stop re-sending them).
@@ -130,6 +146,7 @@ impl ConnectorMetadata {
     pub fn is_empty(&self) -> bool {
         self.reqs_to_recv.is_empty()
             && self.reqs_to_send.is_empty()
+            && self.reqs_streaming.is_empty()
             && self.heartbeats.is_empty()
             && self.expired_registrations.is_empty()
     }

@@ -47,6 +47,7 @@ pub fn agent_config(
 }
 pub use meta::{
     ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq, SendReq,
+    StreamReq,
 };
 pub use scheduler::Scheduler;
 pub use worker::Worker;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::config::{KvRole, KvTransferConfig};
 use super::meta::{
     ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq, SendReq,
+    StreamReq,
 };
 use crate::proto::handshake::Direction;
 use crate::proto::lease::{HeartbeatAction, Heartbeats};
@@ -26,6 +27,9 @@ pub struct Scheduler {
     rank_ports: Vec<u16>,
     pending_recv: Vec<RecvReq>,
     pending_send: Vec<SendReq>,
+    /// push_stream: progress to announce, and the tokens each request announced.
+    pending_stream: Vec<StreamReq>,
+    streamed: HashMap<String, u64>,
     /// Push, D: registration watchdog deadlines.
     watchdog: HashMap<String, Instant>,
     expired: Vec<String>,
@@ -51,6 +55,8 @@ impl Scheduler {
             rank_ports: Vec::new(),
             pending_recv: Vec::new(),
             pending_send: Vec::new(),
+            pending_stream: Vec::new(),
+            streamed: HashMap::new(),
             watchdog: HashMap::new(),
             expired: Vec::new(),
             sending: HashSet::new(),
@@ -128,6 +134,28 @@ impl Scheduler {
         });
     }
 
+    /// P in push mode with `push_stream`: after a prefill step, `req` has the KV of
+    /// `computed` prompt tokens in its cache (the forward that computed them has finished),
+    /// in `block_ids` (its blocks so far). The blocks that closed go to D with the next
+    /// metadata, as soon as D's registration is there; the rest when the request finishes.
+    /// Without `push_stream` (or not a prefill for a remote decode) this does nothing.
+    pub fn prefill_progress(&mut self, req: &EngineRequest, block_ids: &[u64], computed: u64) {
+        let remote_decode = req.params.as_ref().is_some_and(|p| p.do_remote_decode);
+        if !self.cfg.push_stream || !remote_decode || !self.produces() {
+            return;
+        }
+        let last = self.streamed.entry(req.request_id.clone()).or_default();
+        if computed > *last {
+            *last = computed;
+            self.pending_stream.push(StreamReq {
+                request_id: req.request_id.clone(),
+                block_ids: block_ids.to_vec(),
+                computed,
+                tokens: req.prompt_tokens,
+            });
+        }
+    }
+
     /// This step's instructions for the workers.
     pub fn build_connector_meta(&mut self, now: Instant) -> ConnectorMetadata {
         let mut heartbeats = Vec::new();
@@ -171,6 +199,7 @@ impl Scheduler {
         ConnectorMetadata {
             reqs_to_recv: std::mem::take(&mut self.pending_recv),
             reqs_to_send: std::mem::take(&mut self.pending_send),
+            reqs_streaming: std::mem::take(&mut self.pending_stream),
             heartbeats,
             expired_registrations: std::mem::take(&mut self.expired),
         }
@@ -185,6 +214,7 @@ impl Scheduler {
     ) -> (bool, Option<KvTransferParams>) {
         self.hb.untrack(&req.request_id);
         self.watchdog.remove(&req.request_id);
+        self.streamed.remove(&req.request_id);
         let remote_decode = req.params.as_ref().is_some_and(|p| p.do_remote_decode);
         if !remote_decode || !self.produces() {
             return (false, None);

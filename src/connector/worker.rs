@@ -135,9 +135,9 @@ impl Worker {
                 regions.clone(),
                 (tp_rank, tp_size),
                 Select {
-                    tokens: 0,
                     chunk,
                     swa: cfg.swa_window_mode,
+                    ..Select::default()
                 },
             )
         });
@@ -284,6 +284,14 @@ impl Worker {
 
     /// This step's work from the scheduler (call once per step).
     pub fn start_load_kv(&mut self, meta: &ConnectorMetadata, now: Instant) {
+        if let Some(w) = &self.writer {
+            // push_stream: blocks earlier prefill steps closed (their KV is in the cache)
+            let bs = u64::from(self.layout.block_size.max(1));
+            for s in &meta.reqs_streaming {
+                let closed = ((s.computed.min(s.tokens) / bs) as usize).min(s.block_ids.len());
+                w.stream(&s.request_id, s.block_ids[..closed].to_vec(), s.tokens);
+            }
+        }
         for s in &meta.reqs_to_send {
             self.leases.pin(&s.request_id, s.block_ids.clone(), now);
             if let Some(w) = &self.writer {
@@ -474,6 +482,7 @@ impl Worker {
             tokens: r.tokens,
             chunk: self.chunk,
             swa: self.cfg.swa_window_mode,
+            first: None,
         };
         // D may hold a prefix already: the lists are aligned at their ends
         let (local, remote) = self.layout.transfer_descs(

@@ -37,6 +37,7 @@ struct Inbox {
     woken: bool,
     regs: VecDeque<RecvReq>,
     finished: VecDeque<(String, Vec<u64>, u64)>,
+    stream: VecDeque<(String, Vec<u64>, u64)>,
     evict: VecDeque<String>,
     forget: VecDeque<String>,
     handshakes: VecDeque<(String, Result<(), String>)>,
@@ -120,6 +121,12 @@ impl Writer {
         self.push(|i| i.finished.push_back((id.to_owned(), blocks, tokens)));
     }
 
+    /// `push_stream`: `blocks` of running prefill `id` (of `tokens` prompt tokens) hold
+    /// their final KV.
+    pub(crate) fn stream(&self, id: &str, blocks: Vec<u64>, tokens: u64) {
+        self.push(|i| i.stream.push_back((id.to_owned(), blocks, tokens)));
+    }
+
     pub(crate) fn bytes_posted(&self) -> u64 {
         self.shared.bytes.load(Ordering::Relaxed)
     }
@@ -187,6 +194,30 @@ enum Conn {
     Up,
 }
 
+/// A streamed match: (P request id, D request id, D rank).
+type PairKey = (String, String, u32);
+
+fn pair_key(id: &str, reg: &PushReg) -> PairKey {
+    (id.to_owned(), reg.request_id.clone(), reg.tp_rank)
+}
+
+/// Which part of a match a WRITE is.
+#[derive(Clone, Copy)]
+struct Part {
+    first_block: u64,
+    last: bool,
+    only: bool,
+}
+
+/// A match written in several parts (`push_stream`).
+struct Streamed {
+    engine: String,
+    completion: Vec<u8>,
+    d_tp: u32,
+    last_posted: bool,
+    failed: bool,
+}
+
 /// The writer thread's own state.
 struct Loop {
     sh: Arc<Shared>,
@@ -194,8 +225,11 @@ struct Loop {
     conns: HashMap<String, Conn>,
     /// D: registrations waiting for the handshake with a P rank: (its agent, the receive).
     waiting: Vec<(String, RecvReq)>,
-    /// P: WRITEs in flight (xfer, P request id, D's TP size).
-    inflight: Vec<(XferId, String, u32)>,
+    /// P: WRITEs in flight (xfer, P request id, D's TP size, the streamed match it is part
+    /// of).
+    inflight: Vec<(XferId, String, u32, Option<PairKey>)>,
+    /// P: streamed matches (more than one WRITE): D is told once all of them landed.
+    streamed: HashMap<PairKey, Streamed>,
     /// P: each finished request's prompt tokens.
     tokens: HashMap<String, u64>,
 }
@@ -208,6 +242,7 @@ impl Loop {
             conns: HashMap::new(),
             waiting: Vec::new(),
             inflight: Vec::new(),
+            streamed: HashMap::new(),
             tokens: HashMap::new(),
         }
     }
@@ -332,6 +367,11 @@ impl Loop {
                 }
             }
         }
+        for (id, blocks, tokens) in w.stream.drain(..) {
+            self.tokens.insert(id.clone(), tokens);
+            let total = tokens.div_ceil(u64::from(self.sh.layout.block_size.max(1)));
+            self.matcher.on_stream(&id, blocks, total as usize);
+        }
         for (id, blocks, tokens) in w.finished.drain(..) {
             self.tokens.insert(id.clone(), tokens);
             self.matcher.on_finished(&id, blocks);
@@ -339,6 +379,19 @@ impl Loop {
         for id in w.evict.drain(..) {
             self.tokens.remove(&id);
             self.matcher.evict(&id);
+            // streamed matches of an evicted request never complete
+            let keys: Vec<PairKey> = self
+                .streamed
+                .keys()
+                .filter(|k| k.0 == id)
+                .cloned()
+                .collect();
+            for k in keys {
+                if let Some(s) = self.streamed.get_mut(&k) {
+                    s.failed = true;
+                }
+                self.settle(&k);
+            }
         }
         for (_, m) in self.sh.agent.get_new_notifs() {
             match KvMsg::decode(&m) {
@@ -360,26 +413,43 @@ impl Loop {
                     request_id,
                     local_blocks,
                     remote_blocks,
+                    first_block,
+                    last,
+                    only,
                     reg,
                 } => {
-                    if let Err(e) = self.write(&request_id, &local_blocks, &remote_blocks, &reg) {
+                    let part = Part {
+                        first_block: first_block as u64,
+                        last,
+                        only,
+                    };
+                    let r = self.write(&request_id, &local_blocks, &remote_blocks, part, &reg);
+                    if let Err(e) = r {
                         tracing::warn!(request = %request_id, "push WRITE not submitted: {e}");
                         self.matcher.write_failed();
                         self.sh.dropped.fetch_add(1, Ordering::Relaxed);
+                        let key = pair_key(&request_id, &reg);
+                        if let Some(s) = self.streamed.get_mut(&key) {
+                            s.failed = true;
+                        }
+                        self.settle(&key);
                     }
                 }
             }
         }
         let mut i = 0;
         while i < self.inflight.len() {
-            let (x, id, d_tp) = self.inflight[i].clone();
+            let (x, id, d_tp, key) = self.inflight[i].clone();
             match self.sh.agent.status(x) {
                 Ok(XferStatus::InProgress) => i += 1,
                 Ok(XferStatus::Done) => {
                     let _ = self.sh.agent.release(x);
                     self.inflight.swap_remove(i);
                     self.ended(&id);
-                    self.event(WriterEvent::Pushed(id, d_tp));
+                    match key {
+                        None => self.event(WriterEvent::Pushed(id, d_tp)),
+                        Some(k) => self.settle(&k),
+                    }
                 }
                 other => {
                     let _ = self.sh.agent.release(x);
@@ -388,6 +458,12 @@ impl Loop {
                     tracing::warn!(request = %id, "push WRITE failed: {other:?}");
                     self.matcher.write_failed();
                     self.sh.dropped.fetch_add(1, Ordering::Relaxed);
+                    if let Some(k) = key {
+                        if let Some(s) = self.streamed.get_mut(&k) {
+                            s.failed = true;
+                        }
+                        self.settle(&k);
+                    }
                 }
             }
         }
@@ -424,14 +500,65 @@ impl Loop {
         }
     }
 
+    /// A streamed match: tell D once its last WRITE was posted and none is in flight; a
+    /// failed one is dropped (counted when its WRITE failed) and D is never told.
+    fn settle(&mut self, key: &PairKey) {
+        let n = self
+            .inflight
+            .iter()
+            .filter(|f| f.3.as_ref() == Some(key))
+            .count();
+        let Some(s) = self.streamed.get(key) else {
+            return;
+        };
+        if n > 0 || !(s.last_posted || s.failed) {
+            return;
+        }
+        let s = self.streamed.remove(key).unwrap_or_else(|| unreachable!());
+        if s.failed {
+            return;
+        }
+        match self.sh.agent.send_notif(&s.engine, s.completion) {
+            Ok(()) => self.event(WriterEvent::Pushed(key.0.clone(), s.d_tp)),
+            Err(e) => {
+                tracing::warn!(request = %key.0, "push completion not sent: {e}");
+                self.sh.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     fn write(
         &mut self,
         id: &str,
         local: &[u64],
         remote: &[u64],
+        part: Part,
         reg: &PushReg,
     ) -> Result<(), String> {
         let (rank, tp) = self.sh.tp;
+        let notif = Completion {
+            request_id: reg.request_id.clone(),
+            tp_size: tp,
+        }
+        .encode();
+        let key = (!part.only).then(|| pair_key(id, reg));
+        if let Some(k) = &key {
+            let s = self.streamed.entry(k.clone()).or_insert_with(|| Streamed {
+                engine: reg.engine_id.clone(),
+                completion: notif.clone(),
+                d_tp: reg.tp_size.max(1),
+                last_posted: false,
+                failed: false,
+            });
+            if s.failed {
+                return Ok(()); // an earlier part failed: the rest is moot (already counted)
+            }
+            s.last_posted |= part.last;
+            if local.is_empty() {
+                self.settle(k);
+                return Ok(());
+            }
+        }
         let (slices, peer_heads) =
             head_slices(self.sh.layout.kv_heads.max(1), rank, tp, reg.tp_size)?;
         let slice = slices
@@ -446,6 +573,7 @@ impl Loop {
         let peer = peer_kv(&self.sh.agent, &reg.engine_id, &self.sh.layout, peer_heads)?;
         let sel = Select {
             tokens: self.tokens.get(id).copied().unwrap_or(0),
+            first: Some(part.first_block),
             ..self.sh.sel
         };
         let (l, r) =
@@ -453,11 +581,6 @@ impl Loop {
                 .layout
                 .transfer_descs(&self.sh.regions, local, &peer, remote, slice, sel)?;
         let bytes: u64 = l.iter().map(|d| d.len).sum();
-        let notif = Completion {
-            request_id: reg.request_id.clone(),
-            tp_size: tp,
-        }
-        .encode();
         {
             // a retired request's blocks may already be free: never read them
             let mut w = lock(&self.sh.writing);
@@ -467,14 +590,16 @@ impl Loop {
             }
             e.0 += 1;
         }
+        let attach = key.is_none().then_some(notif);
         let posted = self
             .sh
             .agent
-            .create_xfer(XferOp::Write, l, &reg.engine_id, r, Some(notif))
+            .create_xfer(XferOp::Write, l, &reg.engine_id, r, attach)
             .and_then(|x| self.sh.agent.post(x).map(|()| x));
         match posted {
             Ok(x) => {
-                self.inflight.push((x, id.to_owned(), reg.tp_size.max(1)));
+                self.inflight
+                    .push((x, id.to_owned(), reg.tp_size.max(1), key));
                 self.sh.bytes.fetch_add(bytes, Ordering::Relaxed);
                 Ok(())
             }

@@ -461,18 +461,121 @@ fn push_matches_in_both_arrival_orders_with_the_handshake_ratio() {
                 request_id: "p-1".into(),
                 local_blocks: vec![50, 51, 52, 53],
                 remote_blocks: vec![10, 11, 12, 13],
+                first_block: 0,
+                last: true,
+                only: true,
                 reg: r,
             }],
             "logical 5, 6 at 2 physical per logical"
         );
         // a second registration for the same engine goes straight to a WRITE
-        m.on_finished("p-2", vec![60]);
+        m.on_finished("p-2", vec![60, 61]);
         m.on_registration(reg("d-2", "p-2", vec![1]), t0);
         assert_eq!(
             writes(&drain_push(&mut m)),
-            vec![("p-2".into(), vec![2, 3], "d-2".into())]
+            vec![("p-2".into(), vec![2, 3], "d-2".into())],
+            "two P blocks into the two physical blocks of D's logical block 1"
         );
     }
+}
+
+/// A WRITE: (P blocks, D blocks, first block, last, only).
+type Part = (Vec<u64>, Vec<u64>, usize, bool, bool);
+
+/// The WRITEs of `a`.
+fn parts(a: &[PushAction]) -> Vec<Part> {
+    a.iter()
+        .filter_map(|a| match a {
+            PushAction::Write {
+                local_blocks,
+                remote_blocks,
+                first_block,
+                last,
+                only,
+                ..
+            } => Some((
+                local_blocks.clone(),
+                remote_blocks.clone(),
+                *first_block,
+                *last,
+                *only,
+            )),
+            PushAction::Handshake { .. } => None,
+        })
+        .collect()
+}
+
+#[test]
+fn push_stream_writes_each_closed_block_once_and_the_rest_at_the_end() {
+    let t0 = Instant::now();
+    // a 5-block prompt (P blocks 10..14) into D blocks 20..24; steps close 2, 2, 0, 1 blocks
+    let p: Vec<u64> = (10..15).collect();
+    let d: Vec<u64> = (20..25).collect();
+    for reg_after_steps in 0..=3 {
+        let mut m = PushMatcher::new(secs(480));
+        m.handshake_done("decode-engine", Ok(1));
+        let r = reg("d-1", "p-1", d.clone());
+        let steps: [usize; 3] = [2, 4, 4];
+        let mut all = Vec::new();
+        for (i, closed) in steps.iter().enumerate() {
+            if i == reg_after_steps {
+                m.on_registration(r.clone(), t0);
+            }
+            m.on_stream("p-1", p[..*closed].to_vec(), 5);
+            all.extend(parts(&drain_push(&mut m)));
+        }
+        if reg_after_steps == 3 {
+            assert!(all.is_empty(), "nothing goes before the registration");
+            assert!(m.has_unmatched_blocks(), "the writer self-polls meanwhile");
+            m.on_registration(r.clone(), t0);
+            all.extend(parts(&drain_push(&mut m)));
+        }
+        m.on_finished("p-1", p.clone());
+        all.extend(parts(&drain_push(&mut m)));
+        // every block exactly once, pair for pair, in order; the first pair's index right
+        let local: Vec<u64> = all.iter().flat_map(|w| w.0.clone()).collect();
+        let remote: Vec<u64> = all.iter().flat_map(|w| w.1.clone()).collect();
+        assert_eq!(
+            local, p,
+            "registration after {reg_after_steps} steps: {all:?}"
+        );
+        assert_eq!(remote, d);
+        for w in &all {
+            if let Some(&b) = w.0.first() {
+                assert_eq!(w.2 as u64, b - 10, "first_block of {w:?}");
+            }
+        }
+        // only the last WRITE is last; it is the only one exactly when nothing streamed
+        assert!(all.last().unwrap().3);
+        assert!(all[..all.len() - 1].iter().all(|w| !w.3));
+        assert_eq!(all.last().unwrap().4, all.len() == 1);
+        let expect_parts = match reg_after_steps {
+            // [10,11] and [12,13] as their steps close them (or at the registration after
+            // the first step), then [14] at the end
+            0 | 1 => 3,
+            // the 4 closed blocks at the registration, then [14]
+            _ => 2,
+        };
+        assert_eq!(all.len(), expect_parts, "{all:?}");
+    }
+    // D holding a prefix: the lists align at their ends, streamed blocks D has are skipped
+    let mut m = PushMatcher::new(secs(480));
+    m.handshake_done("decode-engine", Ok(1));
+    m.on_registration(reg("d-2", "p-2", vec![7, 8]), t0);
+    m.on_stream("p-2", vec![1, 2], 4);
+    assert!(
+        parts(&drain_push(&mut m)).is_empty(),
+        "D holds blocks 0 and 1"
+    );
+    m.on_stream("p-2", vec![1, 2, 3], 4);
+    m.on_finished("p-2", vec![1, 2, 3, 4]);
+    assert_eq!(
+        parts(&drain_push(&mut m)),
+        vec![
+            (vec![3], vec![7], 2, false, false),
+            (vec![4], vec![8], 3, true, false)
+        ]
+    );
 }
 
 #[test]

@@ -7,6 +7,8 @@
 //! Without a handshake the WRITE is deferred behind one; a failed handshake or WRITE drops
 //! the work and counts it (the lease and D's watchdog clean up; no retry loops). Finished
 //! blocks stay matchable (a D with a larger TP registers once per rank) until evicted.
+//! With `push_stream` a prefill is matchable while it runs: each step's closed blocks go to
+//! the matched registrations at once, the rest when it finishes.
 //!
 //! D side, [`PushReceiver`]: each registration is armed with a watchdog
 //! (`push_registration_timeout`); completions `<d_request_id>:<p_tp_size>` finish it (one
@@ -31,8 +33,10 @@ pub enum PushAction {
         /// D's side-channel port.
         port: u16,
     },
-    /// WRITE P's `local_blocks` into D's physical `remote_blocks`, then send D the
-    /// completion (`<reg.request_id>:<p_tp_size>`).
+    /// WRITE P's `local_blocks` into D's physical `remote_blocks` (pair for pair; the first
+    /// pair is block `first_block` of the request). When `last`, D gets the completion
+    /// (`<reg.request_id>:<p_tp_size>`) once every WRITE of this registration has landed;
+    /// when also `only` (nothing was streamed before), it rides on this WRITE.
     Write {
         /// P's request id.
         request_id: String,
@@ -40,15 +44,38 @@ pub enum PushAction {
         local_blocks: Vec<u64>,
         /// D's physical blocks.
         remote_blocks: Vec<u64>,
+        /// The request block index of the first pair.
+        first_block: usize,
+        /// The registration's last WRITE.
+        last: bool,
+        /// Its only WRITE.
+        only: bool,
         /// The registration.
         reg: PushReg,
     },
 }
 
+/// A prefill P holds (or is still computing, with `push_stream`).
+struct Prefill {
+    /// Blocks whose KV is complete, a prefix of the request's blocks (all when `done`).
+    blocks: Vec<u64>,
+    /// The request's block count when done.
+    total: usize,
+    done: bool,
+    matched: bool,
+}
+
+/// A registration matched to a prefill, past its handshake: P blocks written so far.
+struct Active {
+    request_id: String,
+    reg: PushReg,
+    sent: usize,
+}
+
 /// P's writer-local matching tables.
 pub struct PushMatcher {
-    /// P request id → its finished blocks, and whether a registration matched yet.
-    finished: HashMap<String, (Vec<u64>, bool)>,
+    /// P request id → its prefill.
+    finished: HashMap<String, Prefill>,
     /// Registrations waiting for their prefill, with their arrival time.
     regs: Vec<PushReg>,
     arrived: HashMap<String, Instant>,
@@ -59,6 +86,8 @@ pub struct PushMatcher {
     handshaking: HashSet<String>,
     /// Matches waiting for a handshake.
     deferred: Vec<(String, PushReg)>,
+    /// Matches writing (streamed prefills still growing).
+    active: Vec<Active>,
     actions: VecDeque<PushAction>,
     /// Work dropped because a handshake or WRITE failed.
     pub dropped: u64,
@@ -76,6 +105,7 @@ impl PushMatcher {
             ratio: HashMap::new(),
             handshaking: HashSet::new(),
             deferred: Vec::new(),
+            active: Vec::new(),
             actions: VecDeque::new(),
             dropped: 0,
         }
@@ -84,7 +114,7 @@ impl PushMatcher {
     /// True while finished blocks wait for any registration (the writer self-polls at 1 ms
     /// only then).
     pub fn has_unmatched_blocks(&self) -> bool {
-        self.finished.values().any(|(_, matched)| !matched)
+        self.finished.values().any(|p| !p.matched)
     }
 
     /// Registrations waiting for their prefill.
@@ -94,7 +124,41 @@ impl PushMatcher {
 
     /// A prefill finished with `blocks` (P's physical block ids).
     pub fn on_finished(&mut self, request_id: &str, blocks: Vec<u64>) {
-        self.finished.insert(request_id.to_owned(), (blocks, false));
+        let total = blocks.len();
+        self.on_progress(request_id, blocks, total, true);
+    }
+
+    /// `push_stream`: a prefill step closed blocks: `blocks` (a prefix of the request's
+    /// `total` blocks) hold their final KV. Matched registrations get them at once; the rest
+    /// goes with [`PushMatcher::on_finished`].
+    pub fn on_stream(&mut self, request_id: &str, blocks: Vec<u64>, total: usize) {
+        self.on_progress(request_id, blocks, total, false);
+    }
+
+    fn on_progress(&mut self, request_id: &str, blocks: Vec<u64>, total: usize, done: bool) {
+        if let Some(p) = self.finished.get_mut(request_id) {
+            if blocks.len() >= p.blocks.len() {
+                p.blocks = blocks;
+            }
+            p.total = total;
+            p.done |= done;
+            let ids: Vec<usize> = (0..self.active.len())
+                .filter(|i| self.active[*i].request_id == request_id)
+                .collect();
+            for i in ids.into_iter().rev() {
+                self.advance(i);
+            }
+            return;
+        }
+        self.finished.insert(
+            request_id.to_owned(),
+            Prefill {
+                blocks,
+                total,
+                done,
+                matched: false,
+            },
+        );
         // exact ids first, then base ids
         let base = base_request_id(request_id);
         let mut hits: Vec<PushReg> = Vec::new();
@@ -142,10 +206,10 @@ impl PushMatcher {
 
     fn matched(&mut self, request_id: &str, reg: PushReg) {
         if let Some(f) = self.finished.get_mut(request_id) {
-            f.1 = true;
+            f.matched = true;
         }
         if self.ratio.contains_key(&reg.engine_id) {
-            self.write(request_id, reg);
+            self.activate(request_id, reg);
             return;
         }
         if self.handshaking.insert(reg.engine_id.clone()) {
@@ -158,23 +222,69 @@ impl PushMatcher {
         self.deferred.push((request_id.to_owned(), reg));
     }
 
-    fn write(&mut self, request_id: &str, reg: PushReg) {
-        let Some((blocks, _)) = self.finished.get(request_id) else {
+    fn activate(&mut self, request_id: &str, reg: PushReg) {
+        if !self.finished.contains_key(request_id) {
             self.dropped += 1; // evicted meanwhile
             return;
+        }
+        self.active.push(Active {
+            request_id: request_id.to_owned(),
+            reg,
+            sent: 0,
+        });
+        self.advance(self.active.len() - 1);
+    }
+
+    /// WRITE what active match `i` has not written yet; a finished one is then done.
+    fn advance(&mut self, i: usize) {
+        let a = &self.active[i];
+        let Some(p) = self.finished.get(&a.request_id) else {
+            self.active.swap_remove(i);
+            return;
         };
-        let r = u64::from(*self.ratio.get(&reg.engine_id).unwrap_or(&1));
-        let remote_blocks = reg
+        let new = p.blocks.len();
+        if new <= a.sent && !p.done {
+            return;
+        }
+        let r = u64::from(*self.ratio.get(&a.reg.engine_id).unwrap_or(&1));
+        let remote: Vec<u64> = a
+            .reg
             .block_ids
             .iter()
             .flat_map(|&l| (0..r).map(move |i| l * r + i))
             .collect();
+        // the two lists are aligned at their ends (D may hold a prefix already)
+        let total = p.total.max(new);
+        let skip = total.saturating_sub(remote.len());
+        let (mut local_blocks, mut remote_blocks) = (Vec::new(), Vec::new());
+        let mut first_block = None;
+        for k in a.sent.max(skip)..new {
+            let Some(&d) = remote.get(k - skip) else {
+                break;
+            };
+            first_block.get_or_insert(k);
+            local_blocks.push(p.blocks[k]);
+            remote_blocks.push(d);
+        }
+        let last = p.done;
+        if !last && local_blocks.is_empty() {
+            self.active[i].sent = new; // D already holds these
+            return;
+        }
         self.actions.push_back(PushAction::Write {
-            request_id: request_id.to_owned(),
-            local_blocks: blocks.clone(),
+            request_id: a.request_id.clone(),
+            local_blocks,
             remote_blocks,
-            reg,
+            first_block: first_block.unwrap_or(new),
+            last,
+            only: last && a.sent == 0,
+            reg: a.reg.clone(),
         });
+        if last {
+            self.active.swap_remove(i);
+        } else {
+            self.active[i].sent = new;
+        }
     }
 
     /// The handshake with D engine `engine` finished: `Ok(ratio)` (its physical blocks per
@@ -189,7 +299,7 @@ impl PushMatcher {
             Ok(ratio) => {
                 self.ratio.insert(engine.to_owned(), ratio.max(1));
                 for (id, reg) in mine {
-                    self.write(&id, reg);
+                    self.activate(&id, reg);
                 }
             }
             Err(_) => self.dropped += mine.len() as u64,
@@ -206,6 +316,7 @@ impl PushMatcher {
     pub fn evict(&mut self, request_id: &str) {
         self.finished.remove(request_id);
         self.deferred.retain(|(id, _)| id != request_id);
+        self.active.retain(|a| a.request_id != request_id);
     }
 
     /// Drop unmatched registrations older than the TTL.
