@@ -15,7 +15,8 @@
 //! - [`select`]: which bytes cross and when (`chunk_mode`, `swa_window_mode`, `push_stream`).
 //!
 //! The P/D machines take `now` as an argument and report `poll_timeout()`; tests drive them
-//! in virtual time (`pd_tests`).
+//! in virtual time (`pd_tests`), and a P/D pair with a fault script runs them together
+//! (`pd_sim`).
 
 pub mod frame;
 pub mod handshake;
@@ -25,5 +26,7 @@ pub mod linkwatch;
 pub mod push;
 pub mod select;
 
+#[cfg(test)]
+mod pd_sim;
 #[cfg(test)]
 mod pd_tests;
