@@ -102,6 +102,13 @@ int main(void) {
     expect("NULL scheduler", kvrail_scheduler_get_num_new_matched_tokens(NULL, "r", 10, NULL, 0, &toks, &as), KVRAIL_RESULT_NULL_PARAMETER, "scheduler");
     expect("bad finished JSON", kvrail_scheduler_update_connector_output(s, "[]"), KVRAIL_RESULT_INVALID_ARGUMENT, "finished_json");
     expect("layout: unknown key", kvrail_worker_new("w", tcp, pull, "{\"layerz\":[]}", 1, &w), KVRAIL_RESULT_INVALID_CONFIG, "layout_json");
+    expect("worker: rank past the size", kvrail_worker_new_rank("w", tcp, pull, layout, 2, 2, &w), KVRAIL_RESULT_UNSUPPORTED, "tp rank 2");
+    expect("rank ports: NULL with a count", kvrail_scheduler_set_rank_ports(s, NULL, 2), KVRAIL_RESULT_NULL_PARAMETER, "ports");
+    uint16_t ports[2] = {5600, 5601};
+    expect("rank ports", kvrail_scheduler_set_rank_ports(s, ports, 2), KVRAIL_RESULT_OK, NULL);
+    uint64_t some[2] = {1, 2};
+    expect("progress: NULL blocks", kvrail_scheduler_prefill_progress(s, "r", 40, NULL, NULL, 2, 16), KVRAIL_RESULT_NULL_PARAMETER, "blocks");
+    expect("progress without push_stream: a no-op", kvrail_scheduler_prefill_progress(s, "r", 40, NULL, some, 2, 16), KVRAIL_RESULT_OK, NULL);
     expect("worker", kvrail_worker_new("w", tcp, pull, layout, 1, &w), KVRAIL_RESULT_OK, NULL);
     uint8_t junk[3] = {0xc1, 0x00, 0xff};
     expect("garbage metadata", kvrail_worker_start_load_kv(w, junk, 3), KVRAIL_RESULT_INVALID_ARGUMENT, "meta");

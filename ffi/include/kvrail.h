@@ -480,6 +480,35 @@ kvrail_result kvrail_scheduler_update_connector_output(const kvrail_scheduler *s
                                                        const char *finished_json);
 
 /**
+ * P with TP above 1: the side-channel port of each rank's worker (`ports[k]` for rank
+ * `k`), when they are not the scheduler's port + rank. They travel to D in the transfer
+ * parameters.
+ *
+ * # Safety
+ * `s` from [`kvrail_scheduler_new`]; `ports` valid for `n_ports`.
+ */
+kvrail_result kvrail_scheduler_set_rank_ports(const kvrail_scheduler *s,
+                                              const uint16_t *ports,
+                                              size_t n_ports);
+
+/**
+ * P in push mode with `push_stream`: after a prefill step the request has the KV of
+ * `computed` prompt tokens in its cache, in `blocks` (its blocks so far); the blocks that
+ * closed go to D with the next metadata. A no-op without `push_stream`.
+ *
+ * # Safety
+ * `s` from [`kvrail_scheduler_new`]; strings NUL-terminated (`params_json` may be NULL);
+ * `blocks` valid for `n_blocks`.
+ */
+kvrail_result kvrail_scheduler_prefill_progress(const kvrail_scheduler *s,
+                                                const char *request_id,
+                                                uint64_t prompt_tokens,
+                                                const char *params_json,
+                                                const uint64_t *blocks,
+                                                size_t n_blocks,
+                                                uint64_t computed);
+
+/**
  * Create a worker named `engine_id` (its agent's name): `agent_config_json` as for
  * `kvrail_agent_new` (NULL: defaults), the `kv_transfer_config` JSON, and the KV layout as
  * JSON `{"layers": [...], "num_blocks": N, "block_bytes": B, "planes": 2, "block_size":
@@ -494,6 +523,22 @@ kvrail_result kvrail_worker_new(const char *engine_id,
                                 const char *layout_json,
                                 uint32_t tp_size,
                                 kvrail_worker **out);
+
+/**
+ * Like [`kvrail_worker_new`] for TP rank `tp_rank` of `tp_size`: the agent is named
+ * `engine_id` for rank 0 and `<engine_id>#tp<rank>` otherwise (peers find each rank under
+ * that name); `layout_json` is this rank's share of the cache (`"kv_heads"` per rank).
+ *
+ * # Safety
+ * As [`kvrail_worker_new`].
+ */
+kvrail_result kvrail_worker_new_rank(const char *engine_id,
+                                     const char *agent_config_json,
+                                     const char *kv_transfer_config,
+                                     const char *layout_json,
+                                     uint32_t tp_rank,
+                                     uint32_t tp_size,
+                                     kvrail_worker **out);
 
 /**
  * Free a worker (NULL is ignored).

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
+use kvrail::connector::tp::rank_agent_name;
 use kvrail::connector::{
     agent_config, ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams,
     Scheduler, Worker,
@@ -329,6 +330,61 @@ pub unsafe extern "C" fn kvrail_scheduler_update_connector_output(
     })
 }
 
+/// P with TP above 1: the side-channel port of each rank's worker (`ports[k]` for rank
+/// `k`), when they are not the scheduler's port + rank. They travel to D in the transfer
+/// parameters.
+///
+/// # Safety
+/// `s` from [`kvrail_scheduler_new`]; `ports` valid for `n_ports`.
+#[no_mangle]
+pub unsafe extern "C" fn kvrail_scheduler_set_rank_ports(
+    s: *const kvrail_scheduler,
+    ports: *const u16,
+    n_ports: usize,
+) -> kvrail_result {
+    boundary(|| {
+        // SAFETY: the caller's promises.
+        let (h, ports) = unsafe { (sched(s)?, slice_arg(ports, n_ports, "ports")?) };
+        h.s.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .set_rank_ports(ports.to_vec());
+        Ok(())
+    })
+}
+
+/// P in push mode with `push_stream`: after a prefill step the request has the KV of
+/// `computed` prompt tokens in its cache, in `blocks` (its blocks so far); the blocks that
+/// closed go to D with the next metadata. A no-op without `push_stream`.
+///
+/// # Safety
+/// `s` from [`kvrail_scheduler_new`]; strings NUL-terminated (`params_json` may be NULL);
+/// `blocks` valid for `n_blocks`.
+#[no_mangle]
+pub unsafe extern "C" fn kvrail_scheduler_prefill_progress(
+    s: *const kvrail_scheduler,
+    request_id: *const c_char,
+    prompt_tokens: u64,
+    params_json: *const c_char,
+    blocks: *const u64,
+    n_blocks: usize,
+    computed: u64,
+) -> kvrail_result {
+    boundary(|| {
+        // SAFETY: the caller's promises.
+        let (h, req, blocks) = unsafe {
+            (
+                sched(s)?,
+                request(request_id, prompt_tokens, params_json)?,
+                slice_arg(blocks, n_blocks, "blocks")?,
+            )
+        };
+        h.s.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .prefill_progress(&req, blocks, computed);
+        Ok(())
+    })
+}
+
 /// Create a worker named `engine_id` (its agent's name): `agent_config_json` as for
 /// `kvrail_agent_new` (NULL: defaults), the `kv_transfer_config` JSON, and the KV layout as
 /// JSON `{"layers": [...], "num_blocks": N, "block_bytes": B, "planes": 2, "block_size":
@@ -342,6 +398,36 @@ pub unsafe extern "C" fn kvrail_worker_new(
     agent_config_json: *const c_char,
     kv_transfer_config: *const c_char,
     layout_json: *const c_char,
+    tp_size: u32,
+    out: *mut *mut kvrail_worker,
+) -> kvrail_result {
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        kvrail_worker_new_rank(
+            engine_id,
+            agent_config_json,
+            kv_transfer_config,
+            layout_json,
+            0,
+            tp_size,
+            out,
+        )
+    }
+}
+
+/// Like [`kvrail_worker_new`] for TP rank `tp_rank` of `tp_size`: the agent is named
+/// `engine_id` for rank 0 and `<engine_id>#tp<rank>` otherwise (peers find each rank under
+/// that name); `layout_json` is this rank's share of the cache (`"kv_heads"` per rank).
+///
+/// # Safety
+/// As [`kvrail_worker_new`].
+#[no_mangle]
+pub unsafe extern "C" fn kvrail_worker_new_rank(
+    engine_id: *const c_char,
+    agent_config_json: *const c_char,
+    kv_transfer_config: *const c_char,
+    layout_json: *const c_char,
+    tp_rank: u32,
     tp_size: u32,
     out: *mut *mut kvrail_worker,
 ) -> kvrail_result {
@@ -367,8 +453,8 @@ pub unsafe extern "C" fn kvrail_worker_new(
         let layout: KvLayout = serde_json::from_str(layout)
             .map_err(|e| Failure::new(kvrail_result::InvalidConfig, format!("layout_json: {e}")))?;
         let ac = agent_config(&cfg, &layout, parse_config(agent_json)?);
-        let agent = Arc::new(Agent::new(engine, ac)?);
-        let w = Worker::new(agent, cfg, layout, tp_size.max(1))?;
+        let agent = Arc::new(Agent::new(&rank_agent_name(engine, tp_rank), ac)?);
+        let w = Worker::with_rank(agent, cfg, layout, tp_rank, tp_size.max(1))?;
         let h = Box::new(WorkerHandle {
             w: Mutex::new(w),
             pending: Mutex::new(None),
