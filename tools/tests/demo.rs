@@ -110,18 +110,61 @@ fn chunk_mode_moves_less_and_d_still_checks_every_token() {
             "--max-tokens",
             "17",
         ]);
-        let pct: f64 = t
-            .lines()
-            .find_map(|l| l.strip_prefix("moved over the fabric: "))
-            .and_then(|l| l.split('(').nth(1))
-            .and_then(|l| l.split_whitespace().next())
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("no fabric line:\n{t}"));
+        let pct = moved_pct(&t);
         assert!(
             pct < 100.0,
             "{mode}: chunk_mode moved {pct} % of the blocks"
         );
     }
+}
+
+/// The "moved over the fabric" percentage the demo printed.
+fn moved_pct(t: &str) -> f64 {
+    t.lines()
+        .find_map(|l| l.strip_prefix("moved over the fabric: "))
+        .and_then(|l| l.split('(').nth(1))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no fabric line:\n{t}"))
+}
+
+#[test]
+fn swa_window_mode_moves_only_the_windows_and_d_checks_what_attention_reads() {
+    for mode in ["pull", "push"] {
+        // 40 tokens, window 4 on the odd layers: those move one 4-token granule of one
+        // block instead of 3 blocks; D checks all of the even layers and the windows
+        let t = demo(&[
+            "--mode",
+            mode,
+            "--requests",
+            "3",
+            "--swa-window",
+            "4",
+            "--min-tokens",
+            "40",
+            "--max-tokens",
+            "40",
+        ]);
+        let pct = moved_pct(&t);
+        assert!(pct < 60.0, "{mode}: swa_window_mode moved {pct} %");
+    }
+}
+
+#[test]
+fn push_stream_sends_blocks_while_the_prefill_runs() {
+    // prefill in 16-token steps: each step closes a block, which goes at once; D checks
+    // every byte; the tail after the prefill's end is printed
+    let t = demo(&[
+        "--mode",
+        "push",
+        "--requests",
+        "4",
+        "--step-tokens",
+        "16",
+        "--push-stream",
+    ]);
+    assert!(t.contains("(push_stream)"), "{t}");
+    assert!(t.contains("P holds no blocks"), "{t}");
 }
 
 #[test]

@@ -22,6 +22,34 @@ pub(crate) struct Instance {
     pub(crate) backend: BackendChoice,
     pub(crate) devices: Vec<String>,
     pub(crate) shape: Shape,
+    /// Prefill this many tokens per engine step (None: the whole prompt in one step).
+    pub(crate) step_tokens: Option<u64>,
+}
+
+/// A prefill running over several steps.
+struct Prefilling {
+    id: String,
+    toks: Vec<u32>,
+    blocks: Vec<u64>,
+    done: u64,
+}
+
+/// Microseconds since the epoch (P and D on one host compare them).
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+fn prefill_req(id: &str, n: u64) -> EngineRequest {
+    EngineRequest {
+        request_id: id.to_owned(),
+        prompt_tokens: n,
+        params: Some(KvTransferParams {
+            do_remote_decode: true,
+            ..KvTransferParams::default()
+        }),
+    }
 }
 
 struct Decoding {
@@ -51,9 +79,10 @@ pub(crate) fn serve(inst: Instance) -> Result<(), String> {
 
     let ctl = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     println!(
-        "ready {} backend {:?}",
+        "ready {} backend {:?} side {}",
         ctl.local_addr().map_err(|e| e.to_string())?.port(),
-        agent.metadata().backend
+        agent.metadata().backend,
+        agent.side_channel_addr().port()
     );
     std::io::stdout().flush().ok();
     let (stream, _) = ctl.accept().map_err(|e| e.to_string())?;
@@ -76,6 +105,25 @@ pub(crate) fn serve(inst: Instance) -> Result<(), String> {
         writeln!(out, "{v}").map_err(|e| e.to_string())
     };
 
+    // the "forward pass": the KV of tokens [from, to) of a prompt into its blocks (the
+    // blocks those tokens touch, holding every token up to `to`)
+    let regions = worker.regions().to_vec();
+    let compute = |toks: &[u32], blocks: &[u64], from: u64, to: u64| -> Result<(), String> {
+        let bs = layout.block_size as u64;
+        let (first, last) = (from / bs, to.div_ceil(bs));
+        for (li, r) in regions.iter().enumerate() {
+            for p in 0..layout.planes {
+                for bi in first..last {
+                    let data = block(&inst.shape, &toks[..to as usize], li, p, bi as usize);
+                    agent
+                        .write_region(*r, layout.offset(p, blocks[bi as usize]), &data)
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        Ok(())
+    };
+    let mut prefilling: Vec<Prefilling> = Vec::new();
     let mut held: HashMap<String, Vec<u64>> = HashMap::new(); // P: blocks under a lease
     let mut decoding: HashMap<String, Decoding> = HashMap::new(); // D
     let mut freed = 0u64;
@@ -98,28 +146,12 @@ pub(crate) fn serve(inst: Instance) -> Result<(), String> {
                         continue;
                     }
                     let blocks: Vec<u64> = free.drain(..need).collect();
-                    // the "forward pass": compute every layer's K and V into the paged cache
-                    for (li, r) in worker.regions().to_vec().iter().enumerate() {
-                        for p in 0..layout.planes {
-                            for (bi, b) in blocks.iter().enumerate() {
-                                let data = block(&inst.shape, &toks, li, p, bi);
-                                agent
-                                    .write_region(*r, layout.offset(p, *b), &data)
-                                    .map_err(|e| e.to_string())?;
-                            }
-                        }
-                    }
-                    let req = EngineRequest {
-                        request_id: id.clone(),
-                        prompt_tokens: n,
-                        params: Some(KvTransferParams {
-                            do_remote_decode: true,
-                            ..KvTransferParams::default()
-                        }),
-                    };
-                    let (_, params) = sched.request_finished(&req, &blocks);
-                    held.insert(id.clone(), blocks);
-                    reply(&mut out, json!({"id": id, "params": params}))?;
+                    prefilling.push(Prefilling {
+                        id,
+                        toks,
+                        blocks,
+                        done: 0,
+                    });
                 }
                 "decode" => {
                     let id = cmd["id"].as_str().unwrap_or("").to_owned();
@@ -162,6 +194,28 @@ pub(crate) fn serve(inst: Instance) -> Result<(), String> {
                 other => eprintln!("unknown command {other:?}"),
             }
         }
+        // one engine step of every running prefill; a finished one goes to D
+        let mut i = 0;
+        while i < prefilling.len() {
+            let p = &mut prefilling[i];
+            let n = p.toks.len() as u64;
+            let to = inst.step_tokens.map_or(n, |s| (p.done + s).min(n));
+            compute(&p.toks, &p.blocks, p.done, to)?;
+            p.done = to;
+            let req = prefill_req(&p.id, n);
+            if to < n {
+                sched.prefill_progress(&req, &p.blocks, to);
+                i += 1;
+                continue;
+            }
+            let p = prefilling.swap_remove(i);
+            let (_, params) = sched.request_finished(&req, &p.blocks);
+            reply(
+                &mut out,
+                json!({"id": p.id, "params": params, "finished_at_us": now_us()}),
+            )?;
+            held.insert(p.id, p.blocks);
+        }
         let meta = sched.build_connector_meta(now);
         worker.start_load_kv(&meta, now);
         let f = worker.get_finished(now);
@@ -189,9 +243,15 @@ pub(crate) fn serve(inst: Instance) -> Result<(), String> {
                         // every token of the prompt in this block, per head (what the
                         // model reads; with chunk_mode the rest of a last block is not sent)
                         let want = block(&inst.shape, &d.toks, li, p, bi);
-                        let in_block = (d.toks.len() as u64)
-                            .saturating_sub(bi as u64 * layout.block_size as u64);
-                        let spans = layout.geom().token_spans(0, in_block);
+                        let bs = layout.block_size as u64;
+                        let n = d.toks.len() as u64;
+                        let in_block = n.saturating_sub(bi as u64 * bs);
+                        let from = inst
+                            .shape
+                            .first_attended(li, n)
+                            .saturating_sub(bi as u64 * bs)
+                            .min(in_block);
+                        let spans = layout.geom().token_spans(from, in_block);
                         if spans.iter().any(|s| {
                             let r = s.offset as usize..(s.offset + s.len) as usize;
                             got[r.clone()] != want[r]
@@ -210,7 +270,7 @@ pub(crate) fn serve(inst: Instance) -> Result<(), String> {
             match bad {
                 None => reply(
                     &mut out,
-                    json!({"id": id, "ok": true, "ms": ms, "bytes": bytes}),
+                    json!({"id": id, "ok": true, "ms": ms, "bytes": bytes, "done_at_us": now_us()}),
                 )?,
                 Some(w) => reply(
                     &mut out,

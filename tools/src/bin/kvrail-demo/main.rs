@@ -85,6 +85,16 @@ struct Args {
     /// chunk holding the prompt's last token).
     #[arg(long)]
     chunk_tokens: Option<u64>,
+    /// Give the odd layers a sliding window of this many tokens and turn on swa_window_mode
+    /// (only the window of those layers moves; D checks what attention reads).
+    #[arg(long)]
+    swa_window: Option<usize>,
+    /// Prefill this many tokens per engine step (default: the whole prompt in one step).
+    #[arg(long)]
+    step_tokens: Option<u64>,
+    /// Push mode: turn on push_stream (each block goes to D as a prefill step closes it).
+    #[arg(long)]
+    push_stream: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -107,6 +117,7 @@ fn shape(a: &Args) -> model::Shape {
         head_size: 128,
         block_size: a.block_size,
         num_blocks: a.num_blocks,
+        window: a.swa_window,
     }
 }
 
@@ -123,6 +134,8 @@ struct Inst {
     ctl: TcpStream,
     lines: BufReader<TcpStream>,
     backend: String,
+    /// The instance's side-channel port (where D finds P).
+    side: u16,
 }
 
 impl Inst {
@@ -155,6 +168,12 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
         extra["chunk_mode"] = json!(true);
         extra["chunk_tokens"] = json!(c);
     }
+    if a.swa_window.is_some() {
+        extra["swa_window_mode"] = json!(true);
+    }
+    if a.push_stream {
+        extra["push_stream"] = json!(true);
+    }
     let kv = json!({
         "kv_connector": if a.mode == Mode::Pull { "KvrailPullConnector" } else { "KvrailPushConnector" },
         "kv_role": role,
@@ -168,6 +187,16 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
         .args(["--block-size", &a.block_size.to_string()])
         .args(["--num-blocks", &a.num_blocks.to_string()])
         .args(["--layers", &a.layers.to_string()])
+        .args(
+            a.swa_window
+                .map(|w| vec!["--swa-window".to_owned(), w.to_string()])
+                .unwrap_or_default(),
+        )
+        .args(
+            a.step_tokens
+                .map(|t| vec!["--step-tokens".to_owned(), t.to_string()])
+                .unwrap_or_default(),
+        )
         .args([
             "instance",
             "--name",
@@ -185,8 +214,8 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
         .read_line(&mut first)
         .map_err(|e| e.to_string())?;
     let w: Vec<&str> = first.split_whitespace().collect();
-    let port = match w.as_slice() {
-        ["ready", port, "backend", _] => port.to_string(),
+    let (port, side) = match w.as_slice() {
+        ["ready", port, "backend", _, "side", side] => (port.to_string(), side.to_string()),
         _ => return Err(format!("{name} did not start: {first:?}")),
     };
     let ctl = TcpStream::connect(format!("127.0.0.1:{port}")).map_err(|e| e.to_string())?;
@@ -195,6 +224,9 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
         ctl,
         child,
         backend: w[3].to_owned(),
+        side: side
+            .parse()
+            .map_err(|e| format!("{name}: side port {side:?}: {e}"))?,
     })
 }
 
@@ -219,12 +251,27 @@ fn requests(a: &Args) -> Vec<Req> {
 }
 
 fn prefill(p: &mut Inst, r: &Req) -> Result<Value, String> {
+    Ok(prefill_at(p, r)?.0)
+}
+
+/// Prefill `r` on P: its transfer parameters for D, and when the prefill ended (µs).
+fn prefill_at(p: &mut Inst, r: &Req) -> Result<(Value, u64), String> {
     p.send(json!({"cmd": "prefill", "id": r.id, "seed": r.seed, "tokens": r.tokens}))?;
     let v = p.recv()?;
     if let Some(e) = v.get("error") {
         return Err(format!("prefill {}: {e}", r.id));
     }
-    Ok(v["params"].clone())
+    Ok((
+        v["params"].clone(),
+        v["finished_at_us"].as_u64().unwrap_or(0),
+    ))
+}
+
+/// Where D finds P for `r` before P's prefill ends (push: both legs go at once).
+fn coordinates(p: &Inst, r: &Req) -> Value {
+    json!({"do_remote_prefill": true, "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1", "remote_port": p.side, "remote_request_id": r.id,
+        "tp_size": 1})
 }
 
 fn decode(d: &mut Inst, r: &Req, params: &Value) -> Result<(), String> {
@@ -239,14 +286,24 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
     let t0 = Instant::now();
     let (mut next, mut inflight, mut ok, mut bytes) = (0usize, 0usize, 0u64, 0u64);
     let mut lat = Vec::new();
+    // push: the proxy sends both legs at once (D registers while P prefills); the tail is
+    // how long after P's prefill ended D had every byte
+    let mut prefill_end = std::collections::HashMap::new();
+    let mut tails = Vec::new();
     println!(
         "{:<18} {:>7} {:>10} {:>12}",
         "request", "tokens", "KV bytes", "transfer ms"
     );
     while (ok as usize) < reqs.len() {
         while inflight < a.concurrency && next < reqs.len() {
-            let params = prefill(p, &reqs[next])?;
-            decode(d, &reqs[next], &params)?;
+            if a.mode == Mode::Push {
+                decode(d, &reqs[next], &coordinates(p, &reqs[next]))?;
+                let (_, end) = prefill_at(p, &reqs[next])?;
+                prefill_end.insert(reqs[next].id.clone(), end);
+            } else {
+                let params = prefill(p, &reqs[next])?;
+                decode(d, &reqs[next], &params)?;
+            }
             next += 1;
             inflight += 1;
         }
@@ -262,6 +319,9 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
         let b = v["bytes"].as_u64().unwrap_or(0);
         println!("{:<18} {:>7} {:>10} {:>12.2}", r.id, r.tokens, b, ms);
         lat.push(ms);
+        if let (Some(end), Some(done)) = (prefill_end.get(&r.id), v["done_at_us"].as_u64()) {
+            tails.push(done.saturating_sub(*end) as f64 / 1e3);
+        }
         bytes += b;
         ok += 1;
         inflight -= 1;
@@ -269,13 +329,22 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
     let secs = t0.elapsed().as_secs_f64();
     lat.sort_by(f64::total_cmp);
     println!(
-        "{ok} requests, {:.1} MiB of KV blocks, every prompt token checked byte for byte, {:.2} s, {:.1} MB/s; transfer ms p50 {:.2} max {:.2}",
+        "{ok} requests, {:.1} MiB of KV blocks, every prompt token attention reads checked byte for byte, {:.2} s, {:.1} MB/s; transfer ms p50 {:.2} max {:.2}",
         bytes as f64 / (1 << 20) as f64,
         secs,
         bytes as f64 / secs / 1e6,
         lat[lat.len() / 2],
         lat[lat.len() - 1]
     );
+    if !tails.is_empty() {
+        tails.sort_by(f64::total_cmp);
+        println!(
+            "tail after the prefill ended: p50 {:.2} ms, max {:.2} ms{}",
+            tails[tails.len() / 2],
+            tails[tails.len() - 1],
+            if a.push_stream { " (push_stream)" } else { "" }
+        );
+    }
     let t = Instant::now();
     loop {
         let s = p.stats()?;
@@ -384,6 +453,7 @@ fn main() {
                 .map(str::to_owned)
                 .collect(),
             shape: shape(&a),
+            step_tokens: a.step_tokens,
         };
         if let Err(e) = engine::serve(inst) {
             eprintln!("{name}: {e}");

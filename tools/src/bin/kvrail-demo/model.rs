@@ -12,6 +12,8 @@ pub(crate) struct Shape {
     pub(crate) head_size: usize,
     pub(crate) block_size: usize,
     pub(crate) num_blocks: u64,
+    /// Sliding window (tokens) of the odd layers, when the model has one.
+    pub(crate) window: Option<usize>,
 }
 
 impl Shape {
@@ -25,7 +27,24 @@ impl Shape {
             planes: 2,
             block_size: self.block_size as u32,
             kv_heads: self.kv_heads as u64,
-            sliding_windows: Default::default(),
+            sliding_windows: self
+                .window
+                .map(|w| {
+                    (0..self.layers)
+                        .filter(|l| l % 2 == 1)
+                        .map(|l| (format!("model.layers.{l}.self_attn"), w as u64))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
+    }
+
+    /// The first token of `layer` that attention reads for a prompt of `n` tokens: 0, or
+    /// the window's start on a sliding-window layer.
+    pub(crate) fn first_attended(&self, layer: usize, n: u64) -> u64 {
+        match self.window {
+            Some(w) if layer % 2 == 1 => n.saturating_sub(w as u64),
+            _ => 0,
         }
     }
 }
