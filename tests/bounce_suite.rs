@@ -13,7 +13,7 @@ mod lab;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvrail::agent::{Agent, AgentConfig, AgentError, BackendChoice, XferId, XferOp, XferStatus};
+use kvrail::agent::{Agent, AgentError, XferId, XferOp, XferStatus};
 use kvrail::bounce::{Bounce, BounceConfig, DevDesc, DevRegionId};
 use kvrail::mem::{DeviceMemory, HostBuffer, KvBufferDevice, MemError, MemoryPath, NpuMemory};
 use rbln_sys::RblnLib;
@@ -25,15 +25,7 @@ fn runtime() -> Arc<RblnLib> {
 }
 
 fn agent(name: &str, host_a: bool) -> Arc<Agent> {
-    let mut c = AgentConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        ..AgentConfig::default()
-    };
-    if let Some(t) = lab::Topology::from_env() {
-        c.backend = BackendChoice::Verbs;
-        c.devices = if host_a { t.a_devs } else { t.b_devs };
-    }
-    Arc::new(Agent::new(name, c).unwrap())
+    Arc::new(Agent::new(name, lab::agent_config(host_a)).unwrap())
 }
 
 fn small_slots() -> BounceConfig {

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvrail::agent::{Agent, AgentConfig, BackendChoice};
+use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::tp::rank_agent_name;
 use kvrail::connector::{
@@ -115,15 +115,7 @@ fn engine_with(
     let l = layout(tp, num_blocks, window);
     let workers: Vec<Worker> = (0..tp)
         .map(|rank| {
-            let mut base = AgentConfig {
-                listen: "127.0.0.1:0".parse().unwrap(),
-                ..AgentConfig::default()
-            };
-            if let Some(t) = lab::Topology::from_env() {
-                base.backend = BackendChoice::Verbs;
-                base.devices = if host_a { t.a_devs } else { t.b_devs };
-            }
-            let ac = agent_config(&cfg, &l, base);
+            let ac = agent_config(&cfg, &l, lab::agent_config(host_a));
             let agent = Arc::new(Agent::new(&rank_agent_name(name, rank), ac).unwrap());
             Worker::with_rank(agent, cfg.clone(), l.clone(), rank, tp).unwrap()
         })

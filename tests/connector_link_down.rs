@@ -9,7 +9,7 @@ mod lab;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use kvrail::agent::{Agent, AgentConfig, BackendChoice};
+use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::{agent_config, KvLayout, Worker};
 use kvrail::rails::SysfsRoot;
@@ -29,15 +29,8 @@ fn producer(exit_s: u64) -> Worker {
         kv_heads: 1,
         sliding_windows: Default::default(),
     };
-    let mut base = AgentConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        ..AgentConfig::default()
-    };
-    if let Some(t) = lab::Topology::from_env() {
-        base.backend = BackendChoice::Verbs;
-        base.devices = t.a_devs;
-    }
-    let agent = Arc::new(Agent::new("prefill-links", agent_config(&cfg, &l, base)).unwrap());
+    let ac = agent_config(&cfg, &l, lab::agent_config(true));
+    let agent = Arc::new(Agent::new("prefill-links", ac).unwrap());
     Worker::new(agent, cfg, l, 1).unwrap()
 }
 

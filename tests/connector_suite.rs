@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvrail::agent::{Agent, AgentConfig, BackendChoice};
+use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::{
     agent_config, ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams,
@@ -43,15 +43,7 @@ fn engine(name: &str, json: &str, host_a: bool) -> Engine {
 
 fn engine_with(name: &str, json: &str, host_a: bool, l: KvLayout) -> Engine {
     let cfg = KvTransferConfig::from_json(json).unwrap();
-    let mut base = AgentConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        ..AgentConfig::default()
-    };
-    if let Some(t) = lab::Topology::from_env() {
-        base.backend = BackendChoice::Verbs;
-        base.devices = if host_a { t.a_devs } else { t.b_devs };
-    }
-    let ac = agent_config(&cfg, &l, base);
+    let ac = agent_config(&cfg, &l, lab::agent_config(host_a));
     let agent = Arc::new(Agent::new(name, ac).unwrap());
     let sched = Scheduler::new(cfg.clone(), name, agent.side_channel_addr(), 1);
     let worker = Worker::new(agent, cfg, l, 1).unwrap();

@@ -117,6 +117,34 @@ unsafe fn request(
     })
 }
 
+/// A scheduler call's scheduler, request and blocks.
+///
+/// # Safety
+/// As [`sched`], [`request`] and [`slice_arg`] each require.
+unsafe fn sched_request_blocks<'a>(
+    s: *const kvrail_scheduler,
+    (id, prompt_tokens, params_json): (*const c_char, u64, *const c_char),
+    blocks: *const u64,
+    n_blocks: usize,
+) -> Result<
+    (
+        std::sync::MutexGuard<'a, Scheduler>,
+        EngineRequest,
+        &'a [u64],
+    ),
+    Failure,
+> {
+    // SAFETY: the caller's promises.
+    let (h, req, blocks) = unsafe {
+        (
+            sched(s)?,
+            request(id, prompt_tokens, params_json)?,
+            slice_arg(blocks, n_blocks, "blocks")?,
+        )
+    };
+    Ok((h.s.lock().unwrap_or_else(|p| p.into_inner()), req, blocks))
+}
+
 /// Create the scheduler side for engine `engine_id` whose workers' side channel is
 /// `side_channel_addr` ("ip:port"), from the `kv_transfer_config` JSON.
 ///
@@ -220,17 +248,10 @@ pub unsafe extern "C" fn kvrail_scheduler_update_state_after_alloc(
     num_external_tokens: u64,
 ) -> kvrail_result {
     boundary(|| {
+        let args = (request_id, prompt_tokens, params_json);
         // SAFETY: the caller's promises.
-        let (h, req, blocks) = unsafe {
-            (
-                sched(s)?,
-                request(request_id, prompt_tokens, params_json)?,
-                slice_arg(blocks, n_blocks, "blocks")?,
-            )
-        };
-        h.s.lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .update_state_after_alloc(&req, blocks.to_vec(), num_external_tokens, Instant::now());
+        let (mut s, req, blocks) = unsafe { sched_request_blocks(s, args, blocks, n_blocks) }?;
+        s.update_state_after_alloc(&req, blocks.to_vec(), num_external_tokens, Instant::now());
         Ok(())
     })
 }
@@ -284,21 +305,14 @@ pub unsafe extern "C" fn kvrail_scheduler_request_finished(
     out_params_len: *mut usize,
 ) -> kvrail_result {
     boundary(|| {
+        let args = (request_id, prompt_tokens, params_json);
         // SAFETY: the caller's promises.
-        let (h, req, blocks) = unsafe {
-            (
-                sched(s)?,
-                request(request_id, prompt_tokens, params_json)?,
-                slice_arg(blocks, n_blocks, "blocks")?,
-            )
-        };
+        let (mut s, req, blocks) = unsafe { sched_request_blocks(s, args, blocks, n_blocks) }?;
         if out_delay_free.is_null() || out_params_len.is_null() {
             return Err(null("out_delay_free or out_params_len"));
         }
-        let (delay, params) =
-            h.s.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .request_finished(&req, blocks);
+        let (delay, params) = s.request_finished(&req, blocks);
+        drop(s);
         let json = params
             .map(|p| serde_json::to_string(&p).unwrap_or_default())
             .unwrap_or_default();
@@ -370,17 +384,10 @@ pub unsafe extern "C" fn kvrail_scheduler_prefill_progress(
     computed: u64,
 ) -> kvrail_result {
     boundary(|| {
+        let args = (request_id, prompt_tokens, params_json);
         // SAFETY: the caller's promises.
-        let (h, req, blocks) = unsafe {
-            (
-                sched(s)?,
-                request(request_id, prompt_tokens, params_json)?,
-                slice_arg(blocks, n_blocks, "blocks")?,
-            )
-        };
-        h.s.lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .prefill_progress(&req, blocks, computed);
+        let (mut s, req, blocks) = unsafe { sched_request_blocks(s, args, blocks, n_blocks) }?;
+        s.prefill_progress(&req, blocks, computed);
         Ok(())
     })
 }

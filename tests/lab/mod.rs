@@ -119,6 +119,20 @@ pub fn layout(sizes: &[usize], first_seed: u64) -> (Vec<Segment>, usize) {
     (segs, off)
 }
 
+/// An agent's configuration for a test on either backend: loopback TCP outside the lab; in
+/// the lab, verbs on host A's (`host_a`) or host B's devices.
+pub fn agent_config(host_a: bool) -> kvrail::agent::AgentConfig {
+    let mut c = kvrail::agent::AgentConfig {
+        listen: "127.0.0.1:0".parse().expect("an address"),
+        ..kvrail::agent::AgentConfig::default()
+    };
+    if let Some(t) = Topology::from_env() {
+        c.backend = kvrail::agent::BackendChoice::Verbs;
+        c.devices = if host_a { t.a_devs } else { t.b_devs };
+    }
+    c
+}
+
 /// `ip link set NETDEV STATE` (take a rail down or up).
 pub fn ip_link(netdev: &str, state: &str) -> Result<(), String> {
     let o = Command::new("ip")
