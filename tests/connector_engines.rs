@@ -508,3 +508,43 @@ fn swa_window_mode_pull() {
 fn swa_window_mode_push() {
     window("Push");
 }
+
+/// A P rank that is gone: D (TP 1, taking the heads of both P ranks) fails the receive
+/// cleanly and never reports it received; nothing moves for it afterwards. In push mode the
+/// registration goes to no rank until every rank is connected, so the living rank never
+/// WRITEs into blocks D has given up.
+#[test]
+fn a_dead_p_rank_fails_the_receive() {
+    for dir in ["Pull", "Push"] {
+        let mut p = engine("prefill", dir, "kv_producer", 2, 40, false);
+        let mut d = engine("decode", dir, "kv_consumer", 1, 90, true);
+        let params = p.prefill("cmpl-dead-0", 5, 40);
+        drop(p.workers.pop()); // rank 1's worker and agent are gone
+        let blocks = d.admit("cmpl-dead-0", 40, params, Instant::now());
+        let t = Instant::now();
+        let failed = loop {
+            let now = Instant::now();
+            p.step(now);
+            let f = d.step(now);
+            assert!(f.recving.is_empty(), "{dir}: reported received: {f:?}");
+            if !f.failed_recving.is_empty() {
+                break f.failed_recving;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{dir}: no failure reported"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        assert_eq!(failed, vec!["cmpl-dead-0".to_owned()], "{dir}");
+        // nothing landed, and nothing is still reading or writing for it
+        let before = d.differs(5, 40, &blocks, 0..blocks.len(), false);
+        assert!(before.is_some(), "{dir}: bytes landed for a failed receive");
+        std::thread::sleep(Duration::from_millis(300));
+        for _ in 0..50 {
+            let f = d.step(Instant::now());
+            assert!(f.recving.is_empty() && f.failed_recving.is_empty(), "{f:?}");
+        }
+        assert_eq!(d.differs(5, 40, &blocks, 0..blocks.len(), false), before);
+    }
+}

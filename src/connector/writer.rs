@@ -194,6 +194,13 @@ enum Conn {
     Up,
 }
 
+/// D: a registration waiting until every P rank it goes to is connected (so a rank that
+/// cannot be reached fails it before any rank could WRITE into its blocks).
+struct Waiting {
+    reg: RecvReq,
+    peers: Vec<String>,
+}
+
 /// A streamed match: (P request id, D request id, D rank).
 type PairKey = (String, String, u32);
 
@@ -223,8 +230,8 @@ struct Loop {
     sh: Arc<Shared>,
     matcher: PushMatcher,
     conns: HashMap<String, Conn>,
-    /// D: registrations waiting for the handshake with a P rank: (its agent, the receive).
-    waiting: Vec<(String, RecvReq)>,
+    /// D: registrations waiting for the handshakes with their P ranks.
+    waiting: Vec<Waiting>,
     /// P: WRITEs in flight (xfer, P request id, D's TP size, the streamed match it is part
     /// of).
     inflight: Vec<(XferId, String, u32, Option<PairKey>)>,
@@ -315,18 +322,27 @@ impl Loop {
                     self.conns.remove(&engine);
                 }
             }
-            // D: registrations that waited for this P rank
-            let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
-                .into_iter()
-                .partition(|(peer, _)| *peer == engine);
-            self.waiting = rest;
-            for (peer, reg) in mine {
+            // D: registrations that waited for this P rank go once every rank they go to is
+            // up; one failed handshake fails them before any rank has them
+            let mut i = 0;
+            while i < self.waiting.len() {
+                if !self.waiting[i].peers.contains(&engine) {
+                    i += 1;
+                    continue;
+                }
                 match &r {
-                    Ok(()) => self.send_reg(&peer, reg),
-                    Err(e) => self.event(WriterEvent::RegistrationFailed(
-                        reg.request_id,
-                        format!("handshake with {engine}: {e}"),
-                    )),
+                    Err(e) => {
+                        let w = self.waiting.swap_remove(i);
+                        self.event(WriterEvent::RegistrationFailed(
+                            w.reg.request_id,
+                            format!("handshake with {engine}: {e}"),
+                        ));
+                    }
+                    Ok(()) if self.all_up(&self.waiting[i].peers) => {
+                        let w = self.waiting.swap_remove(i);
+                        self.send_regs(&w.peers, &w.reg);
+                    }
+                    Ok(()) => i += 1,
                 }
             }
             // P: WRITEs that waited for this D (the ratio: one physical block per logical)
@@ -342,7 +358,7 @@ impl Loop {
             }
         }
         for id in w.forget.drain(..) {
-            self.waiting.retain(|(_, r)| r.request_id != id);
+            self.waiting.retain(|w| w.reg.request_id != id);
         }
         for reg in w.regs.drain(..) {
             // one registration to each P rank whose heads this worker takes
@@ -355,17 +371,20 @@ impl Loop {
                     continue;
                 }
             };
-            for s in slices {
-                let peer = rank_agent_name(&p.remote_engine_id, s.peer_rank);
-                match self.conns.get(&peer) {
-                    Some(Conn::Up) => self.send_reg(&peer, reg.clone()),
-                    _ => {
-                        let addr = format!("{}:{}", p.remote_host, p.rank_port(s.peer_rank));
-                        self.waiting.push((peer.clone(), reg.clone()));
-                        self.handshake(&peer, addr);
-                    }
-                }
+            let peers: Vec<String> = slices
+                .iter()
+                .map(|s| rank_agent_name(&p.remote_engine_id, s.peer_rank))
+                .collect();
+            if self.all_up(&peers) {
+                self.send_regs(&peers, &reg);
+                continue;
             }
+            for s in &slices {
+                let peer = rank_agent_name(&p.remote_engine_id, s.peer_rank);
+                let addr = format!("{}:{}", p.remote_host, p.rank_port(s.peer_rank));
+                self.handshake(&peer, addr);
+            }
+            self.waiting.push(Waiting { reg, peers });
         }
         for (id, blocks, tokens) in w.stream.drain(..) {
             self.tokens.insert(id.clone(), tokens);
@@ -477,6 +496,17 @@ impl Loop {
             if e.0 == 0 && !e.1 {
                 w.remove(id);
             }
+        }
+    }
+
+    fn all_up(&self, peers: &[String]) -> bool {
+        peers.iter().all(|p| self.conns.get(p) == Some(&Conn::Up))
+    }
+
+    /// Send the registration to every P rank it goes to.
+    fn send_regs(&self, peers: &[String], r: &RecvReq) {
+        for p in peers {
+            self.send_reg(p, r.clone());
         }
     }
 
