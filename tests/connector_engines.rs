@@ -548,3 +548,84 @@ fn a_dead_p_rank_fails_the_receive() {
         assert_eq!(d.differs(5, 40, &blocks, 0..blocks.len(), false), before);
     }
 }
+
+/// P and D hand the connector one block more than the prompt fills (an engine that
+/// allocated a slot for a token it samples): the extra blocks hold no prompt token and must
+/// not shift which P block lands in which D block (pull, push, push_stream). Before, the
+/// lists were aligned at their ends and every block landed one block off.
+#[test]
+fn an_extra_trailing_p_block_does_not_shift_the_bytes() {
+    for (dir, extra) in [
+        ("Pull", ""),
+        ("Push", ""),
+        ("Push", r#","push_stream":true"#),
+    ] {
+        let mut p = engine_with("prefill", dir, "kv_producer", (1, 40), false, extra, None);
+        let mut d = engine_with("decode", dir, "kv_consumer", (1, 90), true, extra, None);
+        let (id, seed, tokens) = ("cmpl-extra-0", 11, 64); // 4 full blocks
+        let blocks = p.alloc(5);
+        p.compute(seed, tokens, &blocks, 0..4);
+        // the extra block holds garbage
+        for (w, r) in p.workers.iter().zip(p.workers[0].regions()) {
+            let l = w.layout();
+            for plane in 0..l.planes {
+                w.agent()
+                    .write_region(
+                        *r,
+                        l.offset(plane, blocks[4]),
+                        &vec![0xAB; l.block_bytes as usize],
+                    )
+                    .unwrap();
+            }
+        }
+        let req = Engine::prefill_req(id, tokens);
+        p.sched.prefill_progress(&req, &blocks, 48);
+        let params = p.finish(id, tokens, &blocks);
+        // D, too, holds one block past the prompt (for the tokens it will generate)
+        let req = EngineRequest {
+            request_id: id.into(),
+            prompt_tokens: tokens,
+            params: Some(params),
+        };
+        let now = Instant::now();
+        let (n, _) = d.sched.get_num_new_matched_tokens(&req, 0, now);
+        let d_blocks = d.alloc(5);
+        d.sched
+            .update_state_after_alloc(&req, d_blocks.clone(), n, now);
+        Engine::exchange(&mut p, &mut d, 1);
+        let bad = d.differs(seed, tokens, &d_blocks, 0..4, false);
+        assert!(bad.is_none(), "{dir}{extra}: {}", bad.unwrap());
+        // nothing landed in D's extra block
+        let w = &d.workers[0];
+        let mut got = vec![1u8; w.layout().block_bytes as usize];
+        w.agent()
+            .read_region(w.regions()[0], w.layout().offset(0, d_blocks[4]), &mut got)
+            .unwrap();
+        assert!(
+            got.iter().all(|b| *b == 0),
+            "{dir}{extra}: D's extra block was written"
+        );
+    }
+}
+
+/// Parameters that name fewer P blocks than the prompt needs: the receive fails with the
+/// reason, nothing is read.
+#[test]
+fn too_few_p_blocks_for_the_prompt_fail_the_receive() {
+    let mut p = engine("prefill", "Pull", "kv_producer", 1, 40, false);
+    let mut d = engine("decode", "Pull", "kv_consumer", 1, 90, true);
+    let mut params = p.prefill("cmpl-short-0", 3, 64);
+    params.remote_block_ids.pop();
+    d.admit("cmpl-short-0", 64, params, Instant::now());
+    let t = Instant::now();
+    loop {
+        let f = d.step(Instant::now());
+        assert!(f.recving.is_empty(), "{f:?}");
+        if f.failed_recving == vec!["cmpl-short-0".to_owned()] {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "no failure reported");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(d.bytes_posted(), 0);
+}

@@ -124,6 +124,18 @@ impl KvLayout {
         }
     }
 
+    /// P's blocks that hold the prompt: P's list starts at the prompt's first token, so the
+    /// blocks past `tokens` (one an engine allocated for the sampled token, say) hold none
+    /// and must not take part in aligning the lists. All of them when `tokens` is 0
+    /// (unknown).
+    pub(crate) fn prompt_blocks<'a>(&self, p_blocks: &'a [u64], tokens: u64) -> &'a [u64] {
+        if tokens == 0 {
+            return p_blocks;
+        }
+        let n = tokens.div_ceil(u64::from(self.block_size.max(1))) as usize;
+        &p_blocks[..n.min(p_blocks.len())]
+    }
+
     /// The token ranges of each request block that move for layer `layer`.
     fn ranges(&self, layer: &str, nblocks: u64, sel: Select) -> Result<BlockRanges, String> {
         let bs = u64::from(self.block_size.max(1));

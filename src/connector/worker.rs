@@ -470,13 +470,23 @@ impl Worker {
         peer_heads: u64,
     ) -> Result<XferId, String> {
         let p = &r.params;
-        let n = r.local_block_ids.len();
-        if p.remote_block_ids.len() < n {
+        let remote_blocks = self.layout.prompt_blocks(&p.remote_block_ids, r.tokens);
+        let bs = u64::from(self.layout.block_size.max(1));
+        let short = if r.tokens > 0 {
+            (remote_blocks.len() as u64) < r.tokens.div_ceil(bs)
+        } else {
+            remote_blocks.len() < r.local_block_ids.len()
+        };
+        if short {
             return Err(format!(
-                "{} remote blocks for {n} local ones",
-                p.remote_block_ids.len()
+                "P names {} blocks for a {}-token prompt ({} local blocks)",
+                p.remote_block_ids.len(),
+                r.tokens,
+                r.local_block_ids.len()
             ));
         }
+        // D's blocks past the prompt (for tokens it will generate) take no part
+        let local = &r.local_block_ids[..r.local_block_ids.len().min(remote_blocks.len())];
         let pk = peer_kv(&self.agent, peer, &self.layout, peer_heads)?;
         let sel = Select {
             tokens: r.tokens,
@@ -485,14 +495,9 @@ impl Worker {
             first: None,
         };
         // D may hold a prefix already: the lists are aligned at their ends
-        let (local, remote) = self.layout.transfer_descs(
-            &self.regions,
-            &r.local_block_ids,
-            &pk,
-            &p.remote_block_ids,
-            slice,
-            sel,
-        )?;
+        let (local, remote) =
+            self.layout
+                .transfer_descs(&self.regions, local, &pk, remote_blocks, slice, sel)?;
         let bytes: u64 = local.iter().map(|d| d.len).sum();
         let notif = Completion {
             request_id: p.remote_request_id.clone(),

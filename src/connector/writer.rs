@@ -393,6 +393,7 @@ impl Loop {
         }
         for (id, blocks, tokens) in w.finished.drain(..) {
             self.tokens.insert(id.clone(), tokens);
+            let blocks = self.sh.layout.prompt_blocks(&blocks, tokens).to_vec();
             self.matcher.on_finished(&id, blocks);
         }
         for id in w.evict.drain(..) {
