@@ -157,7 +157,7 @@ impl KvLayout {
     /// contiguous on both sides coalesce into one descriptor.
     ///
     /// # Errors
-    /// A sliding window the block size does not suit.
+    /// A sliding window the block size does not suit; a block id past either side's count.
     pub(crate) fn transfer_descs(
         &self,
         local_regions: &[RegionId],
@@ -198,6 +198,14 @@ impl KvLayout {
                         local[local.len() - m as usize + j as usize],
                         remote[remote.len() - m as usize + j as usize],
                     );
+                    if lj >= self.num_blocks || rj >= peer.num_blocks {
+                        // inside the region, a block id past the count would address the
+                        // next plane: refuse it rather than move the wrong bytes
+                        return Err(format!(
+                            "block {lj} (of {}) here or {rj} (of {}) at the peer is out of range",
+                            self.num_blocks, peer.num_blocks
+                        ));
+                    }
                     let lbase = self.offset(p, lj);
                     let rbase = (p * peer.num_blocks + rj) * peer_block;
                     for &(from, to) in rs {
@@ -404,6 +412,29 @@ mod tests {
             }
         }
         moved
+    }
+
+    #[test]
+    fn block_ids_past_the_count_are_refused_not_read_from_the_next_plane() {
+        let l = layout(1, 10);
+        let peer = PeerKv {
+            regions: vec![RegionId(5), RegionId(6)],
+            num_blocks: 20,
+            heads: 1,
+        };
+        let r = [RegionId(0), RegionId(1)];
+        let sel = Select::default();
+        let e = l
+            .transfer_descs(&r, &[1], &peer, &[20], &whole(1), sel)
+            .unwrap_err();
+        assert!(e.contains("20 (of 20) at the peer"), "{e}");
+        let e = l
+            .transfer_descs(&r, &[10], &peer, &[3], &whole(1), sel)
+            .unwrap_err();
+        assert!(e.contains("block 10 (of 10) here"), "{e}");
+        assert!(l
+            .transfer_descs(&r, &[9], &peer, &[19], &whole(1), sel)
+            .is_ok());
     }
 
     #[test]
