@@ -209,29 +209,19 @@ impl KvLayout {
                     let lbase = self.offset(p, lj);
                     let rbase = (p * peer.num_blocks + rj) * peer_block;
                     for &(from, to) in rs {
-                        let spans: Vec<(u64, u64, u64)> = if from == 0 && to == bs {
-                            vec![(
-                                slice.local * bs * hb,
-                                slice.remote * bs * hb,
-                                slice.count * bs * hb,
-                            )]
+                        // a whole block: the slice's heads in one span; else a span per head
+                        let (heads, per) = if from == 0 && to == bs {
+                            (1, slice.count)
                         } else {
-                            (0..slice.count)
-                                .map(|h| {
-                                    (
-                                        ((slice.local + h) * bs + from) * hb,
-                                        ((slice.remote + h) * bs + from) * hb,
-                                        (to - from) * hb,
-                                    )
-                                })
-                                .collect()
+                            (slice.count, 1)
                         };
-                        for (lo, ro, len) in spans {
+                        for h in 0..heads {
+                            let at = |first: u64| ((first + h) * bs + from) * hb;
                             push_coalesced(
                                 &mut l,
                                 &mut r,
-                                Desc::new(lr, lbase + lo, len),
-                                Desc::new(rr, rbase + ro, len),
+                                Desc::new(lr, lbase + at(slice.local), per * (to - from) * hb),
+                                Desc::new(rr, rbase + at(slice.remote), per * (to - from) * hb),
                             );
                         }
                     }

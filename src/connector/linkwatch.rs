@@ -36,8 +36,7 @@ pub struct LinkMonitor {
 
 /// Whether `device:port` is ACTIVE under `root` (an unreadable state counts as down).
 fn active(root: &SysfsRoot, dev: &str, port: u8) -> bool {
-    root.read(&format!("sys/class/infiniband/{dev}/ports/{port}/state"))
-        .is_some_and(|s| s.ends_with("ACTIVE"))
+    root.port_state(dev, port).is_some_and(|s| s == "ACTIVE")
 }
 
 impl LinkMonitor {

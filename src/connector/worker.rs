@@ -141,7 +141,7 @@ impl Worker {
                 },
             )
         });
-        Ok(Self {
+        let mut w = Self {
             leases: Leases::new(Duration::from_secs(cfg.lease_duration_s), tp_size),
             // the scheduler runs the registration watchdog; this one never fires first
             receiver: PushReceiver::new(
@@ -165,11 +165,9 @@ impl Worker {
             read_bytes: 0,
             links: None,
             malformed: 0,
-        })
-        .map(|mut w| {
-            w.watch_links(SysfsRoot::system(), Duration::from_secs(1), exit_process());
-            w
-        })
+        };
+        w.watch_links(SysfsRoot::system(), Duration::from_secs(1), exit_process());
+        Ok(w)
     }
 
     /// `link_down_exit_s` (a producer's setting; 0: off): (re)start the monitor of this

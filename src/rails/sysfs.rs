@@ -48,6 +48,18 @@ impl SysfsRoot {
             .map(|s| s.trim().to_owned())
     }
 
+    /// The state word of `device:port` (`ACTIVE`, `DOWN`, …) from
+    /// `sys/class/infiniband/<device>/ports/<port>/state` (`4: ACTIVE`); None when unreadable.
+    pub fn port_state(&self, device: &str, port: u8) -> Option<String> {
+        self.read(&format!("sys/class/infiniband/{device}/ports/{port}/state"))
+            .map(|s| {
+                s.split_once(':')
+                    .map_or(s.as_str(), |(_, w)| w)
+                    .trim()
+                    .to_owned()
+            })
+    }
+
     fn list(&self, rel: &str) -> io::Result<Vec<String>> {
         let mut v: Vec<String> = fs::read_dir(self.join(rel))?
             .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
@@ -209,13 +221,7 @@ pub fn discover(root: &SysfsRoot, addrs: &AddrSource) -> io::Result<HostView> {
             let Ok(port) = p.parse::<u8>() else { continue };
             let pb = format!("{base}/ports/{port}");
             let state = root
-                .read(&format!("{pb}/state"))
-                .map(|s| {
-                    s.split_once(':')
-                        .map_or(s.as_str(), |(_, w)| w)
-                        .trim()
-                        .to_owned()
-                })
+                .port_state(&dev, port)
                 .unwrap_or_else(|| "UNKNOWN".into());
             let link_layer = root
                 .read(&format!("{pb}/link_layer"))
