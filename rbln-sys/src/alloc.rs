@@ -28,6 +28,8 @@ pub struct DeviceAlloc {
     dev: i32,
     ptr: *mut c_void,
     len: u64,
+    /// Freed on drop: kvrail's own allocation, not the caller's ([`DeviceAlloc::borrow`]).
+    owned: bool,
 }
 
 impl fmt::Debug for DeviceAlloc {
@@ -68,7 +70,47 @@ impl DeviceAlloc {
             dev,
             ptr,
             len,
+            owned: true,
         })
+    }
+
+    /// `len` bytes at `addr` of device `dev` that the caller allocated (an engine's KV
+    /// cache): used in place, never freed here. The runtime is asked to copy the first and
+    /// the last byte to the host, so an address outside every allocation of that device
+    /// (on a runtime that checks, as the test runtime does) is refused now rather than at
+    /// the first transfer.
+    ///
+    /// # Errors
+    /// [`RblnError::Call`] (null address, zero length, or the runtime refusing the probe
+    /// copies: the range is not device memory of `dev`).
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be memory of device `dev` from this runtime that stays
+    /// allocated until the returned value is dropped.
+    pub unsafe fn borrow(
+        lib: &Arc<RblnLib>,
+        dev: i32,
+        addr: u64,
+        len: u64,
+    ) -> Result<Self, RblnError> {
+        let bad = RblnError::Call {
+            call: "rbln_memcpy",
+            code: 2,
+        };
+        if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
+            return Err(bad);
+        }
+        let me = Self {
+            lib: lib.clone(),
+            dev,
+            ptr: addr as *mut c_void,
+            len,
+            owned: false,
+        };
+        let mut b = [0u8; 1];
+        me.copy_to_host(0, &mut b)?;
+        me.copy_to_host(len - 1, &mut b)?;
+        Ok(me)
     }
 
     /// The device.
@@ -185,6 +227,9 @@ impl DeviceAlloc {
 
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         // SAFETY: the pointer came from `rbln_malloc` on this device and is freed once.
         let rc = unsafe { (self.lib.t.free)(self.dev, self.ptr) };
         if rc != 0 {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::proto::handshake::HandshakeInfo;
 
 /// The metadata format version this build writes and reads.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Largest encoded metadata accepted.
 pub const MAX_BYTES: usize = 64 << 20;
 const MAX_NAME: usize = 256;
@@ -74,6 +74,26 @@ pub struct RegionMeta {
     pub remote_write: bool,
     /// Layer names the region holds (pipeline-parallel / hybrid-cache routing).
     pub layers: Vec<String>,
+    /// The device the memory is on (an NPU's index; -1 for host memory).
+    pub device: i32,
+    /// Where each of `layers` starts in the region (a pooled allocation holding several
+    /// layers); empty: every layer starts at 0 and spans the region.
+    pub layer_offsets: Vec<u64>,
+    /// Bytes of one layer in a pooled region (0: the region's length).
+    pub layer_len: u64,
+}
+
+impl RegionMeta {
+    /// Where layer `name` lies in the region: (offset, bytes).
+    pub fn layer_span(&self, name: &str) -> Option<(u64, u64)> {
+        let i = self.layers.iter().position(|l| l == name)?;
+        let len = if self.layer_len == 0 {
+            self.len
+        } else {
+            self.layer_len
+        };
+        Some((self.layer_offsets.get(i).copied().unwrap_or(0), len))
+    }
 }
 
 /// Everything a peer loads to connect to an agent.
@@ -211,6 +231,23 @@ impl AgentMetadata {
                 return bad(format!(
                     "region #{i} (id {}): addr {:#x} + len {} is empty or overflows",
                     r.id, r.addr, r.len
+                ));
+            }
+            if !r.layer_offsets.is_empty() && r.layer_offsets.len() != r.layers.len() {
+                return bad(format!(
+                    "region #{i} (id {}): {} layer offsets for {} layers",
+                    r.id,
+                    r.layer_offsets.len(),
+                    r.layers.len()
+                ));
+            }
+            if let Some(l) = r.layers.iter().find(|l| {
+                r.layer_span(l)
+                    .is_none_or(|(o, n)| o.checked_add(n).is_none_or(|e| e > r.len))
+            }) {
+                return bad(format!(
+                    "region #{i} (id {}): layer {l:?} lies outside the region's {} bytes",
+                    r.id, r.len
                 ));
             }
             let want = if self.backend == BackendKind::Verbs {

@@ -26,6 +26,7 @@ mod config;
 pub mod metadata;
 mod notifs;
 mod region;
+mod register;
 mod tcp;
 #[cfg(feature = "verbs")]
 mod verbs;
@@ -35,10 +36,11 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use config::{AgentConfig, BackendChoice};
-pub use region::{RegionId, RemoteAccess};
+pub use region::{RegionId, RegionMemory, RemoteAccess};
+pub use register::{MemRegion, RegisteredMemory};
 
 use crate::proto::handshake::{HandshakeError, HandshakeInfo};
-use metadata::{AgentMetadata, BackendKind, MemKind, MetadataError, RegionMeta};
+use metadata::{AgentMetadata, BackendKind, MetadataError, RegionMeta};
 use region::Region;
 
 /// A descriptor: `len` bytes at `offset` of a region (local, or the peer's).
@@ -162,6 +164,10 @@ pub enum AgentError {
     /// The configuration asks for something this build cannot do.
     #[error("{0}")]
     Unsupported(String),
+    /// Memory handed to [`Agent::register_memory`] cannot be registered (overlap, layers
+    /// outside it, an empty or invalid range); nothing was registered.
+    #[error("memory: {0}")]
+    InvalidMemory(String),
 }
 
 struct Xfer {
@@ -205,6 +211,8 @@ pub(crate) struct Shared {
     /// Ids of target connections.
     next_conn: std::sync::atomic::AtomicU64,
     shutdown: std::sync::atomic::AtomicBool,
+    /// Payload bytes the CPU copied in transfers (see [`Agent::payload_bytes_copied`]).
+    copied: std::sync::atomic::AtomicU64,
     /// The verbs data path, when the agent runs on RDMA.
     #[cfg(feature = "verbs")]
     verbs: Option<Arc<verbs::Verbs>>,
@@ -312,6 +320,7 @@ impl Agent {
             seqs: Mutex::new(HashMap::new()),
             next_conn: std::sync::atomic::AtomicU64::new(1),
             shutdown: std::sync::atomic::AtomicBool::new(false),
+            copied: std::sync::atomic::AtomicU64::new(0),
             #[cfg(feature = "verbs")]
             verbs,
         });
@@ -338,7 +347,8 @@ impl Agent {
     }
 
     /// Register `len` bytes of zeroed host memory owned by the agent, with the least remote
-    /// access the role needs, holding `layers`.
+    /// access the role needs, holding `layers` (a convenience: an engine registers its own
+    /// memory with [`Agent::register_memory`]).
     ///
     /// # Errors
     /// [`AgentError::Unsupported`] for a zero length.
@@ -351,23 +361,9 @@ impl Agent {
         if len == 0 {
             return Err(AgentError::Unsupported("cannot register 0 bytes".into()));
         }
-        let id = {
-            let mut n = lock(&self.shared.next_region);
-            let id = *n;
-            *n += 1;
-            RegionId(id)
-        };
         let buf =
             crate::mem::HostBuffer::new(len).map_err(|e| AgentError::Unsupported(e.to_string()))?;
-        #[allow(unused_mut)]
-        let mut region = Region::new(id, buf, access, layers);
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.shared.verbs {
-            region.mrs = v.register(&region)?;
-        }
-        lock(&self.shared.regions).insert(id.0, Arc::new(region));
-        tracing::debug!(agent = %self.shared.name, region = id.0, len, "memory registered (host)");
-        Ok(id)
+        self.register_memory(MemRegion::host(buf).access(access).layers(layers))
     }
 
     /// Deregister a region.
@@ -846,7 +842,10 @@ impl Agent {
         &self,
         id: RegionId,
     ) -> Result<Arc<crate::mem::HostBuffer>, AgentError> {
-        Ok(self.shared.region(id.0)?.buf.clone())
+        let r = self.shared.region(id.0)?;
+        r.host()
+            .cloned()
+            .ok_or_else(|| AgentError::Unsupported(format!("region {} is not host memory", id.0)))
     }
 
     /// The rail that carries notifications to `peer` (verbs backend, on a SEND/RECV channel
@@ -940,8 +939,8 @@ impl Shared {
             .values()
             .map(|r| RegionMeta {
                 id: r.id.0,
-                kind: MemKind::Host,
-                addr: if verbs.is_some() { r.buf.addr() } else { 0 },
+                kind: r.kind,
+                addr: if verbs.is_some() { r.addr() } else { 0 },
                 len: r.len(),
                 #[cfg(feature = "verbs")]
                 rkeys: r.mrs.iter().map(|m| m.rkey()).collect(),
@@ -949,7 +948,10 @@ impl Shared {
                 rkeys: Vec::new(),
                 remote_read: r.access.read,
                 remote_write: r.access.write,
-                layers: r.layers.clone(),
+                layers: r.layers.names.clone(),
+                device: r.device,
+                layer_offsets: r.layers.offsets.clone(),
+                layer_len: r.layers.len,
             })
             .collect();
         rs.sort_by_key(|r| r.id);
@@ -1050,6 +1052,12 @@ impl Shared {
         for id in ids {
             self.finish(id, Err(format!("connection to {peer} lost: {why}")));
         }
+    }
+
+    /// The CPU copied `n` payload bytes of a transfer.
+    fn count_copy(&self, n: u64) {
+        self.copied
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {

@@ -1,13 +1,16 @@
-//! Registered memory of an agent: host memory the agent owns (a [`HostBuffer`], which the
-//! verbs backend registers on every rail's device), with the least remote access its role
-//! needs, and a count of active transfers that use it (deregistration is refused while it is
+//! Registered memory of an agent: host memory (a [`HostBuffer`]: the agent's own or the
+//! caller's, which the verbs backend registers in place on every rail's device) or device
+//! memory (reached by copies through its runtime), with the least remote access its role
+//! needs, the layers it holds (one, or several at known offsets in a pooled allocation),
+//! and a count of active transfers that use it (deregistration is refused while it is
 //! non-zero).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use super::metadata::MemKind;
 use super::AgentError;
-use crate::mem::HostBuffer;
+use crate::mem::{DeviceMemory, HostBuffer, MemError};
 
 /// What peers may do to a region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -45,12 +48,35 @@ impl RemoteAccess {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RegionId(pub u32);
 
+/// The memory behind a region.
+#[derive(Debug, Clone)]
+pub enum RegionMemory {
+    /// Host memory (kvrail's or the caller's, see [`HostBuffer`]).
+    Host(Arc<HostBuffer>),
+    /// Device memory the CPU reaches by copies through its runtime (an NPU's).
+    Device(Arc<dyn DeviceMemory>),
+}
+
+/// Layers a region holds: names, and where each starts (a pooled allocation holds several
+/// layers of `layer_len` bytes at known offsets; a per-layer region holds one at 0).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Layers {
+    pub(crate) names: Vec<String>,
+    /// Empty: every layer starts at 0 and spans the region.
+    pub(crate) offsets: Vec<u64>,
+    /// 0: the region's length.
+    pub(crate) len: u64,
+}
+
 pub(crate) struct Region {
     pub(crate) id: RegionId,
     pub(crate) access: RemoteAccess,
-    pub(crate) layers: Vec<String>,
+    pub(crate) layers: Layers,
     pub(crate) busy: AtomicUsize,
-    pub(crate) buf: Arc<HostBuffer>,
+    pub(crate) mem: RegionMemory,
+    pub(crate) kind: MemKind,
+    /// The device the memory is on (-1 for host memory).
+    pub(crate) device: i32,
     /// The buffer registered on each rail (verbs backend; empty on TCP).
     #[cfg(feature = "verbs")]
     pub(crate) mrs: Vec<crate::transport::verbs::Mr>,
@@ -59,23 +85,53 @@ pub(crate) struct Region {
 impl Region {
     pub(crate) fn new(
         id: RegionId,
-        buf: Arc<HostBuffer>,
+        mem: RegionMemory,
+        kind: MemKind,
+        device: i32,
         access: RemoteAccess,
-        layers: Vec<String>,
+        layers: Layers,
     ) -> Self {
         Self {
             id,
             access,
             layers,
             busy: AtomicUsize::new(0),
-            buf,
+            mem,
+            kind,
+            device,
             #[cfg(feature = "verbs")]
             mrs: Vec::new(),
         }
     }
 
     pub(crate) fn len(&self) -> u64 {
-        self.buf.len() as u64
+        match &self.mem {
+            RegionMemory::Host(b) => b.len() as u64,
+            RegionMemory::Device(d) => d.size(),
+        }
+    }
+
+    /// The first byte's address (host: virtual; device: the runtime's, 0 when unknown).
+    pub(crate) fn addr(&self) -> u64 {
+        match &self.mem {
+            RegionMemory::Host(b) => b.addr(),
+            RegionMemory::Device(d) => d.device_addr(),
+        }
+    }
+
+    /// The memory, once the region is gone (its registrations dropped first).
+    pub(crate) fn into_memory(self) -> RegionMemory {
+        #[cfg(feature = "verbs")]
+        drop(self.mrs);
+        self.mem
+    }
+
+    /// The host buffer, for a host region.
+    pub(crate) fn host(&self) -> Option<&Arc<HostBuffer>> {
+        match &self.mem {
+            RegionMemory::Host(b) => Some(b),
+            RegionMemory::Device(_) => None,
+        }
     }
 
     fn oob(&self, offset: u64, len: u64) -> AgentError {
@@ -94,26 +150,36 @@ impl Region {
         }
     }
 
+    fn mem_err(&self, offset: u64, len: u64, e: MemError) -> AgentError {
+        match e {
+            MemError::OutOfRange { .. } => self.oob(offset, len),
+            e => AgentError::Unsupported(format!("region {}: {e}", self.id.0)),
+        }
+    }
+
     pub(crate) fn write(&self, offset: u64, data: &[u8]) -> Result<(), AgentError> {
         let at = self.start(offset, data.len() as u64)?;
-        self.buf
-            .write(at, data)
-            .map_err(|_| self.oob(offset, data.len() as u64))
+        let res = match &self.mem {
+            RegionMemory::Host(b) => b.write(at, data),
+            RegionMemory::Device(d) => d.copy_from_host(offset, data),
+        };
+        res.map_err(|e| self.mem_err(offset, data.len() as u64, e))
     }
 
     pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), AgentError> {
         let at = self.start(offset, out.len() as u64)?;
-        self.buf
-            .read(at, out)
-            .map_err(|_| self.oob(offset, out.len() as u64))
+        let len = out.len() as u64;
+        let res = match &self.mem {
+            RegionMemory::Host(b) => b.read(at, out),
+            RegionMemory::Device(d) => d.copy_to_host(offset, out),
+        };
+        res.map_err(|e| self.mem_err(offset, len, e))
     }
 
     pub(crate) fn read_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>, AgentError> {
-        let at = self.start(offset, len)?;
+        self.start(offset, len)?;
         let mut v = vec![0u8; len as usize];
-        self.buf
-            .read(at, &mut v)
-            .map_err(|_| self.oob(offset, len))?;
+        self.read(offset, &mut v)?;
         Ok(v)
     }
 

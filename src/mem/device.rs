@@ -26,6 +26,11 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
     /// # Errors
     /// [`MemError::OutOfRange`], [`MemError::Device`].
     fn copy_from_host(&self, offset: u64, data: &[u8]) -> Result<(), MemError>;
+    /// The runtime's address of the first byte (for overlap checks and logs; 0 when the
+    /// memory has none to show).
+    fn device_addr(&self) -> u64 {
+        0
+    }
     /// Export the memory as a dma-buf for NIC registration.
     ///
     /// # Errors
@@ -63,9 +68,18 @@ impl NpuMemory {
         Ok(Arc::new(Self { alloc }))
     }
 
+    pub(super) fn wrap(alloc: rbln_sys::DeviceAlloc) -> Arc<Self> {
+        Arc::new(Self { alloc })
+    }
+
     /// The device.
     pub fn device(&self) -> i32 {
         self.alloc.device()
+    }
+
+    /// The runtime's address of the first byte.
+    pub fn addr(&self) -> u64 {
+        self.alloc.addr()
     }
 }
 
@@ -78,6 +92,9 @@ impl DeviceMemory for NpuMemory {
     }
     fn copy_to_host(&self, offset: u64, out: &mut [u8]) -> Result<(), MemError> {
         self.alloc.copy_to_host(offset, out).map_err(device_err)
+    }
+    fn device_addr(&self) -> u64 {
+        self.alloc.addr()
     }
     fn copy_from_host(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
         self.alloc.copy_from_host(offset, data).map_err(device_err)

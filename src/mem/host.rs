@@ -1,14 +1,20 @@
-//! Page-aligned host memory: what the agent registers, and what verbs memory regions
-//! register. One buffer can be registered on
-//! several devices (one region per rail, each with its own rkey) — how a transfer striped
-//! over rails lands in one place. Every region holds an `Arc` of its buffer, so the pages
-//! outlive every registration; CPU access is by copy (the NIC may access the memory at the
-//! same time, so no `&[u8]` into it is ever handed out; CPU copies are serialized by a lock).
+//! Host memory the agent and the verbs layer share: page-aligned memory kvrail allocates
+//! ([`HostBuffer::new`]), or the caller's own — a `Vec<u8>` or a `memmap2::MmapMut` handed
+//! over ([`HostBuffer::from_vec`], [`HostBuffer::from_mmap`], given back by
+//! [`HostBuffer::into_owner`]), or a raw address range the caller keeps alive
+//! ([`HostBuffer::from_raw`], `unsafe`). One buffer can be registered on several devices
+//! (one region per rail, each with its own rkey) — how a transfer striped over rails lands in
+//! one place. Every registration holds an `Arc` of its buffer, so the pages outlive it; CPU
+//! access is by copy (the NIC may access the memory at the same time, so no `&[u8]` into it
+//! is ever handed out; CPU copies are serialized by a lock). The NIC reads and writes the
+//! caller's pages in place: kvrail copies none of them on the verbs path.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use memmap2::MmapMut;
+
+use super::raw::RawRange;
 
 /// A host-memory error.
 #[derive(Debug, thiserror::Error)]
@@ -38,13 +44,54 @@ pub enum MemError {
     Device(String),
 }
 
-/// Anonymous, zeroed, page-aligned host memory.
+/// Host memory registered with kvrail: its own or the caller's (see the module docs).
 pub struct HostBuffer {
     /// CPU copies take the lock; the device reaches the pages through the registration.
-    map: Mutex<MmapMut>,
-    /// Address of the first byte (fixed for the mapping's life).
+    mem: Mutex<Backing>,
+    /// Address of the first byte (fixed for the buffer's life).
     addr: usize,
     len: usize,
+}
+
+/// What holds a [`HostBuffer`]'s pages.
+pub(super) enum Backing {
+    /// Anonymous memory kvrail mapped ([`HostBuffer::new`]).
+    Anon(MmapMut),
+    /// The caller's mapping, handed over.
+    Mmap(MmapMut),
+    /// The caller's vector, handed over (never grown or moved while held).
+    Vec(Vec<u8>),
+    /// The caller's memory, which the caller keeps alive ([`HostBuffer::from_raw`]).
+    Raw(RawRange),
+}
+
+impl Backing {
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Self::Anon(m) | Self::Mmap(m) => m,
+            Self::Vec(v) => v,
+            Self::Raw(r) => r.bytes(),
+        }
+    }
+}
+
+/// The caller's memory given back by [`HostBuffer::into_owner`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum HostOwner {
+    /// Memory kvrail allocated (dropping it unmaps it).
+    Allocated(MmapMut),
+    /// The mapping handed to [`HostBuffer::from_mmap`].
+    Mmap(MmapMut),
+    /// The vector handed to [`HostBuffer::from_vec`].
+    Vec(Vec<u8>),
+    /// A range registered with [`HostBuffer::from_raw`]: the caller owns it anyway.
+    Raw {
+        /// Its first byte.
+        addr: usize,
+        /// Bytes.
+        len: usize,
+    },
 }
 
 impl fmt::Debug for HostBuffer {
@@ -62,20 +109,62 @@ impl HostBuffer {
     /// # Errors
     /// [`MemError::Alloc`] (also for `len == 0`).
     pub fn new(len: usize) -> Result<Arc<Self>, MemError> {
-        if len == 0 {
-            let source = std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "a region needs at least one byte",
-            );
-            return Err(MemError::Alloc { len, source });
-        }
-        let mut map = MmapMut::map_anon(len).map_err(|source| MemError::Alloc { len, source })?;
-        let addr = map.as_mut_ptr() as usize;
-        Ok(Arc::new(Self {
-            map: Mutex::new(map),
+        nonempty(len)?;
+        let map = MmapMut::map_anon(len).map_err(|source| MemError::Alloc { len, source })?;
+        Ok(Self::wrap(Backing::Anon(map)))
+    }
+
+    /// The caller's vector, registered in place (all `v.len()` bytes; its capacity beyond
+    /// that is not used). [`HostBuffer::into_owner`] gives it back.
+    ///
+    /// # Errors
+    /// [`MemError::Alloc`] for an empty vector.
+    pub fn from_vec(v: Vec<u8>) -> Result<Arc<Self>, MemError> {
+        nonempty(v.len())?;
+        Ok(Self::wrap(Backing::Vec(v)))
+    }
+
+    /// The caller's mapping (of a file, of huge pages, shared with another process …),
+    /// registered in place. [`HostBuffer::into_owner`] gives it back.
+    ///
+    /// # Errors
+    /// [`MemError::Alloc`] for an empty mapping.
+    pub fn from_mmap(m: MmapMut) -> Result<Arc<Self>, MemError> {
+        nonempty(m.len())?;
+        Ok(Self::wrap(Backing::Mmap(m)))
+    }
+
+    pub(super) fn wrap(mut b: Backing) -> Arc<Self> {
+        let bytes = b.bytes();
+        let (addr, len) = (bytes.as_mut_ptr() as usize, bytes.len());
+        Arc::new(Self {
+            mem: Mutex::new(b),
             addr,
             len,
-        }))
+        })
+    }
+
+    /// The memory back, once nothing else holds the buffer (no registration, no transfer):
+    /// `Err` returns the buffer when something still does.
+    ///
+    /// # Errors
+    /// The buffer itself, while other `Arc`s of it live.
+    pub fn into_owner(this: Arc<Self>) -> Result<HostOwner, Arc<Self>> {
+        let me = Arc::try_unwrap(this)?;
+        let (addr, len) = (me.addr, me.len);
+        Ok(
+            match me.mem.into_inner().unwrap_or_else(|p| p.into_inner()) {
+                Backing::Anon(m) => HostOwner::Allocated(m),
+                Backing::Mmap(m) => HostOwner::Mmap(m),
+                Backing::Vec(v) => HostOwner::Vec(v),
+                Backing::Raw(_) => HostOwner::Raw { addr, len },
+            },
+        )
+    }
+
+    /// True when the memory is the caller's (handed over or raw), not allocated by kvrail.
+    pub fn is_callers(&self) -> bool {
+        !matches!(*self.lock(), Backing::Anon(_))
     }
 
     /// Length in bytes.
@@ -96,11 +185,11 @@ impl HostBuffer {
     /// The mapping's first byte, for registration with a device.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn ptr(&self) -> *mut u8 {
-        self.lock().as_mut_ptr()
+        self.lock().bytes().as_mut_ptr()
     }
 
-    fn lock(&self) -> MutexGuard<'_, MmapMut> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Backing> {
+        self.mem.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<std::ops::Range<usize>, MemError> {
@@ -120,7 +209,7 @@ impl HostBuffer {
     /// [`MemError::OutOfRange`].
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
         let r = self.check(offset, data.len())?;
-        self.lock()[r].copy_from_slice(data);
+        self.lock().bytes()[r].copy_from_slice(data);
         Ok(())
     }
 
@@ -130,9 +219,20 @@ impl HostBuffer {
     /// [`MemError::OutOfRange`].
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), MemError> {
         let r = self.check(offset, out.len())?;
-        out.copy_from_slice(&self.lock()[r]);
+        out.copy_from_slice(&self.lock().bytes()[r]);
         Ok(())
     }
+}
+
+pub(super) fn nonempty(len: usize) -> Result<(), MemError> {
+    if len == 0 {
+        let source = std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a region needs at least one byte",
+        );
+        return Err(MemError::Alloc { len, source });
+    }
+    Ok(())
 }
 
 impl HostBuffer {
@@ -148,7 +248,7 @@ impl HostBuffer {
         f: impl FnOnce(&mut [u8]) -> Result<R, MemError>,
     ) -> Result<R, MemError> {
         let r = self.check(offset, len)?;
-        f(&mut self.lock()[r])
+        f(&mut self.lock().bytes()[r])
     }
 }
 

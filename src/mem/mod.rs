@@ -3,13 +3,16 @@
 //! [`DeviceMemory`] is accelerator memory reached by copies through its runtime
 //! ([`NpuMemory`] through `rbln-sys`); [`MemoryPath`] decides between registering it with the
 //! NIC through dma-buf and bouncing it through host buffers (`crate::bounce`).
-//! No `unsafe` here: the device reaches the pages through its registration (in
+//! The only `unsafe` here is `raw` (the caller's memory given as an address, an FFI
+//! boundary): the device reaches the pages through its registration (in
 //! `transport::verbs`), the CPU through copies under a lock, NPU memory through `rbln-sys`.
 
 mod device;
 mod host;
 mod path;
+#[allow(unsafe_code)]
+mod raw;
 
 pub use device::{DeviceMemory, Dmabuf, NpuMemory};
-pub use host::{HostBuffer, MemError};
+pub use host::{HostBuffer, HostOwner, MemError};
 pub use path::{ConfigError, KvBufferDevice, MemoryPath, NicDmabuf};

@@ -35,6 +35,9 @@ fn sample() -> AgentMetadata {
             remote_read: true,
             remote_write: false,
             layers: vec!["model.layers.0".into()],
+            device: -1,
+            layer_offsets: vec![],
+            layer_len: 0,
         }],
     }
 }
@@ -60,12 +63,12 @@ fn golden_bytes() {
 #[test]
 fn validation_names_the_problem() {
     let mut m = sample();
-    m.version = 2;
+    m.version = 3;
     assert_eq!(
         AgentMetadata::decode(&m.encode().unwrap())
             .unwrap_err()
             .to_string(),
-        "agent metadata version 2, this build reads version 1"
+        "agent metadata version 3, this build reads version 2"
     );
     let mut m = sample();
     m.regions[0].rkeys.clear();

@@ -325,7 +325,10 @@ fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &st
                     while at < *len {
                         let n = (*len - at).min(CHUNK as u64);
                         let data = match r.read_vec(off + at, n) {
-                            Ok(d) => d,
+                            Ok(d) => {
+                                shared.count_copy(n);
+                                d
+                            }
                             Err(e) => {
                                 shared.finish(id, Err(e.to_string()));
                                 return Ok(());
@@ -410,6 +413,7 @@ fn initiator_reader(
                     shared.finish(xfer, Err(e.to_string()));
                     continue;
                 }
+                shared.count_copy(n);
                 if shared.read_arrived(xfer, n) {
                     // queue the notification before the engine can see the transfer done
                     // (and release it, which would lose the notification)
@@ -635,7 +639,9 @@ fn apply_write(shared: &Shared, region: u32, offset: u64, data: &[u8]) -> Result
     if !r.access.write {
         return Err(format!("region {region} does not allow remote WRITE"));
     }
-    r.write(offset, data).map_err(|e| e.to_string())
+    r.write(offset, data).map_err(|e| e.to_string())?;
+    shared.count_copy(data.len() as u64);
+    Ok(())
 }
 
 fn serve_read(
@@ -671,7 +677,7 @@ fn serve_read(
     let mut at = 0;
     while at < len {
         let n = (len - at).min(CHUNK as u64);
-        match r.read_vec(offset + at, n) {
+        match r.read_vec(offset + at, n).inspect(|_| shared.count_copy(n)) {
             Ok(data) => send(
                 w,
                 &Msg::ReadResp {

@@ -281,9 +281,31 @@ impl Verbs {
         if region.access.write {
             access = access | Access::REMOTE_WRITE;
         }
+        let Some(buf) = region.host() else {
+            let why: Vec<String> = self
+                .rails
+                .iter()
+                .filter_map(|r| match &r.dmabuf {
+                    DmabufSupport::Unsupported { reason, .. } => Some(reason.clone()),
+                    DmabufSupport::Supported => None,
+                })
+                .collect();
+            return Err(AgentError::Unsupported(format!(
+                "{:?} memory on device {} cannot be registered on the verbs backend: the NIC \
+                 reaches device memory only through dma-buf, and this build registers device \
+                 memory on verbs only by host bounce, which the agent does not do yet{}",
+                region.kind,
+                region.device,
+                if why.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", why.join("; "))
+                }
+            )));
+        };
         self.rails
             .iter()
-            .map(|r| Mr::register(&r.pd, &region.buf, access).map_err(verr))
+            .map(|r| Mr::register(&r.pd, buf, access).map_err(verr))
             .collect()
     }
 

@@ -1,0 +1,293 @@
+//! Registering memory: the caller's (NIXL's `register_memory`: address, length, kind,
+//! device) or kvrail's own, with the least remote access its role needs and the layers it
+//! holds. Host memory is registered in place — the NIC reads and writes the caller's pages
+//! and kvrail copies none of them on verbs; device memory is reached by copies through its
+//! runtime.
+
+use std::sync::Arc;
+
+use super::metadata::MemKind;
+use super::region::{Layers, Region, RegionMemory};
+use super::{lock, Agent, AgentError, RegionId, RemoteAccess};
+use crate::mem::{DeviceMemory, HostBuffer, HostOwner};
+
+/// Memory to register, built from the caller's memory (or kvrail's), then
+/// [`Agent::register_memory`].
+///
+/// ```no_run
+/// # use kvrail::agent::{Agent, AgentConfig, MemRegion, RemoteAccess};
+/// let agent = Agent::new("prefill-0", AgentConfig::default())?;
+/// let kv: Vec<u8> = vec![0; 1 << 20]; // the engine's cache
+/// let id = agent.register_memory(
+///     MemRegion::vec(kv)?.access(RemoteAccess::READ).layers(vec!["model.layers.0".into()]),
+/// )?;
+/// // … transfers READ the vector's pages in place …
+/// let kv = agent.deregister_memory(id)?.into_vec();
+/// # Ok::<(), kvrail::agent::AgentError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct MemRegion {
+    mem: RegionMemory,
+    kind: MemKind,
+    device: i32,
+    access: RemoteAccess,
+    layers: Layers,
+}
+
+fn mem_err(e: crate::mem::MemError) -> AgentError {
+    AgentError::InvalidMemory(e.to_string())
+}
+
+impl MemRegion {
+    /// Host memory in a [`HostBuffer`]: kvrail's ([`HostBuffer::new`]), the caller's handed
+    /// over, or the caller's raw range ([`HostBuffer::from_raw`], `unsafe`: the caller
+    /// keeps it alive while it is registered).
+    pub fn host(buf: Arc<HostBuffer>) -> Self {
+        Self {
+            mem: RegionMemory::Host(buf),
+            kind: MemKind::Host,
+            device: -1,
+            access: RemoteAccess::NONE,
+            layers: Layers::default(),
+        }
+    }
+
+    /// The caller's vector, registered in place; [`Agent::deregister_memory`] gives it back.
+    ///
+    /// # Errors
+    /// [`AgentError::InvalidMemory`] for an empty vector.
+    pub fn vec(v: Vec<u8>) -> Result<Self, AgentError> {
+        Ok(Self::host(HostBuffer::from_vec(v).map_err(mem_err)?))
+    }
+
+    /// The caller's mapping, registered in place; [`Agent::deregister_memory`] gives it back.
+    ///
+    /// # Errors
+    /// [`AgentError::InvalidMemory`] for an empty mapping.
+    pub fn mmap(m: memmap2::MmapMut) -> Result<Self, AgentError> {
+        Ok(Self::host(HostBuffer::from_mmap(m).map_err(mem_err)?))
+    }
+
+    /// Device memory on device `device` (an NPU's, e.g. [`crate::mem::NpuMemory`] or the
+    /// engine's own allocation through [`crate::mem::NpuMemory::from_raw`]).
+    pub fn device(mem: Arc<dyn DeviceMemory>, device: i32) -> Self {
+        Self {
+            mem: RegionMemory::Device(mem),
+            kind: MemKind::Npu,
+            device,
+            access: RemoteAccess::NONE,
+            layers: Layers::default(),
+        }
+    }
+
+    /// What peers may do to it (default: nothing; a local source or destination).
+    pub fn access(mut self, access: RemoteAccess) -> Self {
+        self.access = access;
+        self
+    }
+
+    /// The layers it holds, each spanning the whole region (one layer per region, or
+    /// layers that share one region).
+    pub fn layers(mut self, names: Vec<String>) -> Self {
+        self.layers = Layers {
+            names,
+            offsets: Vec::new(),
+            len: 0,
+        };
+        self
+    }
+
+    /// A pooled allocation: layers of `layer_len` bytes each at the given offsets (the
+    /// hybrid-allocator layout, one allocation for several layers).
+    pub fn pooled_layers(mut self, layers: Vec<(String, u64)>, layer_len: u64) -> Self {
+        let (names, offsets) = layers.into_iter().unzip();
+        self.layers = Layers {
+            names,
+            offsets,
+            len: layer_len,
+        };
+        self
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> u64 {
+        match &self.mem {
+            RegionMemory::Host(b) => b.len() as u64,
+            RegionMemory::Device(d) => d.size(),
+        }
+    }
+
+    /// True for no bytes (never: empty memory cannot be built).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The first byte's address, for overlap checks (host: the virtual address; device: the
+    /// runtime's address, or 0 when it has none to show).
+    fn addr(&self) -> u64 {
+        match &self.mem {
+            RegionMemory::Host(b) => b.addr(),
+            RegionMemory::Device(d) => d.device_addr(),
+        }
+    }
+
+    fn check(&self) -> Result<(), AgentError> {
+        let len = self.len();
+        let lay = &self.layers;
+        if !lay.offsets.is_empty() && lay.offsets.len() != lay.names.len() {
+            return Err(AgentError::InvalidMemory(format!(
+                "{} layer offsets for {} layers",
+                lay.offsets.len(),
+                lay.names.len()
+            )));
+        }
+        if !lay.offsets.is_empty() && lay.len == 0 {
+            return Err(AgentError::InvalidMemory(
+                "pooled layers need a layer length".into(),
+            ));
+        }
+        for (name, off) in lay.names.iter().zip(&lay.offsets) {
+            if off.checked_add(lay.len).is_none_or(|e| e > len) {
+                return Err(AgentError::InvalidMemory(format!(
+                    "layer {name:?} at offset {off} (+{} bytes) lies outside the {len}-byte \
+                     region",
+                    lay.len
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Memory given back by [`Agent::deregister_memory`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RegisteredMemory {
+    /// Host memory: kvrail's, or what the caller handed over.
+    Host(HostOwner),
+    /// A host buffer the caller still shares (it kept an `Arc` of the [`HostBuffer`]).
+    HostShared(Arc<HostBuffer>),
+    /// Device memory (dropping the last reference frees an allocation kvrail made; the
+    /// caller's own allocation stays the caller's).
+    Device(Arc<dyn DeviceMemory>),
+}
+
+impl RegisteredMemory {
+    /// The vector handed to [`MemRegion::vec`]; empty for any other memory.
+    pub fn into_vec(self) -> Vec<u8> {
+        match self {
+            Self::Host(HostOwner::Vec(v)) => v,
+            _ => Vec::new(),
+        }
+    }
+
+    /// The mapping handed to [`MemRegion::mmap`] (or kvrail's own), if that is what it was.
+    pub fn into_mmap(self) -> Option<memmap2::MmapMut> {
+        match self {
+            Self::Host(HostOwner::Mmap(m) | HostOwner::Allocated(m)) => Some(m),
+            _ => None,
+        }
+    }
+}
+
+impl Agent {
+    /// Register memory (see [`MemRegion`]): host memory in place, or device memory. Returns
+    /// the id descriptors name. Peers see its kind, device and layers in the metadata.
+    ///
+    /// # Errors
+    /// [`AgentError::InvalidMemory`]: it overlaps memory already registered, or its layers
+    /// lie outside it; [`AgentError::Unsupported`]: the backend cannot move this kind of
+    /// memory (device memory on verbs without dma-buf).
+    pub fn register_memory(&self, m: MemRegion) -> Result<RegionId, AgentError> {
+        m.check()?;
+        let (addr, len) = (m.addr(), m.len());
+        let mut regions = lock(&self.shared.regions);
+        if addr != 0 {
+            if let Some(r) = regions.values().find(|r| {
+                r.kind == m.kind
+                    && r.device == m.device
+                    && r.addr() != 0
+                    && r.addr() < addr + len
+                    && addr < r.addr() + r.len()
+            }) {
+                return Err(AgentError::InvalidMemory(format!(
+                    "[{addr:#x}, +{len}) overlaps region {} at [{:#x}, +{}) (register each \
+                     byte once; descriptors address parts of a region)",
+                    r.id.0,
+                    r.addr(),
+                    r.len()
+                )));
+            }
+        }
+        let id = {
+            let mut n = lock(&self.shared.next_region);
+            let id = *n;
+            *n += 1;
+            RegionId(id)
+        };
+        #[allow(unused_mut)]
+        let mut region = Region::new(id, m.mem, m.kind, m.device, m.access, m.layers);
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            region.mrs = v.register(&region)?;
+        }
+        tracing::debug!(agent = %self.shared.name, region = id.0, len, kind = ?region.kind,
+            callers = region.host().is_some_and(|b| b.is_callers()), "memory registered");
+        regions.insert(id.0, Arc::new(region));
+        Ok(id)
+    }
+
+    /// Deregister a region and give its memory back (the caller's vector or mapping, say).
+    ///
+    /// # Errors
+    /// [`AgentError::NoRegion`]; [`AgentError::RegionBusy`] while transfers use it (it
+    /// stays registered).
+    pub fn deregister_memory(&self, id: RegionId) -> Result<RegisteredMemory, AgentError> {
+        let region = {
+            let mut regions = lock(&self.shared.regions);
+            let r = regions.get(&id.0).ok_or(AgentError::NoRegion(id.0))?;
+            let transfers = r.in_use();
+            if transfers > 0 {
+                return Err(AgentError::RegionBusy {
+                    region: id.0,
+                    transfers,
+                });
+            }
+            regions.remove(&id.0).ok_or(AgentError::NoRegion(id.0))?
+        };
+        // A finished transfer's last reference may still be on its way out: wait briefly.
+        let mut region = region;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let region = loop {
+            match Arc::try_unwrap(region) {
+                Ok(r) => break r,
+                Err(r) if std::time::Instant::now() < deadline => {
+                    region = r;
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                Err(r) => {
+                    let transfers = Arc::strong_count(&r) - 1;
+                    lock(&self.shared.regions).insert(id.0, r);
+                    return Err(AgentError::RegionBusy {
+                        region: id.0,
+                        transfers,
+                    });
+                }
+            }
+        };
+        match region.into_memory() {
+            RegionMemory::Host(b) => Ok(HostBuffer::into_owner(b)
+                .map_or_else(RegisteredMemory::HostShared, RegisteredMemory::Host)),
+            RegionMemory::Device(d) => Ok(RegisteredMemory::Device(d)),
+        }
+    }
+
+    /// Bytes of payload this agent's transfers copied with the CPU between registered
+    /// memory and its own buffers (the TCP backend's socket copies, device-memory copies).
+    /// Host regions on verbs add nothing: the NIC moves their bytes in place.
+    pub fn payload_bytes_copied(&self) -> u64 {
+        self.shared
+            .copied
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
