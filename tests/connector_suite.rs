@@ -11,13 +11,14 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvrail::agent::Agent;
+use kvrail::agent::{Agent, AgentError};
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::{
     agent_config, ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams,
     Scheduler, Worker,
 };
 use kvrail::proto::handshake::Direction;
+use lab::cache::{self, Cache, EngineCache};
 
 fn layout() -> KvLayout {
     KvLayout {
@@ -35,6 +36,8 @@ struct Engine {
     sched: Scheduler,
     worker: Worker,
     next_block: u64,
+    /// The engine's own cache (None: kvrail allocated it).
+    own: Option<EngineCache>,
 }
 
 fn engine(name: &str, json: &str, host_a: bool) -> Engine {
@@ -42,16 +45,29 @@ fn engine(name: &str, json: &str, host_a: bool) -> Engine {
 }
 
 fn engine_with(name: &str, json: &str, host_a: bool, l: KvLayout) -> Engine {
+    engine_cache(name, json, host_a, l, Cache::Agent).unwrap()
+}
+
+/// An engine whose KV cache is `cache` (the engine's own memory, registered in place).
+fn engine_cache(
+    name: &str,
+    json: &str,
+    host_a: bool,
+    l: KvLayout,
+    cache: Cache,
+) -> Result<Engine, AgentError> {
     let cfg = KvTransferConfig::from_json(json).unwrap();
     let ac = agent_config(&cfg, &l, lab::agent_config(host_a));
     let agent = Arc::new(Agent::new(name, ac).unwrap());
     let sched = Scheduler::new(cfg.clone(), name, agent.side_channel_addr(), 1);
-    let worker = Worker::new(agent, cfg, l, 1).unwrap();
-    Engine {
+    let (own, caches) = EngineCache::new(cache, &l, i32::from(host_a));
+    let worker = Worker::with_caches(agent, cfg, l, (0, 1), caches)?;
+    Ok(Engine {
         sched,
         worker,
         next_block: 1,
-    }
+        own,
+    })
 }
 
 fn cfg(dir: &str, role: &str, lease: u64) -> String {
@@ -99,14 +115,12 @@ impl Engine {
     fn prefill(&mut self, id: &str, seed: u64, tokens: u64) -> KvTransferParams {
         let l = self.worker.layout().clone();
         let blocks = self.alloc(tokens.div_ceil(16) as usize);
-        for (li, r) in self.worker.regions().to_vec().iter().enumerate() {
+        for li in 0..l.layers.len() {
             for p in 0..l.planes {
                 for (bi, b) in blocks.iter().enumerate() {
                     let data = kv(seed, layer_no(&l.layers[li]), p, bi, l.block_bytes as usize);
-                    self.worker
-                        .agent()
-                        .write_region(*r, l.offset(p, *b), &data)
-                        .unwrap();
+                    let own = self.own.as_ref();
+                    cache::write(own, &self.worker, li, l.offset(p, *b), &data);
                 }
             }
         }
@@ -145,15 +159,12 @@ impl Engine {
     /// The KV of `layers` is in `blocks`; every other layer's blocks are still zero.
     fn check_layers(&self, seed: u64, blocks: &[u64], layers: &[String]) {
         let l = self.worker.layout().clone();
-        for (li, r) in self.worker.regions().iter().enumerate() {
-            let name = &l.layers[li];
+        for (li, name) in l.layers.iter().enumerate() {
             for p in 0..l.planes {
                 for (bi, b) in blocks.iter().enumerate() {
                     let mut got = vec![0u8; l.block_bytes as usize];
-                    self.worker
-                        .agent()
-                        .read_region(*r, l.offset(p, *b), &mut got)
-                        .unwrap();
+                    let own = self.own.as_ref();
+                    cache::read(own, &self.worker, li, l.offset(p, *b), &mut got);
                     let want = if layers.contains(name) {
                         kv(seed, layer_no(name), p, bi, got.len())
                     } else {
@@ -182,8 +193,14 @@ fn run(p: &mut Engine, d: &mut Engine, mut done: impl FnMut(&Finished, &Finished
 }
 
 fn both_directions(dir: &str) {
-    let mut p = engine("prefill-engine", &cfg(dir, "kv_producer", 30), false);
-    let mut d = engine("decode-engine", &cfg(dir, "kv_consumer", 30), true);
+    let p = engine("prefill-engine", &cfg(dir, "kv_producer", 30), false);
+    let d = engine("decode-engine", &cfg(dir, "kv_consumer", 30), true);
+    move_six_requests(p, d);
+}
+
+/// Six requests of different lengths from P to D: every KV byte of every layer checked on
+/// D; P frees every request on completion; heartbeats stop.
+fn move_six_requests(mut p: Engine, mut d: Engine) {
     let now = Instant::now();
     let reqs: Vec<(String, u64, u64)> = (0..6)
         .map(|i| (format!("cmpl-{i}-0"), i, 20 + i * 37))
@@ -224,6 +241,142 @@ fn pull_moves_every_kv_byte_and_p_frees_on_completion() {
 #[test]
 fn push_moves_every_kv_byte_and_reports_completion() {
     both_directions("Push");
+}
+
+/// The engines' own caches, registered in place (`register_kv_caches`): P one allocation per
+/// layer, D one pooled allocation for every layer (and the other way round), pull and push.
+/// `cpu`: host memory; on verbs the agents copy no payload byte. `rbln`: NPU memory of the
+/// test runtime, which moves on TCP by copies through the runtime, and which the verbs
+/// backend refuses with the reason (rxe has no dma-buf; the agent does not bounce yet).
+fn engines_own_caches(p_cache: Cache, d_cache: Cache) {
+    for dir in ["Pull", "Push"] {
+        let json = |role: &str| {
+            format!(
+                r#"{{"kv_connector":"Kvrail{dir}Connector","kv_role":"{role}",
+                    "kv_buffer_device":"{}"}}"#,
+                p_cache.buffer_device()
+            )
+        };
+        let p = engine_cache(
+            "prefill-engine",
+            &json("kv_producer"),
+            false,
+            layout(),
+            p_cache,
+        );
+        if lab::Topology::from_env().is_some() && p_cache.buffer_device() == "rbln" {
+            let e = p
+                .err()
+                .expect("NPU memory on rxe verbs is refused")
+                .to_string();
+            assert!(
+                e.contains("cannot be registered on the verbs backend") && e.contains("dma-buf"),
+                "{e}"
+            );
+            return;
+        }
+        let p = p.unwrap();
+        let d = engine_cache(
+            "decode-engine",
+            &json("kv_consumer"),
+            true,
+            layout(),
+            d_cache,
+        )
+        .unwrap();
+        let agents = (p.worker.agent().clone(), d.worker.agent().clone());
+        move_six_requests(p, d);
+        if lab::Topology::from_env().is_some() {
+            let copied = (
+                agents.0.payload_bytes_copied(),
+                agents.1.payload_bytes_copied(),
+            );
+            assert_eq!(
+                copied,
+                (0, 0),
+                "{dir}: payload copied from host caches on verbs"
+            );
+        }
+    }
+}
+
+#[test]
+fn engines_own_host_caches_per_layer_and_pooled_cpu() {
+    engines_own_caches(Cache::Host, Cache::HostPooled);
+    engines_own_caches(Cache::HostPooled, Cache::Host);
+}
+
+#[test]
+fn engines_own_npu_caches_per_layer_and_pooled_rbln() {
+    engines_own_caches(Cache::Npu, Cache::NpuPooled);
+    engines_own_caches(Cache::NpuPooled, Cache::Npu);
+}
+
+/// Caches that do not fit the layout or the configured memory are refused naming the layer
+/// or the key, and nothing stays registered.
+#[test]
+fn caches_that_do_not_fit_are_refused_by_name() {
+    let json = |dev: &str| {
+        format!(
+            r#"{{"kv_connector":"KvrailPullConnector","kv_role":"kv_producer","kv_buffer_device":"{dev}"}}"#
+        )
+    };
+    let err = |dev: &str, cache: Cache, l: KvLayout| {
+        engine_cache("prefill-engine", &json(dev), false, l, cache)
+            .err()
+            .expect("refused")
+            .to_string()
+    };
+    let e = err("rbln", Cache::Host, layout());
+    assert!(
+        e.starts_with(
+            "memory: kv_buffer_device: \"rbln\" configures Npu memory, but cache #0 is Host"
+        ),
+        "{e}"
+    );
+    let e = err("cpu", Cache::Npu, layout());
+    assert!(e.contains("\"cpu\" configures Host memory"), "{e}");
+    // the engine's cache was made for 64 blocks; the layout says 32
+    let cfg = KvTransferConfig::from_json(&json("cpu")).unwrap();
+    let l = layout();
+    let agent = Arc::new(
+        Agent::new(
+            "prefill-engine",
+            agent_config(&cfg, &l, lab::agent_config(false)),
+        )
+        .unwrap(),
+    );
+    let (_own, caches) = EngineCache::new(Cache::HostPooled, &l, 0);
+    let small = KvLayout {
+        num_blocks: 32,
+        ..l.clone()
+    };
+    let e = Worker::with_caches(agent.clone(), cfg.clone(), small, (0, 1), caches)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("model.layers.0.attn: 262144 bytes in cache #0, the layout needs 131072"),
+        "{e}"
+    );
+    // a layer no cache holds
+    let (_own, caches) = EngineCache::new(Cache::Host, &l, 0);
+    let more = KvLayout {
+        layers: [l.layers.clone(), vec!["model.layers.9.attn".into()]].concat(),
+        ..l.clone()
+    };
+    let e = Worker::with_caches(agent.clone(), cfg, more, (0, 1), caches)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("model.layers.9.attn: no cache holds this layer"),
+        "{e}"
+    );
+    assert!(
+        agent.metadata().regions.is_empty(),
+        "nothing stays registered"
+    );
 }
 
 #[test]

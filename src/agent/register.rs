@@ -109,6 +109,22 @@ impl MemRegion {
         self
     }
 
+    /// The memory's kind.
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
+
+    /// Each layer it holds and where: (name, offset, bytes).
+    pub fn layer_spans(&self) -> Vec<(String, u64, u64)> {
+        let l = &self.layers;
+        let len = if l.len == 0 { self.len() } else { l.len };
+        l.names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.clone(), l.offsets.get(i).copied().unwrap_or(0), len))
+            .collect()
+    }
+
     /// Bytes.
     pub fn len(&self) -> u64 {
         match &self.mem {
@@ -280,6 +296,11 @@ impl Agent {
                 .map_or_else(RegisteredMemory::HostShared, RegisteredMemory::Host)),
             RegionMemory::Device(d) => Ok(RegisteredMemory::Device(d)),
         }
+    }
+
+    /// The kind of memory behind local region `id`.
+    pub fn region_kind(&self, id: RegionId) -> Option<MemKind> {
+        lock(&self.shared.regions).get(&id.0).map(|r| r.kind)
     }
 
     /// Bytes of payload this agent's transfers copied with the CPU between registered

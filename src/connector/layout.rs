@@ -48,11 +48,26 @@ impl KvLayout {
     }
 }
 
+/// Where one layer's cache lies: a region, and the layer's first byte in it (0 for a region
+/// per layer; the layer's offset in a pooled allocation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LayerAt {
+    pub(crate) region: RegionId,
+    pub(crate) base: u64,
+}
+
+impl LayerAt {
+    /// A whole region holding one layer.
+    pub(crate) fn whole(region: RegionId) -> Self {
+        Self { region, base: 0 }
+    }
+}
+
 /// Where a peer worker keeps our layers: its regions (in our layer order, found by layer
 /// name), its blocks per plane and its KV heads per block (it may hold another share of the
 /// heads, and another number of blocks, than we do).
 pub(crate) struct PeerKv {
-    pub(crate) regions: Vec<RegionId>,
+    pub(crate) regions: Vec<LayerAt>,
     pub(crate) num_blocks: u64,
     pub(crate) heads: u64,
 }
@@ -73,25 +88,28 @@ pub(crate) fn peer_kv(
     let mut regions = Vec::new();
     let mut num_blocks = None;
     for l in &layout.layers {
-        let r = meta
+        let (r, (base, len)) = meta
             .regions
             .iter()
-            .find(|r| r.layers.contains(l))
+            .find_map(|r| r.layer_span(l).map(|s| (r, s)))
             .ok_or_else(|| format!("{peer} has no region for layer {l:?}"))?;
         let per_plane = layout.planes.max(1) * block_bytes;
-        if block_bytes == 0 || r.len % per_plane != 0 {
+        if block_bytes == 0 || len % per_plane != 0 {
             return Err(format!(
-                "{peer}'s region for layer {l:?} is {} bytes: not whole blocks of {heads} \
+                "{peer}'s cache of layer {l:?} is {len} bytes: not whole blocks of {heads} \
                  heads × {} tokens × {} bytes in {} planes",
-                r.len, g.block_size, g.head_bytes, layout.planes
+                g.block_size, g.head_bytes, layout.planes
             ));
         }
-        let n = r.len / per_plane;
+        let n = len / per_plane;
         if num_blocks.is_some_and(|m| m != n) {
             return Err(format!("{peer}'s layer regions differ in size"));
         }
         num_blocks = Some(n);
-        regions.push(RegionId(r.id));
+        regions.push(LayerAt {
+            region: RegionId(r.id),
+            base,
+        });
     }
     Ok(PeerKv {
         regions,
@@ -160,7 +178,7 @@ impl KvLayout {
     /// A sliding window the block size does not suit; a block id past either side's count.
     pub(crate) fn transfer_descs(
         &self,
-        local_regions: &[RegionId],
+        local_regions: &[LayerAt],
         local: &[u64],
         peer: &PeerKv,
         remote: &[u64],
@@ -206,8 +224,8 @@ impl KvLayout {
                             self.num_blocks, peer.num_blocks
                         ));
                     }
-                    let lbase = self.offset(p, lj);
-                    let rbase = (p * peer.num_blocks + rj) * peer_block;
+                    let lbase = lr.base + self.offset(p, lj);
+                    let rbase = rr.base + (p * peer.num_blocks + rj) * peer_block;
                     for &(from, to) in rs {
                         // a whole block: the slice's heads in one span; else a span per head
                         let (heads, per) = if from == 0 && to == bs {
@@ -220,8 +238,16 @@ impl KvLayout {
                             push_coalesced(
                                 &mut l,
                                 &mut r,
-                                Desc::new(lr, lbase + at(slice.local), per * (to - from) * hb),
-                                Desc::new(rr, rbase + at(slice.remote), per * (to - from) * hb),
+                                Desc::new(
+                                    lr.region,
+                                    lbase + at(slice.local),
+                                    per * (to - from) * hb,
+                                ),
+                                Desc::new(
+                                    rr.region,
+                                    rbase + at(slice.remote),
+                                    per * (to - from) * hb,
+                                ),
                             );
                         }
                     }
@@ -266,6 +292,10 @@ mod tests {
         }
     }
 
+    fn at(ids: &[u32]) -> Vec<LayerAt> {
+        ids.iter().map(|&i| LayerAt::whole(RegionId(i))).collect()
+    }
+
     fn whole(heads: u64) -> HeadSlice {
         HeadSlice {
             peer_rank: 0,
@@ -279,20 +309,13 @@ mod tests {
     fn whole_blocks_coalesce_and_the_peer_keeps_its_own_block_count() {
         let l = layout(1, 10);
         let peer = PeerKv {
-            regions: vec![RegionId(5), RegionId(6)],
+            regions: at(&[5, 6]),
             num_blocks: 20,
             heads: 1,
         };
         let sel = Select::default();
         let (a, b) = l
-            .transfer_descs(
-                &[RegionId(0), RegionId(1)],
-                &[1, 2, 3],
-                &peer,
-                &[4, 5, 9],
-                &whole(1),
-                sel,
-            )
+            .transfer_descs(&at(&[0, 1]), &[1, 2, 3], &peer, &[4, 5, 9], &whole(1), sel)
             .unwrap();
         assert_eq!(a.len(), 8, "runs cut where the remote side breaks");
         assert_eq!(a[0], Desc::new(RegionId(0), 64, 128));
@@ -356,19 +379,12 @@ mod tests {
             let (slices, ph) = head_slices(dl.kv_heads, d, dtp, ptp).unwrap();
             for s in &slices {
                 let peer = PeerKv {
-                    regions: vec![RegionId(0), RegionId(1)],
+                    regions: at(&[0, 1]),
                     num_blocks: 40,
                     heads: ph,
                 };
                 let (a, b) = dl
-                    .transfer_descs(
-                        &[RegionId(0), RegionId(1)],
-                        &dblocks,
-                        &peer,
-                        &pblocks,
-                        s,
-                        sel,
-                    )
+                    .transfer_descs(&at(&[0, 1]), &dblocks, &peer, &pblocks, s, sel)
                     .unwrap();
                 for (x, y) in a.iter().zip(&b) {
                     let src = &pcaches[s.peer_rank as usize][y.region.0 as usize];
@@ -408,11 +424,11 @@ mod tests {
     fn block_ids_past_the_count_are_refused_not_read_from_the_next_plane() {
         let l = layout(1, 10);
         let peer = PeerKv {
-            regions: vec![RegionId(5), RegionId(6)],
+            regions: at(&[5, 6]),
             num_blocks: 20,
             heads: 1,
         };
-        let r = [RegionId(0), RegionId(1)];
+        let r = at(&[0, 1]);
         let sel = Select::default();
         let e = l
             .transfer_descs(&r, &[1], &peer, &[20], &whole(1), sel)
@@ -497,13 +513,13 @@ mod tests {
             ..layout(1, 4)
         };
         let peer = PeerKv {
-            regions: vec![RegionId(0), RegionId(1)],
+            regions: at(&[0, 1]),
             num_blocks: 4,
             heads: 1,
         };
         let e = bad
             .transfer_descs(
-                &[RegionId(0), RegionId(1)],
+                &at(&[0, 1]),
                 &[0],
                 &peer,
                 &[0],

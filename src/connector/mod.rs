@@ -12,6 +12,7 @@
 //! leases from the moment a request enters D's scheduler. The rules are the sans-IO machines
 //! of [`crate::proto`]; this module only drives them. Configured by [`config`].
 
+mod caches;
 pub mod config;
 mod layout;
 pub mod linkwatch;
@@ -21,6 +22,7 @@ pub mod tp;
 mod worker;
 mod writer;
 
+pub use caches::KvCaches;
 pub use layout::KvLayout;
 
 use crate::agent::AgentConfig;

@@ -10,12 +10,14 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::caches::KvCaches;
 use super::config::KvTransferConfig;
-use super::layout::{peer_kv, KvLayout, Select};
+use super::layout::{peer_kv, KvLayout, LayerAt, Select};
 use super::linkwatch::{exit_process, LinkDownAction, LinkMonitor};
 use super::meta::{ConnectorMetadata, Finished, RecvReq};
 use super::tp::{head_slices, rank_agent_name, HeadSlice};
 use super::writer::{Writer, WriterEvent};
+use crate::agent::metadata::{BackendKind, MemKind};
 use crate::agent::{Agent, AgentError, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
 use crate::proto::handshake::Direction;
 use crate::proto::kvmsg::{Completion, KvMsg};
@@ -53,6 +55,9 @@ pub struct Worker {
     agent: Arc<Agent>,
     cfg: KvTransferConfig,
     layout: KvLayout,
+    /// Where each layer's cache lies (layout order).
+    layers: Vec<LayerAt>,
+    /// The regions registered for the cache.
     regions: Vec<RegionId>,
     tp_rank: u32,
     tp_size: u32,
@@ -98,7 +103,7 @@ impl Worker {
     /// The worker of TP rank `tp_rank` of `tp_size` over `agent`, which must be named
     /// [`rank_agent_name`]`(engine, tp_rank)` (peers find rank `k` under that name at the
     /// port the scheduler advertises for it); `layout` is this rank's share of the cache
-    /// (`kv_heads` per rank).
+    /// (`kv_heads` per rank). kvrail allocates the cache ([`KvCaches::Allocate`]).
     ///
     /// # Errors
     /// A rank not below the size; what registering the KV cache returns.
@@ -109,6 +114,25 @@ impl Worker {
         tp_rank: u32,
         tp_size: u32,
     ) -> Result<Self, AgentError> {
+        Self::with_caches(agent, cfg, layout, (tp_rank, tp_size), KvCaches::Allocate)
+    }
+
+    /// `register_kv_caches`: the worker of TP rank `tp.0` of `tp.1` (as
+    /// [`Worker::with_rank`]) over the engine's own KV cache, registered in place — the
+    /// memory `kv_buffer_device` names, one allocation per layer or pooled allocations
+    /// holding several (see [`KvCaches`]).
+    ///
+    /// # Errors
+    /// A rank not below the size; caches that do not match the layout or
+    /// `kv_buffer_device` (naming the layer or the key); what registration returns.
+    pub fn with_caches(
+        agent: Arc<Agent>,
+        cfg: KvTransferConfig,
+        layout: KvLayout,
+        tp: (u32, u32),
+        caches: KvCaches,
+    ) -> Result<Self, AgentError> {
+        let (tp_rank, tp_size) = tp;
         let tp_size = tp_size.max(1);
         if tp_rank >= tp_size {
             return Err(AgentError::Unsupported(format!(
@@ -119,11 +143,19 @@ impl Worker {
             Direction::Pull => RemoteAccess::READ,
             Direction::Push => RemoteAccess::WRITE,
         };
-        let regions = layout
-            .layers
-            .iter()
-            .map(|l| agent.register(layout.layer_bytes() as usize, access, vec![l.clone()]))
-            .collect::<Result<Vec<_>, _>>()?;
+        let (layers, regions) = super::caches::register(&agent, &cfg, &layout, caches, access)?;
+        if cfg.buffer_device == crate::mem::KvBufferDevice::Rbln
+            && regions
+                .iter()
+                .any(|&r| agent.region_kind(r) == Some(MemKind::Npu))
+            && agent.metadata().backend == BackendKind::Tcp
+        {
+            tracing::warn!(
+                agent = agent.name(),
+                "kv_buffer_device \"rbln\": NPU memory moves by copies through the runtime on \
+                 the TCP backend (no RDMA rail, so no dma-buf registration)"
+            );
+        }
         let chunk = cfg.chunk_mode.then(|| {
             let bs = u64::from(layout.block_size);
             chunk_tokens(bs, cfg.chunk_tokens.unwrap_or(bs))
@@ -132,7 +164,7 @@ impl Worker {
             Writer::start(
                 agent.clone(),
                 layout.clone(),
-                regions.clone(),
+                layers.clone(),
                 (tp_rank, tp_size),
                 Select {
                     chunk,
@@ -151,6 +183,7 @@ impl Worker {
             agent,
             cfg,
             layout,
+            layers,
             regions,
             tp_rank,
             tp_size,
@@ -495,7 +528,7 @@ impl Worker {
         // D may hold a prefix already: the lists are aligned at their ends
         let (local, remote) =
             self.layout
-                .transfer_descs(&self.regions, local, &pk, remote_blocks, slice, sel)?;
+                .transfer_descs(&self.layers, local, &pk, remote_blocks, slice, sel)?;
         let bytes: u64 = local.iter().map(|d| d.len).sum();
         let notif = Completion {
             request_id: p.remote_request_id.clone(),

@@ -13,10 +13,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::layout::{peer_kv, KvLayout, Select};
+use super::layout::{peer_kv, KvLayout, LayerAt, Select};
 use super::meta::RecvReq;
 use super::tp::{head_slices, rank_agent_name};
-use crate::agent::{Agent, AgentError, RegionId, XferId, XferOp, XferStatus};
+use crate::agent::{Agent, AgentError, XferId, XferOp, XferStatus};
 use crate::proto::kvmsg::{Completion, KvMsg, PushReg};
 use crate::proto::push::{PushAction, PushMatcher};
 
@@ -49,7 +49,7 @@ struct Shared {
     writing: Mutex<HashMap<String, (u32, bool)>>,
     agent: Arc<Agent>,
     layout: KvLayout,
-    regions: Vec<RegionId>,
+    regions: Vec<LayerAt>,
     /// This worker's (TP rank, TP size).
     tp: (u32, u32),
     inbox: Mutex<Inbox>,
@@ -77,7 +77,7 @@ impl Writer {
     pub(crate) fn start(
         agent: Arc<Agent>,
         layout: KvLayout,
-        regions: Vec<RegionId>,
+        regions: Vec<LayerAt>,
         tp: (u32, u32),
         sel: Select,
     ) -> Result<Self, AgentError> {

@@ -2,6 +2,7 @@
 //! ("host B") process and its JSON-lines control protocol over a TCP side channel.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod cache;
 pub mod peer;
 pub mod runner;
 
