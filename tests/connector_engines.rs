@@ -21,6 +21,7 @@ use kvrail::connector::{
     agent_config, ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams,
     Scheduler, Worker,
 };
+use lab::cache::{self, Cache, EngineCache};
 
 /// KV heads of the model (split over the ranks).
 const HEADS: u64 = 8;
@@ -86,6 +87,8 @@ fn block(seed: u64, layer: usize, plane: u64, rank: u32, tp: u32, bi: u64, token
 struct Engine {
     sched: Scheduler,
     workers: Vec<Worker>,
+    /// Each rank's own cache (None: kvrail allocated it).
+    own: Vec<Option<EngineCache>>,
     tp: u32,
     next_block: u64,
     /// Per request: how many ranks reported it (sending / recving), and failures.
@@ -93,33 +96,44 @@ struct Engine {
 }
 
 fn engine(name: &str, dir: &str, role: &str, tp: u32, num_blocks: u64, host_a: bool) -> Engine {
-    engine_with(name, dir, role, (tp, num_blocks), host_a, "", None)
+    engine_with(
+        name,
+        dir,
+        role,
+        (tp, num_blocks, Cache::Agent),
+        host_a,
+        "",
+        None,
+    )
 }
 
-/// An engine with `extra` settings (JSON members) and a model whose layer `SWA_LAYER` has
-/// a sliding `window`.
+/// An engine of `tp` ranks whose caches are `cache` (each rank's own), with `extra`
+/// settings (JSON members) and a model whose layer `SWA_LAYER` has a sliding `window`.
 fn engine_with(
     name: &str,
     dir: &str,
     role: &str,
-    (tp, num_blocks): (u32, u64),
+    (tp, num_blocks, cache): (u32, u64, Cache),
     host_a: bool,
     extra: &str,
     window: Option<u64>,
 ) -> Engine {
     let json = format!(
-        r#"{{"kv_connector":"Kvrail{dir}Connector","kv_role":"{role}","kv_buffer_device":"rbln",
-            "kv_connector_extra_config":{{"kv_lease_duration":30{extra}}}}}"#
+        r#"{{"kv_connector":"Kvrail{dir}Connector","kv_role":"{role}","kv_buffer_device":"{}",
+            "kv_connector_extra_config":{{"kv_lease_duration":30{extra}}}}}"#,
+        cache.buffer_device()
     );
     let cfg = KvTransferConfig::from_json(&json).unwrap();
     let l = layout(tp, num_blocks, window);
-    let workers: Vec<Worker> = (0..tp)
+    let (workers, own): (Vec<Worker>, Vec<Option<EngineCache>>) = (0..tp)
         .map(|rank| {
             let ac = agent_config(&cfg, &l, lab::agent_config(host_a));
             let agent = Arc::new(Agent::new(&rank_agent_name(name, rank), ac).unwrap());
-            Worker::with_rank(agent, cfg.clone(), l.clone(), rank, tp).unwrap()
+            let (own, caches) = EngineCache::new(cache, &l, rank as i32 % 2);
+            let w = Worker::with_caches(agent, cfg.clone(), l.clone(), (rank, tp), caches);
+            (w.unwrap(), own)
         })
-        .collect();
+        .unzip();
     let addr = workers[0].agent().side_channel_addr();
     let mut sched = Scheduler::new(cfg, name, addr, tp);
     sched.set_rank_ports(
@@ -131,6 +145,7 @@ fn engine_with(
     Engine {
         sched,
         workers,
+        own,
         tp,
         next_block: 3,
         reports: HashMap::new(),
@@ -179,13 +194,12 @@ impl Engine {
     fn compute(&self, seed: u64, tokens: u64, blocks: &[u64], which: std::ops::Range<usize>) {
         for (rank, w) in self.workers.iter().enumerate() {
             let l = w.layout().clone();
-            for (li, r) in w.regions().iter().enumerate() {
+            for li in 0..l.layers.len() {
                 for p in 0..l.planes {
                     for bi in which.clone() {
                         let data = block(seed, li, p, rank as u32, self.tp, bi as u64, tokens);
-                        w.agent()
-                            .write_region(*r, l.offset(p, blocks[bi]), &data)
-                            .unwrap();
+                        let own = self.own[rank].as_ref();
+                        cache::write(own, w, li, l.offset(p, blocks[bi]), &data);
                     }
                 }
             }
@@ -263,7 +277,7 @@ impl Engine {
     ) -> Option<String> {
         for (rank, w) in self.workers.iter().enumerate() {
             let l = w.layout();
-            for (li, r) in w.regions().iter().enumerate() {
+            for li in 0..l.layers.len() {
                 let from = match l.sliding_windows.get(&l.layers[li]) {
                     Some(win) if window_only => tokens.saturating_sub(*win),
                     _ => 0,
@@ -272,7 +286,7 @@ impl Engine {
                     for bi in which.clone() {
                         let mut got = vec![0u8; l.block_bytes as usize];
                         let off = l.offset(p, blocks[bi]);
-                        w.agent().read_region(*r, off, &mut got).unwrap();
+                        cache::read(self.own[rank].as_ref(), w, li, off, &mut got);
                         let want = block(seed, li, p, rank as u32, self.tp, bi as u64, tokens);
                         let same = (0..l.kv_heads).all(|h| {
                             (0..BLOCK).all(|t| {
@@ -323,8 +337,29 @@ impl Engine {
 }
 
 fn pair(dir: &str, p_tp: u32, d_tp: u32) {
-    let mut p = engine("prefill", dir, "kv_producer", p_tp, 40, false);
-    let mut d = engine("decode", dir, "kv_consumer", d_tp, 90, true);
+    pair_caches(dir, (p_tp, Cache::Agent), (d_tp, Cache::Agent));
+}
+
+/// P and D of TP sizes `p.0` and `d.0` with caches `p.1` and `d.1`.
+fn pair_caches(dir: &str, (p_tp, p_cache): (u32, Cache), (d_tp, d_cache): (u32, Cache)) {
+    let mut p = engine_with(
+        "prefill",
+        dir,
+        "kv_producer",
+        (p_tp, 40, p_cache),
+        false,
+        "",
+        None,
+    );
+    let mut d = engine_with(
+        "decode",
+        dir,
+        "kv_consumer",
+        (d_tp, 90, d_cache),
+        true,
+        "",
+        None,
+    );
     let now = Instant::now();
     let reqs: Vec<(String, u64, u64)> = (0..3)
         .map(|i| (format!("cmpl-tp-{i}-0"), 7 + i, 21 + i * 29))
@@ -380,12 +415,16 @@ fn push_p_tp_larger() {
 /// step closes reach D while the prefill still runs; D reports the request only at the end;
 /// every block crosses exactly once.
 fn stream(p_tp: u32, d_tp: u32) {
+    stream_caches(p_tp, d_tp, Cache::Agent);
+}
+
+fn stream_caches(p_tp: u32, d_tp: u32, cache: Cache) {
     let extra = r#","push_stream":true"#;
     let mut p = engine_with(
         "prefill",
         "Push",
         "kv_producer",
-        (p_tp, 40),
+        (p_tp, 40, cache),
         false,
         extra,
         None,
@@ -394,7 +433,7 @@ fn stream(p_tp: u32, d_tp: u32) {
         "decode",
         "Push",
         "kv_consumer",
-        (d_tp, 90),
+        (d_tp, 90, cache),
         true,
         extra,
         None,
@@ -442,6 +481,28 @@ fn stream(p_tp: u32, d_tp: u32) {
     );
 }
 
+/// The engines' own caches across TP sizes: host memory (`cpu`), one allocation per layer
+/// on P and pooled on D, and the other way round.
+#[test]
+fn engines_own_host_caches_across_tp_sizes() {
+    pair_caches("Pull", (1, Cache::Host), (2, Cache::HostPooled));
+    pair_caches("Push", (2, Cache::HostPooled), (1, Cache::Host));
+}
+
+/// NPU memory of the test runtime (`rbln`): pooled P ranks, per-layer D ranks, TP 2 → 1,
+/// and push_stream. The verbs backend refuses NPU memory until the agent bounces it
+/// (connector_suite checks that refusal); here that part runs on TCP only.
+#[test]
+fn engines_own_npu_caches_across_tp_sizes_and_push_stream() {
+    if lab::Topology::from_env().is_some() {
+        eprintln!("SKIPPED on verbs: NPU memory needs dma-buf or the agent's bounce path");
+        return;
+    }
+    pair_caches("Pull", (2, Cache::NpuPooled), (1, Cache::Npu));
+    pair_caches("Push", (1, Cache::Npu), (2, Cache::NpuPooled));
+    stream_caches(2, 1, Cache::NpuPooled);
+}
+
 #[test]
 fn push_stream_sends_closed_blocks_during_the_prefill() {
     stream(1, 1);
@@ -465,12 +526,20 @@ fn window(dir: &str) {
             "prefill",
             dir,
             "kv_producer",
-            (1, 40),
+            (1, 40, Cache::Agent),
             false,
             extra,
             Some(4),
         );
-        let mut d = engine_with("decode", dir, "kv_consumer", (2, 60), true, extra, Some(4));
+        let mut d = engine_with(
+            "decode",
+            dir,
+            "kv_consumer",
+            (2, 60, Cache::Agent),
+            true,
+            extra,
+            Some(4),
+        );
         let reqs: Vec<(String, u64, u64)> = [(3, 70), (4, 16), (5, 3)]
             .iter()
             .map(|&(seed, tokens)| (format!("cmpl-swa-{seed}-0"), seed, tokens))
@@ -560,8 +629,9 @@ fn an_extra_trailing_p_block_does_not_shift_the_bytes() {
         ("Push", ""),
         ("Push", r#","push_stream":true"#),
     ] {
-        let mut p = engine_with("prefill", dir, "kv_producer", (1, 40), false, extra, None);
-        let mut d = engine_with("decode", dir, "kv_consumer", (1, 90), true, extra, None);
+        let shape = |n| (1, n, Cache::Agent);
+        let mut p = engine_with("prefill", dir, "kv_producer", shape(40), false, extra, None);
+        let mut d = engine_with("decode", dir, "kv_consumer", shape(90), true, extra, None);
         let (id, seed, tokens) = ("cmpl-extra-0", 11, 64); // 4 full blocks
         let blocks = p.alloc(5);
         p.compute(seed, tokens, &blocks, 0..4);
