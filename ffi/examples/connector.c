@@ -2,8 +2,11 @@
  * worker) computes KV for a request into its paged cache and finishes it; the decode engine
  * admits the request with P's transfer parameters; both step (build_connector_meta ->
  * start_load_kv -> get_finished -> update_connector_output) until D has the KV and P freed
- * its blocks; D checks every byte. argv[1]: "pull" or "push"; argv[2] / argv[3]: the agents'
- * JSON configurations (decode on host A, prefill on host B). */
+ * its blocks; D checks every byte. The caches are the engines' own host memory
+ * (kv_buffer_device "cpu"), registered in place with kvrail_worker_new_caches: P allocates
+ * one buffer per layer, D one pooled buffer holding every layer at offsets; each engine
+ * writes and checks its KV in its own memory. argv[1]: "pull" or "push"; argv[2] / argv[3]:
+ * the agents' JSON configurations (decode on host A, prefill on host B). */
 #define _POSIX_C_SOURCE 199309L
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,35 +18,68 @@
 #define LAYERS 4
 #define BLOCK_BYTES 2048
 #define NBLOCKS 32
-
+#define LAYER_BYTES (2 * NBLOCKS * BLOCK_BYTES)
+#define GAP 4160 /* between D's pooled layers: a wrong base lands in the wrong bytes */
 
 static uint8_t kv(int layer, int plane, int blk, size_t i) {
     return (uint8_t)(i * 31 + (size_t)layer * 7 + (size_t)plane * 3 + (size_t)blk * 11) ^ (uint8_t)(i >> 8);
 }
 
+static const char *NAMES[LAYERS] = {"model.layers.0", "model.layers.1", "model.layers.2",
+                                    "model.layers.3"};
+
 struct engine {
     kvrail_scheduler *s;
     kvrail_worker *w;
-    kvrail_agent *a;
-    uint32_t regions[LAYERS];
+    uint8_t *mem[LAYERS];  /* the engine's own memory: where each layer's cache starts */
+    uint8_t *alloc[LAYERS]; /* what to free */
 };
 
+/* `pooled`: one allocation for every layer (GAP bytes before each); else one per layer. */
 static int engine_new(struct engine *e, const char *name, const char *role, const char *mode,
-                      const char *agent_cfg) {
+                      const char *agent_cfg, int pooled) {
     char kv_cfg[256], addr[64];
     snprintf(kv_cfg, sizeof kv_cfg,
-             "{\"kv_connector\":\"Kvrail%sConnector\",\"kv_role\":\"%s\",\"kv_buffer_device\":\"rbln\"}",
+             "{\"kv_connector\":\"Kvrail%sConnector\",\"kv_role\":\"%s\",\"kv_buffer_device\":\"cpu\"}",
              strcmp(mode, "push") ? "Pull" : "Push", role);
     const char *layout =
         "{\"layers\":[\"model.layers.0\",\"model.layers.1\",\"model.layers.2\",\"model.layers.3\"],"
         "\"num_blocks\":32,\"block_bytes\":2048,\"planes\":2,\"block_size\":16}";
-    CHECK(kvrail_worker_new(name, agent_cfg, kv_cfg, layout, 1, &e->w));
-    CHECK(kvrail_worker_agent(e->w, &e->a));
+    kvrail_kv_cache caches[LAYERS];
+    uint64_t offsets[LAYERS];
+    memset(caches, 0, sizeof caches);
+    memset(e->alloc, 0, sizeof e->alloc);
+    size_t n_caches = pooled ? 1 : LAYERS;
+    if (pooled) {
+        uint8_t *pool = calloc(1, LAYERS * (GAP + LAYER_BYTES));
+        if (!pool) return 1;
+        e->alloc[0] = pool;
+        for (int l = 0; l < LAYERS; l++) {
+            offsets[l] = GAP + (uint64_t)l * (GAP + LAYER_BYTES);
+            e->mem[l] = pool + offsets[l];
+        }
+        caches[0] = (kvrail_kv_cache){
+            .mem = {.addr = (uint64_t)(uintptr_t)pool, .len = LAYERS * (GAP + LAYER_BYTES),
+                    .kind = KVRAIL_MEM_HOST, .device_id = -1, .dmabuf_fd = -1},
+            .layers = NAMES, .n_layers = LAYERS, .offsets = offsets, .layer_len = LAYER_BYTES};
+    } else {
+        for (int l = 0; l < LAYERS; l++) {
+            e->alloc[l] = e->mem[l] = calloc(1, LAYER_BYTES);
+            if (!e->mem[l]) return 1;
+            caches[l] = (kvrail_kv_cache){
+                .mem = {.addr = (uint64_t)(uintptr_t)e->mem[l], .len = LAYER_BYTES,
+                        .kind = KVRAIL_MEM_HOST, .device_id = -1, .dmabuf_fd = -1},
+                .layers = &NAMES[l], .n_layers = 1, .offsets = NULL};
+        }
+    }
+    CHECK(kvrail_worker_new_caches(name, agent_cfg, kv_cfg, layout, 0, 1, caches, n_caches, &e->w));
+    kvrail_agent *a = NULL;
+    CHECK(kvrail_worker_agent(e->w, &a));
     size_t n = 0;
-    CHECK(kvrail_agent_side_channel_addr(e->a, (uint8_t *)addr, sizeof addr - 1, &n));
+    CHECK(kvrail_agent_side_channel_addr(a, (uint8_t *)addr, sizeof addr - 1, &n));
     addr[n] = 0;
+    kvrail_agent_free(a);
     CHECK(kvrail_scheduler_new(kv_cfg, name, addr, 1, &e->s));
-    for (size_t l = 0; l < LAYERS; l++) CHECK(kvrail_worker_region(e->w, l, &e->regions[l]));
     return 0;
 }
 
@@ -65,18 +101,16 @@ int main(int argc, char **argv) {
     const char *cfg_a = argc > 2 ? argv[2] : "{\"backend\":\"tcp\",\"listen\":\"127.0.0.1:0\"}";
     const char *cfg_b = argc > 3 ? argv[3] : cfg_a;
     struct engine p, d;
-    if (engine_new(&p, "prefill-engine", "kv_producer", mode, cfg_b)) return 1;
-    if (engine_new(&d, "decode-engine", "kv_consumer", mode, cfg_a)) return 1;
+    if (engine_new(&p, "prefill-engine", "kv_producer", mode, cfg_b, 0)) return 1;
+    if (engine_new(&d, "decode-engine", "kv_consumer", mode, cfg_a, 1)) return 1;
 
-    /* P: prefill 50 tokens into blocks 3..6, then finish the request */
+    /* P: prefill 50 tokens into blocks 3..6 of its own memory, then finish the request */
     uint64_t pblocks[4] = {3, 4, 5, 6}, dblocks[4] = {10, 11, 20, 21};
-    uint8_t buf[BLOCK_BYTES];
     for (int l = 0; l < LAYERS; l++)
         for (int pl = 0; pl < 2; pl++)
             for (int b = 0; b < 4; b++) {
-                for (size_t i = 0; i < BLOCK_BYTES; i++) buf[i] = kv(l, pl, b, i);
-                uint64_t off = ((uint64_t)pl * NBLOCKS + pblocks[b]) * BLOCK_BYTES;
-                CHECK(kvrail_agent_write_region(p.a, p.regions[l], off, buf, BLOCK_BYTES));
+                uint8_t *blk = p.mem[l] + ((uint64_t)pl * NBLOCKS + pblocks[b]) * BLOCK_BYTES;
+                for (size_t i = 0; i < BLOCK_BYTES; i++) blk[i] = kv(l, pl, b, i);
             }
     bool delay = false;
     char params[1024];
@@ -107,10 +141,9 @@ int main(int argc, char **argv) {
     for (int l = 0; l < LAYERS; l++)
         for (int pl = 0; pl < 2; pl++)
             for (int b = 0; b < 4; b++) {
-                uint64_t off = ((uint64_t)pl * NBLOCKS + dblocks[b]) * BLOCK_BYTES;
-                CHECK(kvrail_agent_read_region(d.a, d.regions[l], off, buf, BLOCK_BYTES));
+                const uint8_t *blk = d.mem[l] + ((uint64_t)pl * NBLOCKS + dblocks[b]) * BLOCK_BYTES;
                 for (size_t i = 0; i < BLOCK_BYTES; i++)
-                    if (buf[i] != kv(l, pl, b, i)) {
+                    if (blk[i] != kv(l, pl, b, i)) {
                         fprintf(stderr, "KV differs: layer %d plane %d block %d byte %zu\n", l, pl, b, i);
                         return 1;
                     }
@@ -118,9 +151,9 @@ int main(int argc, char **argv) {
     struct engine *es[2] = {&d, &p};
     for (int i = 0; i < 2; i++) {
         kvrail_scheduler_free(es[i]->s);
-        kvrail_agent_free(es[i]->a);
-        kvrail_worker_free(es[i]->w);
+        kvrail_worker_free(es[i]->w); /* deregisters the caches: now they may be freed */
+        for (int l = 0; l < LAYERS; l++) free(es[i]->alloc[l]);
     }
-    printf("connector (%s): KV of 4 layers x 2 planes x 4 blocks arrived byte for byte; P freed its blocks\n", mode);
+    printf("connector (%s): KV of 4 layers x 2 planes x 4 blocks arrived byte for byte in the engines' own memory; P freed its blocks\n", mode);
     return 0;
 }

@@ -55,6 +55,38 @@ int main(void) {
     expect("write outside", kvrail_agent_write_region(d, dst, 4096, &byte, 1), KVRAIL_RESULT_OUT_OF_RANGE, "4096");
     expect("no region", kvrail_agent_deregister(d, 999), KVRAIL_RESULT_NO_REGION, "999");
 
+    /* the caller's own memory */
+    static uint8_t mine[8192];
+    kvrail_mem_desc md = {.addr = (uint64_t)(uintptr_t)mine, .len = sizeof mine,
+                          .kind = KVRAIL_MEM_HOST, .device_id = -1, .dmabuf_fd = -1};
+    uint32_t own = 0;
+    expect("register memory: NULL desc", kvrail_agent_register_memory(d, NULL, 0, &region), KVRAIL_RESULT_NULL_PARAMETER, "desc");
+    expect("register memory", kvrail_agent_register_memory(d, &md, KVRAIL_ACCESS_WRITE, &own), KVRAIL_RESULT_OK, NULL);
+    kvrail_mem_desc bad = md;
+    bad.addr += 4096;
+    bad.len = 16;
+    expect("register memory: overlap", kvrail_agent_register_memory(d, &bad, 0, &region), KVRAIL_RESULT_INVALID_MEMORY, "overlaps region");
+    bad = md;
+    bad.addr = 0;
+    expect("register memory: NULL addr", kvrail_agent_register_memory(d, &bad, 0, &region), KVRAIL_RESULT_INVALID_ARGUMENT, "addr");
+    bad = md;
+    bad.len = 0;
+    expect("register memory: zero len", kvrail_agent_register_memory(d, &bad, 0, &region), KVRAIL_RESULT_INVALID_ARGUMENT, "len");
+    bad = md;
+    bad.kind = 9;
+    expect("register memory: unknown kind", kvrail_agent_register_memory(d, &bad, 0, &region), KVRAIL_RESULT_INVALID_ARGUMENT, "kind: 9");
+    bad = md;
+    bad.kind = KVRAIL_MEM_DMABUF;
+    expect("register memory: dma-buf without fd", kvrail_agent_register_memory(d, &bad, 0, &region), KVRAIL_RESULT_INVALID_ARGUMENT, "dmabuf_fd");
+    bad.dmabuf_fd = 0;
+    expect("register memory: dma-buf", kvrail_agent_register_memory(d, &bad, 0, &region), KVRAIL_RESULT_UNSUPPORTED, "KVRAIL_MEM_DMABUF");
+    bad = md;
+    bad.kind = KVRAIL_MEM_NPU;
+    bad.device_id = 0;
+    expect("register memory: NPU address outside every allocation", kvrail_agent_register_memory(d, &bad, 0, &region), KVRAIL_RESULT_INVALID_MEMORY, "outside every allocation of device 0");
+    if (region != 77) { fprintf(stderr, "FAIL out_region written on failure\n"); failures++; }
+    expect("deregister memory", kvrail_agent_deregister(d, own), KVRAIL_RESULT_OK, NULL);
+
     char addr[64], tiny[4], peer[64];
     size_t n = 12345;
     expect("small buffer", kvrail_agent_side_channel_addr(p, (uint8_t *)tiny, sizeof tiny, &n), KVRAIL_RESULT_BUFFER_TOO_SMALL, "needed");
@@ -109,6 +141,22 @@ int main(void) {
     uint64_t some[2] = {1, 2};
     expect("progress: NULL blocks", kvrail_scheduler_prefill_progress(s, "r", 40, NULL, NULL, 2, 16), KVRAIL_RESULT_NULL_PARAMETER, "blocks");
     expect("progress without push_stream: a no-op", kvrail_scheduler_prefill_progress(s, "r", 40, NULL, some, 2, 16), KVRAIL_RESULT_OK, NULL);
+    /* the engine's own caches */
+    static uint8_t cache_mem[2 * 4 * 64];
+    const char *l0[1] = {"l0"};
+    kvrail_kv_cache kc = {.mem = {.addr = (uint64_t)(uintptr_t)cache_mem, .len = sizeof cache_mem,
+                                  .kind = KVRAIL_MEM_HOST, .device_id = -1, .dmabuf_fd = -1},
+                          .layers = l0, .n_layers = 1, .offsets = NULL};
+    expect("caches: host memory with kv_buffer_device rbln", kvrail_worker_new_caches("w", tcp, pull, layout, 0, 1, &kc, 1, &w), KVRAIL_RESULT_INVALID_MEMORY, "kv_buffer_device");
+    const char *cpu = "{\"kv_connector\":\"KvrailPullConnector\",\"kv_role\":\"kv_both\",\"kv_buffer_device\":\"cpu\"}";
+    kvrail_kv_cache nolayers = kc;
+    nolayers.layers = NULL;
+    expect("caches: NULL layer names", kvrail_worker_new_caches("w", tcp, cpu, layout, 0, 1, &nolayers, 1, &w), KVRAIL_RESULT_NULL_PARAMETER, "caches[0].layers");
+    kvrail_kv_cache short_cache = kc;
+    short_cache.mem.len = 100;
+    expect("caches: smaller than the layout", kvrail_worker_new_caches("w", tcp, cpu, layout, 0, 1, &short_cache, 1, &w), KVRAIL_RESULT_INVALID_MEMORY, "l0: 100 bytes");
+    expect("caches: the engine's memory", kvrail_worker_new_caches("w", tcp, cpu, layout, 0, 1, &kc, 1, &w), KVRAIL_RESULT_OK, NULL);
+    kvrail_worker_free(w);
     expect("worker", kvrail_worker_new("w", tcp, pull, layout, 1, &w), KVRAIL_RESULT_OK, NULL);
     uint8_t junk[3] = {0xc1, 0x00, 0xff};
     expect("garbage metadata", kvrail_worker_start_load_kv(w, junk, 3), KVRAIL_RESULT_INVALID_ARGUMENT, "meta");

@@ -38,6 +38,23 @@
 #define KVRAIL_BACKEND_VERBS 1
 
 /**
+ * Memory kind: host DRAM (`addr` is a host pointer).
+ */
+#define KVRAIL_MEM_HOST 0
+
+/**
+ * Memory kind: a dma-buf (`dmabuf_fd`, `dmabuf_offset`; `addr` is the address the NIC
+ * uses for its first byte).
+ */
+#define KVRAIL_MEM_DMABUF 1
+
+/**
+ * Memory kind: NPU memory allocated with the RBLN runtime on `device_id` (`addr` is the
+ * runtime's device address).
+ */
+#define KVRAIL_MEM_NPU 2
+
+/**
  * READ or WRITE.
  */
 enum kvrail_op
@@ -140,6 +157,11 @@ enum kvrail_result
    */
   KVRAIL_RESULT_UNSUPPORTED = 211,
   /**
+   * Memory cannot be registered: it overlaps a registration, its layers lie outside it,
+   * or it is not what its kind says (an NPU address outside every allocation).
+   */
+  KVRAIL_RESULT_INVALID_MEMORY = 212,
+  /**
    * The transfer failed (see `kvrail_xfer_error`).
    */
   KVRAIL_RESULT_XFER_FAILED = 300,
@@ -204,6 +226,63 @@ typedef struct kvrail_worker kvrail_worker;
  * A transfer request (opaque), bound to the agent that created it.
  */
 typedef struct kvrail_xfer kvrail_xfer;
+
+/**
+ * Memory the caller owns, to register (see [`kvrail_agent_register_memory`]).
+ */
+typedef struct {
+  /**
+   * First byte (host pointer, device address, or the dma-buf's NIC address).
+   */
+  uint64_t addr;
+  /**
+   * Bytes (at least one).
+   */
+  uint64_t len;
+  /**
+   * `KVRAIL_MEM_*`.
+   */
+  uint32_t kind;
+  /**
+   * The device (NPU index) for device kinds; ignored for host memory.
+   */
+  int32_t device_id;
+  /**
+   * The dma-buf's file descriptor (`KVRAIL_MEM_DMABUF`; -1 otherwise).
+   */
+  int32_t dmabuf_fd;
+  /**
+   * Offset of the memory in the dma-buf.
+   */
+  uint64_t dmabuf_offset;
+} kvrail_mem_desc;
+
+/**
+ * One of an engine's KV cache allocations (see [`kvrail_worker_new_caches`](crate::kvrail_worker_new_caches)).
+ */
+typedef struct {
+  /**
+   * The allocation.
+   */
+  kvrail_mem_desc mem;
+  /**
+   * The layer names it holds (`n_layers` NUL-terminated strings).
+   */
+  const char *const *layers;
+  /**
+   * How many.
+   */
+  size_t n_layers;
+  /**
+   * NULL: one layer spanning the allocation. Otherwise `n_layers` offsets: a pooled
+   * allocation with each layer's `layer_len` bytes at its offset.
+   */
+  const uint64_t *offsets;
+  /**
+   * Bytes of one layer in a pooled allocation (ignored when `offsets` is NULL).
+   */
+  uint64_t layer_len;
+} kvrail_kv_cache;
 
 /**
  * `len` bytes at `offset` of region `region` (local, or the peer's as its metadata says).
@@ -541,6 +620,29 @@ kvrail_result kvrail_worker_new_rank(const char *engine_id,
                                      kvrail_worker **out);
 
 /**
+ * `register_kv_caches`: like [`kvrail_worker_new_rank`] (rank `tp_rank` of `tp_size`), over the
+ * engine's own KV cache — `caches[0..n_caches]`, each one allocation holding one layer or
+ * several at offsets (pooled), of the memory `kv_buffer_device` names (`"cpu"`: host,
+ * `"rbln"`: NPU) — registered in place; the engine keeps writing and reading it directly.
+ * `n_caches` 0 lets kvrail allocate the cache (as [`kvrail_worker_new_rank`]). Errors name
+ * the cache and field (`caches[1].mem.addr: …`), a layer the layout lacks or misses, or
+ * `kv_buffer_device`.
+ *
+ * # Safety
+ * As [`kvrail_worker_new`]; `caches` readable for `n_caches` entries, their strings
+ * NUL-terminated and their memory valid until the worker is freed.
+ */
+kvrail_result kvrail_worker_new_caches(const char *engine_id,
+                                       const char *agent_config_json,
+                                       const char *kv_transfer_config,
+                                       const char *layout_json,
+                                       uint32_t tp_rank,
+                                       uint32_t tp_size,
+                                       const kvrail_kv_cache *caches,
+                                       size_t n_caches,
+                                       kvrail_worker **out);
+
+/**
  * Free a worker (NULL is ignored).
  *
  * # Safety
@@ -611,6 +713,23 @@ kvrail_result kvrail_worker_get_finished(const kvrail_worker *w,
                                          uint8_t *buf,
                                          size_t len,
                                          size_t *out_len);
+
+/**
+ * Register memory the caller owns, in place (NIXL's `registerMem`): `desc` says where it
+ * is and what it is, `access` what peers may do (`KVRAIL_ACCESS_*`). Host memory is read
+ * and written by the NIC where it is; kvrail copies none of it on RDMA. Errors name the
+ * argument: NULL `addr` or zero `len` and an unknown `kind` are `INVALID_ARGUMENT`, so is a
+ * dma-buf without `dmabuf_fd`; memory overlapping a registration, and an NPU address
+ * outside every allocation of the runtime, are `INVALID_MEMORY`.
+ *
+ * # Safety
+ * `agent` from `kvrail_agent_new`; `desc` readable; the memory stays valid (allocated,
+ * mapped) until `kvrail_agent_deregister` returned for the region; `out_region` writable.
+ */
+kvrail_result kvrail_agent_register_memory(const kvrail_agent *agent,
+                                           const kvrail_mem_desc *desc,
+                                           uint32_t access,
+                                           uint32_t *out_region);
 
 /**
  * A static, NUL-terminated name for a `kvrail_result` value (never NULL; unknown values

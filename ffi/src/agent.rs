@@ -5,7 +5,7 @@ use std::ffi::c_char;
 use std::sync::{Arc, Mutex};
 
 use kvrail::agent::metadata::BackendKind;
-use kvrail::agent::{Agent, AgentConfig, BackendChoice, RegionId, RemoteAccess};
+use kvrail::agent::{Agent, AgentConfig, BackendChoice, RegionId};
 use serde::Deserialize;
 
 use crate::result::{kvrail_result, Failure};
@@ -206,18 +206,7 @@ pub unsafe extern "C" fn kvrail_agent_register(
         if out_region.is_null() {
             return Err(null("out_region"));
         }
-        let access = match access {
-            KVRAIL_ACCESS_NONE => RemoteAccess::NONE,
-            KVRAIL_ACCESS_READ => RemoteAccess::READ,
-            KVRAIL_ACCESS_WRITE => RemoteAccess::WRITE,
-            3 => RemoteAccess::READ_WRITE,
-            o => {
-                return Err(Failure::new(
-                    kvrail_result::InvalidArgument,
-                    format!("access {o:#x} is not a KVRAIL_ACCESS_* combination"),
-                ))
-            }
-        };
+        let access = crate::memory::access(access)?;
         let id = h.agent.register(len, access, vec![])?;
         // SAFETY: checked non-NULL; writable by the caller's promise.
         unsafe { put(out_region, id.0, "out_region") }

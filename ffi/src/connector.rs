@@ -10,11 +10,12 @@ use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::tp::rank_agent_name;
 use kvrail::connector::{
-    agent_config, ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams,
+    agent_config, ConnectorMetadata, EngineRequest, Finished, KvCaches, KvLayout, KvTransferParams,
     Scheduler, Worker,
 };
 
 use crate::agent::{kvrail_agent, parse_config, AgentHandle};
+use crate::memory::{kv_caches, kvrail_kv_cache};
 use crate::result::{kvrail_result, Failure};
 use crate::util::{boundary, bytes_arg, null, put, slice_arg, str_arg, write_bytes};
 
@@ -438,6 +439,46 @@ pub unsafe extern "C" fn kvrail_worker_new_rank(
     tp_size: u32,
     out: *mut *mut kvrail_worker,
 ) -> kvrail_result {
+    // SAFETY: the caller's promises, passed on (no caches: kvrail allocates them).
+    unsafe {
+        kvrail_worker_new_caches(
+            engine_id,
+            agent_config_json,
+            kv_transfer_config,
+            layout_json,
+            tp_rank,
+            tp_size,
+            std::ptr::null(),
+            0,
+            out,
+        )
+    }
+}
+
+/// `register_kv_caches`: like [`kvrail_worker_new_rank`] (rank `tp_rank` of `tp_size`), over the
+/// engine's own KV cache — `caches[0..n_caches]`, each one allocation holding one layer or
+/// several at offsets (pooled), of the memory `kv_buffer_device` names (`"cpu"`: host,
+/// `"rbln"`: NPU) — registered in place; the engine keeps writing and reading it directly.
+/// `n_caches` 0 lets kvrail allocate the cache (as [`kvrail_worker_new_rank`]). Errors name
+/// the cache and field (`caches[1].mem.addr: …`), a layer the layout lacks or misses, or
+/// `kv_buffer_device`.
+///
+/// # Safety
+/// As [`kvrail_worker_new`]; `caches` readable for `n_caches` entries, their strings
+/// NUL-terminated and their memory valid until the worker is freed.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvrail_worker_new_caches(
+    engine_id: *const c_char,
+    agent_config_json: *const c_char,
+    kv_transfer_config: *const c_char,
+    layout_json: *const c_char,
+    tp_rank: u32,
+    tp_size: u32,
+    caches: *const kvrail_kv_cache,
+    n_caches: usize,
+    out: *mut *mut kvrail_worker,
+) -> kvrail_result {
     boundary(|| {
         // SAFETY: the caller's promises.
         let (engine, cfg, layout) = unsafe {
@@ -461,7 +502,12 @@ pub unsafe extern "C" fn kvrail_worker_new_rank(
             .map_err(|e| Failure::new(kvrail_result::InvalidConfig, format!("layout_json: {e}")))?;
         let ac = agent_config(&cfg, &layout, parse_config(agent_json)?);
         let agent = Arc::new(Agent::new(&rank_agent_name(engine, tp_rank), ac)?);
-        let w = Worker::with_rank(agent, cfg, layout, tp_rank, tp_size.max(1))?;
+        // SAFETY: the caller's promise (n_caches entries; memory alive while registered).
+        let caches = match n_caches {
+            0 => KvCaches::Allocate,
+            n => KvCaches::Engine(unsafe { kv_caches(caches, n) }?),
+        };
+        let w = Worker::with_caches(agent, cfg, layout, (tp_rank, tp_size.max(1)), caches)?;
         let h = Box::new(WorkerHandle {
             w: Mutex::new(w),
             pending: Mutex::new(None),

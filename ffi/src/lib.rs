@@ -19,11 +19,13 @@
 
 mod agent;
 mod connector;
+mod memory;
 mod result;
 mod util;
 mod xfer;
 
 pub use agent::*;
 pub use connector::*;
+pub use memory::*;
 pub use result::*;
 pub use xfer::*;

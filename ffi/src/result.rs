@@ -46,6 +46,9 @@ pub enum kvrail_result {
     Connection = 210,
     /// Not supported by this build or configuration.
     Unsupported = 211,
+    /// Memory cannot be registered: it overlaps a registration, its layers lie outside it,
+    /// or it is not what its kind says (an NPU address outside every allocation).
+    InvalidMemory = 212,
     /// The transfer failed (see `kvrail_xfer_error`).
     XferFailed = 300,
     /// The wait timed out; the transfer is still in progress.
@@ -68,6 +71,7 @@ impl From<&AgentError> for kvrail_result {
             AgentError::Handshake(_) => Self::Handshake,
             AgentError::Metadata(_) => Self::Metadata,
             AgentError::Connection { .. } => Self::Connection,
+            AgentError::InvalidMemory(_) => Self::InvalidMemory,
             _ => Self::Unsupported,
         }
     }
@@ -98,7 +102,7 @@ pub(crate) fn set_last(msg: &str) {
 
 impl kvrail_result {
     /// Every code, for lookups from a raw value.
-    const ALL: [Self; 21] = [
+    const ALL: [Self; 22] = [
         Self::Ok,
         Self::NullParameter,
         Self::InvalidArgument,
@@ -117,6 +121,7 @@ impl kvrail_result {
         Self::Metadata,
         Self::Connection,
         Self::Unsupported,
+        Self::InvalidMemory,
         Self::XferFailed,
         Self::Timeout,
         Self::Panic,
@@ -149,6 +154,7 @@ pub extern "C" fn kvrail_result_message(result: u32) -> *const c_char {
         kvrail_result::Metadata => c"peer metadata unusable",
         kvrail_result::Connection => c"connection failed",
         kvrail_result::Unsupported => c"not supported",
+        kvrail_result::InvalidMemory => c"memory cannot be registered",
         kvrail_result::XferFailed => c"transfer failed",
         kvrail_result::Timeout => c"timed out",
         kvrail_result::Panic => c"internal error (panic caught)",

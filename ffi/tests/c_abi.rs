@@ -104,7 +104,15 @@ fn lab_config() -> (String, String) {
 }
 
 fn run(bin: &Path, args: &[&str]) -> String {
-    let o = Command::new(bin).args(args).output().unwrap();
+    run_env(bin, args, &[])
+}
+
+fn run_env(bin: &Path, args: &[&str], env: &[(&str, &Path)]) -> String {
+    let mut c = Command::new(bin);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let o = c.args(args).output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
@@ -142,7 +150,10 @@ fn c_connector_pull_and_push() {
 #[test]
 fn c_error_codes_for_bad_input() {
     let bin = compile("errors");
-    let out = run(&bin, &[]);
+    // NPU memory is checked against kvrail's RBLN test runtime
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("c-rbln");
+    let rt = rbln_sys::test_runtime::build(&dir, &[]).expect("building the RBLN test runtime");
+    let out = run_env(&bin, &[], &[("RBLN_RUNTIME_LIB", &rt)]);
     assert!(out.contains("all error checks passed"), "{out}");
 }
 
