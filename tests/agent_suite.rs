@@ -527,6 +527,9 @@ impl SilentPeer {
                 remote_read: true,
                 remote_write: true,
                 layers: vec![],
+                device: -1,
+                layer_offsets: vec![],
+                layer_len: 0,
             }],
         }
         .encode()

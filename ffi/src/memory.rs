@@ -78,7 +78,7 @@ pub(crate) fn access(access: u32) -> Result<RemoteAccess, Failure> {
 }
 
 /// The RBLN runtime, loaded once (for NPU memory).
-fn runtime() -> Result<Arc<RblnLib>, Failure> {
+pub(crate) fn runtime() -> Result<Arc<RblnLib>, Failure> {
     static LIB: OnceLock<Result<Arc<RblnLib>, String>> = OnceLock::new();
     LIB.get_or_init(|| RblnLib::load().map_err(|e| e.to_string()))
         .clone()

@@ -45,6 +45,9 @@ pub struct AgentConfig {
     pub numa: i32,
     /// Use only these RDMA devices as rails (empty: every usable one).
     pub devices: Vec<String>,
+    /// Where rail discovery reads sysfs and `/proc/net/route` (None: the running system;
+    /// a fixture tree in tests, see `tests/fixtures/make_sysfs.py`).
+    pub sysfs_root: Option<std::path::PathBuf>,
 }
 
 impl Default for AgentConfig {
@@ -69,6 +72,7 @@ impl Default for AgentConfig {
             require_layers: true,
             numa: -1,
             devices: Vec::new(),
+            sysfs_root: None,
         }
     }
 }

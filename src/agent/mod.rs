@@ -38,6 +38,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use config::{AgentConfig, BackendChoice};
 pub use region::{RegionId, RegionMemory, RemoteAccess};
 pub use register::{MemRegion, RegisteredMemory};
+#[cfg(feature = "verbs")]
+pub(crate) use verbs::config_rails;
 
 use crate::proto::handshake::{HandshakeError, HandshakeInfo};
 use metadata::{AgentMetadata, BackendKind, MetadataError, RegionMeta};
@@ -264,11 +266,15 @@ impl Agent {
                     tracing::info!(agent = name, rails = ?names, "kvrail backend: verbs");
                     Some(Arc::new(v))
                 }
+                Err(verbs::OpenError::NoRdma(why)) if choice == BackendChoice::Auto => {
+                    tracing::info!(agent = name, "kvrail backend: tcp (no RDMA here: {why})");
+                    None
+                }
                 Err(why) if choice == BackendChoice::Auto => {
-                    let why = why.lines().next().unwrap_or("").to_owned();
-                    tracing::info!(
+                    let why = why.to_string().lines().next().unwrap_or("").to_owned();
+                    tracing::warn!(
                         agent = name,
-                        "kvrail backend: tcp (verbs not usable: {why})"
+                        "kvrail backend: tcp, falling back from verbs: {why}"
                     );
                     None
                 }

@@ -114,6 +114,11 @@ impl MemRegion {
         self.kind
     }
 
+    /// The device it is on (-1 for host memory).
+    pub fn device_id(&self) -> i32 {
+        self.device
+    }
+
     /// Each layer it holds and where: (name, offset, bytes).
     pub fn layer_spans(&self) -> Vec<(String, u64, u64)> {
         let l = &self.layers;

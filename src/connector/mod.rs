@@ -17,6 +17,7 @@ pub mod config;
 mod layout;
 pub mod linkwatch;
 mod meta;
+pub mod placement;
 mod scheduler;
 pub mod tp;
 mod worker;

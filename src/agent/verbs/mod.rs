@@ -208,22 +208,63 @@ fn verr(e: impl ToString) -> AgentError {
     AgentError::Unsupported(format!("verbs: {}", e.to_string()))
 }
 
+/// Why the verbs backend did not open, by fault: a host without RDMA is no error for
+/// `auto` (it takes TCP quietly); RDMA present but unusable, or a failure opening it, is
+/// worth a warning.
+#[derive(Debug)]
+pub(crate) enum OpenError {
+    /// No RDMA device on this host (or no way to discover one).
+    NoRdma(String),
+    /// RDMA devices exist, none usable here (NUMA node, link, address: the verdicts say).
+    NoUsableRail(String),
+    /// Opening a usable rail failed.
+    Failed(String),
+}
+
+impl std::fmt::Display for OpenError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NoRdma(s) | Self::NoUsableRail(s) | Self::Failed(s) => f.write_str(s),
+        }
+    }
+}
+
+/// The rails `config` selects on this host (or under `config.sysfs_root`): the usable ones
+/// for the accelerator's NUMA node, narrowed to `config.devices`.
+pub(crate) fn config_rails(config: &AgentConfig) -> Result<Vec<crate::rails::Rail>, OpenError> {
+    let root = config
+        .sysfs_root
+        .as_ref()
+        .map_or_else(SysfsRoot::system, |p| SysfsRoot::new(p.clone()));
+    let host = discover(&root, &AddrSource::for_root(&root))
+        .map_err(|e| OpenError::NoRdma(format!("RDMA discovery failed: {e}")))?;
+    if host.ports.is_empty() {
+        return Err(OpenError::NoRdma(format!(
+            "no RDMA device under {}",
+            root.join("sys/class/infiniband").display()
+        )));
+    }
+    let mut rails =
+        select(&host, config.numa).map_err(|e| OpenError::NoUsableRail(e.to_string()))?;
+    if !config.devices.is_empty() {
+        rails.retain(|r| config.devices.contains(&r.port.device));
+        if rails.is_empty() {
+            return Err(OpenError::NoUsableRail(format!(
+                "none of the configured devices {:?} is a usable rail",
+                config.devices
+            )));
+        }
+    }
+    Ok(rails)
+}
+
 impl Verbs {
     /// Open the usable rails (all of them, or `config.devices`), or say why none is usable.
-    pub(crate) fn open(config: &AgentConfig) -> Result<Self, String> {
-        let root = SysfsRoot::system();
-        let host = discover(&root, &AddrSource::System)
-            .map_err(|e| format!("RDMA discovery failed: {e}"))?;
-        let mut rails = select(&host, config.numa).map_err(|e| e.to_string())?;
-        if !config.devices.is_empty() {
-            rails.retain(|r| config.devices.contains(&r.port.device));
-            if rails.is_empty() {
-                return Err(format!(
-                    "none of the configured devices {:?} is a usable rail",
-                    config.devices
-                ));
-            }
-        }
+    pub(crate) fn open(config: &AgentConfig) -> Result<Self, OpenError> {
+        Self::open_rails(config, config_rails(config)?).map_err(OpenError::Failed)
+    }
+
+    fn open_rails(config: &AgentConfig, rails: Vec<crate::rails::Rail>) -> Result<Self, String> {
         let mode = StripeMode::from_stripe_width(config.stripe_width)?;
         let mut out = Vec::new();
         let poll = Poll::new().map_err(|e| e.to_string())?;
