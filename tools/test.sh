@@ -25,6 +25,8 @@ echo "=== tier 2: verbs suite inside the Soft-RoCE lab"
 cargo test --test verbs_lab
 echo "=== tier 2: the agent's shared suite on the verbs backend inside the Soft-RoCE lab"
 cargo test --test agent_suite -- --test-threads=1
+echo "=== tier 2: the engine's own memory (Vec, file mmap, raw range) in place on verbs; NPU memory refused with the reason"
+cargo test --test agent_memory -- --test-threads=1
 echo "=== tier 2: host bounce between NPU memories (RBLN test runtime) and the dma-buf probe, on verbs"
 cargo test --test bounce_suite -- --test-threads=1
 echo "=== tier 2: the C ABI on verbs: the C example, the C error checks, the Python ctypes check"
