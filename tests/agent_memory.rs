@@ -72,9 +72,11 @@ fn engine_vec_mmap_and_raw_memory_move_in_place_both_ways() {
         )
         .unwrap();
     // D: a file mapping the test made, and a raw range of a box the test keeps
-    let file = tempfile_in_target("agent-memory.map", LEN);
+    let (file, path) = tempfile_in_target("agent-memory.map", LEN);
     // SAFETY: the test owns the file and nothing else maps it.
     let map = unsafe { memmap2::MmapMut::map_mut(&file) }.unwrap();
+    // removed once mapped (the lab's 9p target directory cannot map an unlinked file)
+    std::fs::remove_file(path).unwrap();
     let dm = d.register_memory(MemRegion::mmap(map).unwrap()).unwrap();
     let mut raw = vec![0u8; LEN].into_boxed_slice();
     // SAFETY: `raw` outlives the registration (deregistered below, before it drops), and the
@@ -130,7 +132,7 @@ fn engine_vec_mmap_and_raw_memory_move_in_place_both_ways() {
     drop(raw);
 }
 
-fn tempfile_in_target(name: &str, len: usize) -> std::fs::File {
+fn tempfile_in_target(name: &str, len: usize) -> (std::fs::File, std::path::PathBuf) {
     let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("{}-{name}", std::process::id()));
     let f = std::fs::OpenOptions::new()
@@ -141,8 +143,7 @@ fn tempfile_in_target(name: &str, len: usize) -> std::fs::File {
         .open(&path)
         .unwrap();
     f.set_len(len as u64).unwrap();
-    let _ = std::fs::remove_file(&path); // the open file stays
-    f
+    (f, path)
 }
 
 #[test]
