@@ -3,8 +3,8 @@
 //! are registered in place, moved between two agents byte for byte both ways, and given
 //! back holding what landed; on verbs the agents copy no payload byte. Registration
 //! refusals name the problem; pooled layers reach the peer's metadata; NPU memory (the
-//! engine's own allocation in kvrail's RBLN test runtime) moves on TCP, and is refused on
-//! verbs with the reason until the agent bounces it.
+//! engine's own allocation in kvrail's RBLN test runtime) moves on both (on verbs through
+//! the agent's host bounce).
 
 #![allow(unsafe_code)] // plays an engine handing kvrail raw addresses of memory it owns
 
@@ -234,7 +234,7 @@ fn runtime() -> Arc<RblnLib> {
 }
 
 #[test]
-fn engine_npu_memory_registers_in_place_and_moves_on_tcp() {
+fn engine_npu_memory_registers_in_place_and_moves() {
     let lib = runtime();
     let (p, d, peer) = agents();
     // the engine allocated its cache itself; kvrail borrows it by address
@@ -254,17 +254,6 @@ fn engine_npu_memory_registers_in_place_and_moves_on_tcp() {
     use kvrail::mem::DeviceMemory;
     engine.copy_from_host(0, &kv).unwrap();
     let reg = p.register_memory(MemRegion::device(engine, 1).access(RemoteAccess::READ));
-    if on_verbs() {
-        // rxe has no dma-buf, and the agent does not bounce device memory yet: refused
-        let e = reg.unwrap_err();
-        assert!(
-            e.to_string()
-                .contains("cannot be registered on the verbs backend")
-                && e.to_string().contains("EOPNOTSUPP"),
-            "{e}"
-        );
-        return;
-    }
     let src = reg.unwrap();
     d.load_remote(p.side_channel_addr()).unwrap();
     let meta = d.remote_metadata(&peer).unwrap();
@@ -285,6 +274,12 @@ fn engine_npu_memory_registers_in_place_and_moves_on_tcp() {
     let mut got = vec![0u8; 700_000];
     dst_npu.copy_to_host(5, &mut got).unwrap();
     assert_eq!(first_diff(&got, &kv[11..700_011]), None);
+    // on verbs the agent staged it (host bounce); on TCP the runtime's copies fed the socket
+    match (p.bounce_stats(), on_verbs()) {
+        (Some(s), true) => assert_eq!(s.bytes_sent, 700_000, "{s:?}"),
+        (None, false) => assert_eq!(p.payload_bytes_copied(), 700_000),
+        (s, v) => panic!("bounce stats {s:?} on verbs={v}"),
+    }
     d.deregister_memory(dst).unwrap();
     p.deregister_memory(src).unwrap();
     drop(owned);

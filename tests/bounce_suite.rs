@@ -1,20 +1,25 @@
-//! Host bounce between two agents' NPU memories, on both backends: TCP on any host (`cargo
-//! test`), verbs inside the kvrail lab (`tools/test.sh`), where host A's agent uses rxeA*
-//! and host B's rxeB*. The NPU memory is kvrail's test runtime (the public RBLN C API on host
-//! memory, compiled here from C and loaded through rbln-sys), so every byte crosses
-//! `rbln_memcpy` device → host, the fabric, and `rbln_memcpy` host → device; the test
-//! runtime refuses copies whose device side is not its memory. Byte-exact both ways; the
-//! notification only after every byte is in device memory; descriptor validation; device
-//! copy failures on either side; a vanished peer; malformed bounce messages; and (on verbs)
-//! the dma-buf probe saying "unsupported" on rxe with the fallback engaging.
+//! NPU memory through the agent's own API, on both backends: TCP on any host (`cargo test`:
+//! device memory moves by copies through the runtime) and verbs inside the kvrail lab
+//! (`tools/test.sh`: the agent's host-bounce path, staging slots and pipelined chunks),
+//! where host A's agent uses rxeA* and host B's rxeB*. The NPU memory is kvrail's test
+//! runtime (the public RBLN C API on host memory, compiled here from C and loaded through
+//! rbln-sys), so every byte crosses `rbln_memcpy` device → host, the fabric, and
+//! `rbln_memcpy` host → device; the test runtime refuses copies whose device side is not
+//! its memory. Byte-exact both ways for NPU↔NPU, NPU↔host and host↔NPU; the notification
+//! only after every byte is in the destination's memory; descriptor validation; device copy
+//! failures on either side; a vanished peer; malformed bounce messages; and (on verbs) the
+//! dma-buf probe saying "unsupported" on rxe with the fallback engaging.
 
 mod lab;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvrail::agent::{Agent, AgentError, XferId, XferOp, XferStatus};
-use kvrail::bounce::{Bounce, BounceConfig, DevDesc, DevRegionId};
+use kvrail::agent::{
+    Agent, AgentConfig, AgentError, Desc, MemRegion, RegionId, RemoteAccess, XferId, XferOp,
+    XferStatus,
+};
+use kvrail::bounce::BounceConfig;
 use kvrail::mem::{DeviceMemory, HostBuffer, KvBufferDevice, MemError, MemoryPath, NpuMemory};
 use rbln_sys::RblnLib;
 
@@ -24,8 +29,16 @@ fn runtime() -> Arc<RblnLib> {
     RblnLib::load_from(p.to_str().unwrap()).expect("loading the RBLN test runtime")
 }
 
-fn agent(name: &str, host_a: bool) -> Arc<Agent> {
-    Arc::new(Agent::new(name, lab::agent_config(host_a)).unwrap())
+fn on_verbs() -> bool {
+    lab::Topology::from_env().is_some()
+}
+
+fn agent_with(name: &str, host_a: bool, bounce: BounceConfig) -> Agent {
+    let c = AgentConfig {
+        bounce,
+        ..lab::agent_config(host_a)
+    };
+    Agent::new(name, c).unwrap()
 }
 
 fn small_slots() -> BounceConfig {
@@ -36,13 +49,36 @@ fn small_slots() -> BounceConfig {
     }
 }
 
-/// Prefill (host B) and decode (host A), linked; returns (p, d, d's name for p).
-fn pair(cfg: BounceConfig) -> (Bounce, Bounce, String) {
-    let p = Bounce::new(agent("prefill-0", false), cfg.clone()).unwrap();
-    let d = Bounce::new(agent("decode-0", true), cfg).unwrap();
-    let name = d.connect(p.agent().side_channel_addr()).unwrap();
+/// Prefill (host B) and decode (host A), each with the other loaded; (p, d, d's name for p).
+fn pair(cfg: BounceConfig) -> (Agent, Agent, String) {
+    let p = agent_with("prefill-0", false, cfg.clone());
+    let d = agent_with("decode-0", true, cfg);
+    let name = d.load_remote(p.side_channel_addr()).unwrap();
     assert_eq!(name, "prefill-0");
+    relink(&p, &d);
     (p, d, name)
+}
+
+/// Each side reloads the other's metadata (after registering memory).
+fn relink(p: &Agent, d: &Agent) {
+    d.load_remote(p.side_channel_addr()).unwrap();
+    p.load_remote(d.side_channel_addr()).unwrap();
+}
+
+/// Register device memory `m` (device `dev`) for peers to READ and WRITE.
+fn dev(a: &Agent, m: Arc<dyn DeviceMemory>, dev: i32) -> RegionId {
+    a.register_memory(MemRegion::device(m, dev).access(RemoteAccess::READ_WRITE))
+        .unwrap()
+}
+
+/// Register host memory of `len` bytes holding `bytes` at 0.
+fn host(a: &Agent, len: u64, bytes: &[u8]) -> (RegionId, Arc<HostBuffer>) {
+    let b = HostBuffer::new(len as usize).unwrap();
+    b.write(0, bytes).unwrap();
+    let r = a
+        .register_memory(MemRegion::host(b.clone()).access(RemoteAccess::READ_WRITE))
+        .unwrap();
+    (r, b)
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -51,7 +87,7 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn wait(b: &Bounce, x: XferId) -> XferStatus {
+fn wait(b: &Agent, x: XferId) -> XferStatus {
     let s = b.wait(x, Duration::from_secs(120)).unwrap();
     assert_ne!(s, XferStatus::InProgress, "transfer {x:?} hung");
     s
@@ -68,7 +104,7 @@ fn read_dev(m: &dyn DeviceMemory, off: u64, len: usize) -> Vec<u8> {
 }
 
 /// Wait for one engine notification at `b`.
-fn next_notif(b: &Bounce) -> (String, Vec<u8>) {
+fn next_notif(b: &Agent) -> (String, Vec<u8>) {
     let t = Instant::now();
     loop {
         if let Some(n) = b.get_new_notifs().into_iter().next() {
@@ -93,32 +129,58 @@ fn layout(sizes: &[u64]) -> (Vec<(u64, u64)>, u64) {
     (v, off)
 }
 
-/// WRITE P → D and READ D ← P of `sizes`, each checked byte for byte in device memory, the
-/// notification checked to come after every byte.
-fn both_ways(cfg: BounceConfig, sizes: &[u64]) -> (Bounce, Bounce) {
+/// Which memory a side of a transfer uses.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Npu,
+    Host,
+}
+
+/// A region of `kind` holding `total` bytes, filled with `fill`, with a handle to read it.
+fn region(
+    a: &Agent,
+    kind: Kind,
+    lib: &Arc<RblnLib>,
+    n: i32,
+    total: u64,
+    fill: &[u8],
+) -> (RegionId, Arc<dyn DeviceMemory>) {
+    match kind {
+        Kind::Npu => {
+            let m = npu(lib, n, total);
+            m.copy_from_host(0, fill).unwrap();
+            (dev(a, m.clone(), n), m)
+        }
+        Kind::Host => {
+            let (r, b) = host(a, total, fill);
+            (r, b)
+        }
+    }
+}
+
+/// WRITE P → D and READ D ← P of `sizes`, P's memory `pk`, D's `dk`, each checked byte for
+/// byte, the notification checked to come after every byte.
+fn both_ways_kinds(cfg: BounceConfig, sizes: &[u64], pk: Kind, dk: Kind) -> (Agent, Agent) {
     let lib = runtime();
     let (p, d, peer) = pair(cfg);
     let (descs, total) = layout(sizes);
-    let src = npu(&lib, 0, total);
-    let dst = npu(&lib, 1, total);
     let src_pat = pattern(1, total as usize);
-    src.copy_from_host(0, &src_pat).unwrap();
-    let ps = p.add_device_memory(src.clone());
-    let ds = d.add_device_memory(dst.clone());
-    // P learns D's regions from D's Hello: wait until the WRITE validates
-    let ddesc: Vec<DevDesc> = descs.iter().map(|&(o, l)| DevDesc::new(ds, o, l)).collect();
-    let pdesc: Vec<DevDesc> = descs.iter().map(|&(o, l)| DevDesc::new(ps, o, l)).collect();
-    let w = retry(|| {
-        p.create_xfer(
+    let (ps, src) = region(&p, pk, &lib, 0, total, &src_pat);
+    let (ds, dst) = region(&d, dk, &lib, 1, total, &[]);
+    relink(&p, &d);
+    let ddesc: Vec<Desc> = descs.iter().map(|&(o, l)| Desc::new(ds, o, l)).collect();
+    let pdesc: Vec<Desc> = descs.iter().map(|&(o, l)| Desc::new(ps, o, l)).collect();
+    let w = p
+        .create_xfer(
             XferOp::Write,
             pdesc.clone(),
             "decode-0",
             ddesc.clone(),
             Some(b"written".to_vec()),
         )
-    });
+        .unwrap();
     p.post(w).unwrap();
-    // the notification first: when it is here, every byte must be in D's device memory
+    // the notification first: when it is here, every byte must be in D's memory
     let (from, n) = next_notif(&d);
     assert_eq!(
         (from.as_str(), n.as_slice()),
@@ -129,13 +191,13 @@ fn both_ways(cfg: BounceConfig, sizes: &[u64]) -> (Bounce, Bounce) {
         let r = o as usize..(o + l) as usize;
         assert!(
             got[r.clone()] == src_pat[r],
-            "WRITE: bytes at {o}+{l} differ"
+            "{pk:?} → {dk:?} WRITE: bytes at {o}+{l} differ"
         );
     }
     assert_eq!(wait(&p, w), XferStatus::Done);
     p.release(w).unwrap();
 
-    // READ the other way: D pulls a new pattern from P's device memory
+    // READ the other way: D pulls a new pattern from P's memory
     let pat2 = pattern(2, total as usize);
     src.copy_from_host(0, &pat2).unwrap();
     let r = d
@@ -146,27 +208,17 @@ fn both_ways(cfg: BounceConfig, sizes: &[u64]) -> (Bounce, Bounce) {
     let got = read_dev(&*dst, 0, total as usize);
     for &(o, l) in &descs {
         let r = o as usize..(o + l) as usize;
-        assert!(got[r.clone()] == pat2[r], "READ: bytes at {o}+{l} differ");
+        assert!(
+            got[r.clone()] == pat2[r],
+            "{pk:?} ← {dk:?} READ: bytes at {o}+{l} differ"
+        );
     }
     assert_eq!(next_notif(&p), ("decode-0".to_owned(), b"read".to_vec()));
     (p, d)
 }
 
-/// Retry creation until the peer's device regions are known (its Hello may still travel).
-fn retry(mut f: impl FnMut() -> Result<XferId, AgentError>) -> XferId {
-    let t = Instant::now();
-    loop {
-        match f() {
-            Ok(x) => return x,
-            Err(AgentError::InvalidDesc { reason, .. })
-                if reason.starts_with("no device region")
-                    && t.elapsed() < Duration::from_secs(10) =>
-            {
-                std::thread::sleep(Duration::from_millis(5))
-            }
-            Err(e) => panic!("{e}"),
-        }
-    }
+fn both_ways(cfg: BounceConfig, sizes: &[u64]) -> (Agent, Agent) {
+    both_ways_kinds(cfg, sizes, Kind::Npu, Kind::Npu)
 }
 
 #[test]
@@ -174,14 +226,27 @@ fn npu_to_npu_both_ways_byte_exact_in_pipelined_chunks() {
     let sizes = [1, 4095, (1 << 20) + 3, 3 << 20, 65536, 7];
     let (p, d) = both_ways(small_slots(), &sizes);
     let total: u64 = sizes.iter().sum();
-    let s = p.stats();
+    let (Some(s), Some(ds)) = (p.bounce_stats(), d.bounce_stats()) else {
+        assert!(!on_verbs(), "no bounce engine on verbs");
+        // TCP: the runtime's copies move device memory, every byte once per transfer
+        assert_eq!(p.payload_bytes_copied(), 2 * total);
+        return;
+    };
     // P sends for its WRITE and for D's READ: each byte once per transfer
     assert_eq!(s.bytes_sent, 2 * total, "{s:?}");
     assert!(s.chunks_sent >= 2 * total.div_ceil(256 << 10), "{s:?}");
     assert!(s.max_in_flight >= 2, "chunks overlapped: {s:?}");
-    assert_eq!(d.stats().chunks_received, s.chunks_sent);
-    assert_eq!(d.stats().bytes_sent, 0);
-    assert_eq!(p.malformed() + d.malformed(), 0);
+    assert_eq!(ds.chunks_received, s.chunks_sent);
+    assert_eq!(ds.bytes_sent, 0);
+    assert_eq!(s.malformed + ds.malformed, 0);
+}
+
+/// Host memory on one side, NPU memory on the other, both directions and both operations.
+#[test]
+fn npu_and_host_memory_mixed_both_ways() {
+    let sizes = [3, (1 << 20) + 5, 4096];
+    both_ways_kinds(small_slots(), &sizes, Kind::Npu, Kind::Host);
+    both_ways_kinds(small_slots(), &sizes, Kind::Host, Kind::Npu);
 }
 
 #[test]
@@ -193,38 +258,40 @@ fn a_thousand_small_descriptors() {
 #[test]
 fn an_empty_transfer_still_notifies() {
     let (p, d) = both_ways(small_slots(), &[]);
-    assert_eq!(p.stats().bytes_sent + d.stats().bytes_sent, 0);
+    if let (Some(a), Some(b)) = (p.bounce_stats(), d.bounce_stats()) {
+        assert_eq!(a.bytes_sent + b.bytes_sent, 0);
+    }
 }
 
 #[test]
 fn bad_descriptors_are_rejected_naming_side_and_index() {
     let lib = runtime();
     let (p, d, _) = pair(small_slots());
-    let ps = p.add_device_memory(npu(&lib, 0, 4096));
-    let ds = d.add_device_memory(npu(&lib, 1, 4096));
-    let ok = DevDesc::new(ps, 0, 100);
-    let remote = DevDesc::new(ds, 0, 100);
-    retry(|| p.create_xfer(XferOp::Write, vec![ok], "decode-0", vec![remote], None));
+    let ps = dev(&p, npu(&lib, 0, 4096), 0);
+    let ds = dev(&d, npu(&lib, 1, 4096), 1);
+    relink(&p, &d);
+    let ok = Desc::new(ps, 0, 100);
+    let remote = Desc::new(ds, 0, 100);
     let cases = [
         (
-            vec![DevDesc::new(DevRegionId(99), 0, 1)],
+            vec![Desc::new(RegionId(99), 0, 100)],
             vec![remote],
-            "local descriptor #0: no device region 99",
+            "local descriptor #0: region 99 is not registered",
         ),
         (
-            vec![ok, DevDesc::new(ps, 4000, 100)],
+            vec![ok, Desc::new(ps, 4000, 100)],
             vec![remote, remote],
-            "local descriptor #1: range [4000, 4000+100) is outside device region",
+            "local descriptor #1: [4000, 4000+100) is outside region",
         ),
         (
             vec![ok],
-            vec![DevDesc::new(ds, 4090, 100)],
-            "remote descriptor #0: range [4090, 4090+100)",
+            vec![Desc::new(ds, 4090, 100)],
+            "remote descriptor #0: [4090, 4090+100) is outside decode-0's region",
         ),
         (
             vec![ok],
-            vec![DevDesc::new(ds, 0, 99)],
-            "remote descriptor #0: 99 bytes, local has 100",
+            vec![Desc::new(ds, 0, 99)],
+            "remote descriptor #0: 99 bytes, the local descriptor has 100",
         ),
     ];
     for (l, r, want) in cases {
@@ -250,14 +317,17 @@ fn bad_descriptors_are_rejected_naming_side_and_index() {
         .create_xfer(XferOp::Write, vec![ok], "nobody", vec![remote], None)
         .unwrap_err();
     assert!(matches!(e, AgentError::UnknownPeer(_)), "{e}");
-    assert!(Bounce::new(
-        agent("x", true),
-        BounceConfig {
-            slots: 0,
-            ..BounceConfig::default()
-        }
-    )
-    .is_err());
+    if on_verbs() {
+        let c = AgentConfig {
+            bounce: BounceConfig {
+                slots: 0,
+                ..BounceConfig::default()
+            },
+            ..lab::agent_config(true)
+        };
+        let e = Agent::new("x", c).unwrap_err();
+        assert!(e.to_string().contains("staging slot"), "{e}");
+    }
 }
 
 /// Device memory whose runtime refuses copies at or beyond `bad_from` (while `on`).
@@ -295,12 +365,19 @@ impl DeviceMemory for Refusing {
     }
 }
 
+fn failed(a: &Agent, x: XferId, what: &str) -> String {
+    match wait(a, x) {
+        XferStatus::Error(e) => e,
+        s => panic!("{what} reported {s:?}"),
+    }
+}
+
 #[test]
 fn device_copy_failures_fail_the_transfer_and_withhold_the_notification() {
     let lib = runtime();
     let (p, d, peer) = pair(small_slots());
     let len = 2u64 << 20;
-    let good = p.add_device_memory(npu(&lib, 0, len));
+    let good = dev(&p, npu(&lib, 0, len), 0);
     let refusing = |bad_from| -> Arc<dyn DeviceMemory> {
         Arc::new(Refusing {
             mem: HostBuffer::new(len as usize).unwrap(),
@@ -308,66 +385,60 @@ fn device_copy_failures_fail_the_transfer_and_withhold_the_notification() {
             on: true.into(),
         })
     };
-    let d_bad = d.add_device_memory(refusing(1 << 20));
-    let p_bad = p.add_device_memory(refusing(1 << 20));
-    let d_good = d.add_device_memory(npu(&lib, 1, len));
+    let d_bad = dev(&d, refusing(1 << 20), 1);
+    let p_bad = dev(&p, refusing(1 << 20), 0);
+    let d_good = dev(&d, npu(&lib, 1, len), 1);
+    relink(&p, &d);
+    let write = |src, dst, n: &[u8]| {
+        let x = p
+            .create_xfer(
+                XferOp::Write,
+                vec![Desc::new(src, 0, len)],
+                "decode-0",
+                vec![Desc::new(dst, 0, len)],
+                Some(n.to_vec()),
+            )
+            .unwrap();
+        p.post(x).unwrap();
+        x
+    };
 
     // the receiver cannot place the second MiB
-    let x = retry(|| {
-        p.create_xfer(
-            XferOp::Write,
-            vec![DevDesc::new(good, 0, len)],
-            "decode-0",
-            vec![DevDesc::new(d_bad, 0, len)],
-            Some(b"must not arrive".to_vec()),
-        )
-    });
-    p.post(x).unwrap();
-    let XferStatus::Error(e) = wait(&p, x) else {
-        panic!("a refused placement reported success")
-    };
-    assert!(
-        e.contains("could not place a chunk") && e.contains("refuses H2D"),
-        "{e}"
+    let e = failed(
+        &p,
+        write(good, d_bad, b"must not arrive"),
+        "a refused placement",
     );
-
+    assert!(e.contains("refuses H2D"), "{e}");
+    if on_verbs() {
+        assert!(e.contains("could not place a chunk"), "{e}");
+    }
     // the sender cannot read its second MiB
-    let x = p
-        .create_xfer(
-            XferOp::Write,
-            vec![DevDesc::new(p_bad, 0, len)],
-            "decode-0",
-            vec![DevDesc::new(d_good, 0, len)],
-            Some(b"must not arrive either".to_vec()),
-        )
-        .unwrap();
-    p.post(x).unwrap();
-    let XferStatus::Error(e) = wait(&p, x) else {
-        panic!("a refused device read reported success")
-    };
-    assert!(
-        e.contains("copying from device memory") && e.contains("refuses D2H"),
-        "{e}"
+    let e = failed(
+        &p,
+        write(p_bad, d_good, b"nor this"),
+        "a refused device read",
     );
-
+    assert!(e.contains("refuses D2H"), "{e}");
+    if on_verbs() {
+        assert!(e.contains("copying out of local memory"), "{e}");
+    }
     // a READ whose source (at the peer) cannot be read
     let r = d
         .create_xfer(
             XferOp::Read,
-            vec![DevDesc::new(d_good, 0, len)],
+            vec![Desc::new(d_good, 0, len)],
             &peer,
-            vec![DevDesc::new(p_bad, 0, len)],
+            vec![Desc::new(p_bad, 0, len)],
             Some(b"no".to_vec()),
         )
         .unwrap();
     d.post(r).unwrap();
-    let XferStatus::Error(e) = wait(&d, r) else {
-        panic!("a READ of refused memory reported success")
-    };
-    assert!(
-        e.contains("could not send") && e.contains("refuses D2H"),
-        "{e}"
-    );
+    let e = failed(&d, r, "a READ of refused memory");
+    assert!(e.contains("refuses D2H"), "{e}");
+    if on_verbs() {
+        assert!(e.contains("could not send"), "{e}");
+    }
 
     // no engine notification for the failed transfers, and the link still works
     std::thread::sleep(Duration::from_millis(300));
@@ -376,9 +447,9 @@ fn device_copy_failures_fail_the_transfer_and_withhold_the_notification() {
     let x = p
         .create_xfer(
             XferOp::Write,
-            vec![DevDesc::new(good, 0, 1000)],
+            vec![Desc::new(good, 0, 1000)],
             "decode-0",
-            vec![DevDesc::new(d_good, 0, 1000)],
+            vec![Desc::new(d_good, 0, 1000)],
             Some(b"fine".to_vec()),
         )
         .unwrap();
@@ -396,19 +467,23 @@ fn engine_notifications_pass_and_malformed_bounce_messages_are_dropped() {
         next_notif(&d),
         ("prefill-0".to_owned(), b"engine says hi".to_vec())
     );
+    if !on_verbs() {
+        eprintln!("SKIPPED on TCP: no host-bounce engine there to drop malformed messages");
+        return;
+    }
     // garbage behind the bounce prefix, straight through the agent
     let mut bad = b"\xffKVRB1".to_vec();
     bad.extend_from_slice(&[0xc1, 0xff, 0x00, 0x13]);
-    d.agent().send_notif(&peer, bad).unwrap();
+    d.send_notif(&peer, bad).unwrap();
     let t = Instant::now();
-    while p.malformed() == 0 {
+    while p.bounce_stats().unwrap().malformed == 0 {
         assert!(
             t.elapsed() < Duration::from_secs(30),
             "malformed message not seen"
         );
         std::thread::sleep(Duration::from_millis(2));
     }
-    assert_eq!(p.malformed(), 1);
+    assert_eq!(p.bounce_stats().unwrap().malformed, 1);
     assert!(p.get_new_notifs().is_empty(), "not passed to the engine");
     d.send_notif(&peer, b"still linked".to_vec()).unwrap();
     assert_eq!(next_notif(&p).1, b"still linked");
@@ -422,32 +497,32 @@ fn a_vanished_peer_fails_transfers_in_bounded_time() {
         ..small_slots()
     };
     let (p, d, _) = pair(cfg);
-    let src = p.add_device_memory(npu(&lib, 0, 8 << 20));
-    let dst = d.add_device_memory(npu(&lib, 1, 8 << 20));
-    let mk = || {
-        p.create_xfer(
+    let src = dev(&p, npu(&lib, 0, 8 << 20), 0);
+    let dst = dev(&d, npu(&lib, 1, 8 << 20), 1);
+    relink(&p, &d);
+    let x = p
+        .create_xfer(
             XferOp::Write,
-            vec![DevDesc::new(src, 0, 8 << 20)],
+            vec![Desc::new(src, 0, 8 << 20)],
             "decode-0",
-            vec![DevDesc::new(dst, 0, 8 << 20)],
+            vec![Desc::new(dst, 0, 8 << 20)],
             None,
         )
-    };
-    let x = retry(mk);
-    drop(d); // the decode side's bounce and agent go away
+        .unwrap();
+    drop(d); // the decode side's agent goes away
     let t = Instant::now();
-    p.post(x).unwrap();
-    let XferStatus::Error(e) = wait(&p, x) else {
-        panic!("a transfer to a vanished peer reported success")
-    };
-    eprintln!("failed after {:?}: {e}", t.elapsed());
+    // the post itself may already see the closed connection
+    if p.post(x).is_ok() {
+        let e = failed(&p, x, "a transfer to a vanished peer");
+        eprintln!("failed after {:?}: {e}", t.elapsed());
+    }
     assert!(t.elapsed() < Duration::from_secs(60));
 }
 
 #[test]
 fn dmabuf_probe_and_the_fallback_to_host_bounce() {
     let lib = runtime();
-    let a = agent("probe", true);
+    let a = agent_with("probe", true, BounceConfig::default());
     let rails = a.dmabuf_support();
     let exporter = lib.dmabuf_export().map_err(|e| e.to_string());
     let path = MemoryPath::choose(KvBufferDevice::Rbln, exporter, &rails);
@@ -455,7 +530,7 @@ fn dmabuf_probe_and_the_fallback_to_host_bounce() {
         panic!("{path:?}")
     };
     assert!(reason.contains("rbln_rdma_export_dmabuf"), "{reason}");
-    if lab::Topology::from_env().is_some() {
+    if on_verbs() {
         // rxe has no dma-buf support: the probe says so on every rail
         assert_eq!(rails.len(), 2, "{rails:?}");
         for r in &rails {
@@ -484,22 +559,23 @@ fn a_repost_after_a_failure_is_judged_on_its_own_chunks() {
     let src = npu(&lib, 0, len);
     let pat = pattern(9, len as usize);
     src.copy_from_host(0, &pat).unwrap();
-    let ps = p.add_device_memory(src);
+    let ps = dev(&p, src, 0);
     let target = Arc::new(Refusing {
         mem: HostBuffer::new(len as usize).unwrap(),
         bad_from: 0,
         on: true.into(),
     });
-    let ds = d.add_device_memory(target.clone());
-    let x = retry(|| {
-        p.create_xfer(
+    let ds = dev(&d, target.clone(), 1);
+    relink(&p, &d);
+    let x = p
+        .create_xfer(
             XferOp::Write,
-            vec![DevDesc::new(ps, 0, len)],
+            vec![Desc::new(ps, 0, len)],
             "decode-0",
-            vec![DevDesc::new(ds, 0, len)],
+            vec![Desc::new(ds, 0, len)],
             Some(b"second time".to_vec()),
         )
-    });
+        .unwrap();
     for _ in 0..5 {
         target.on.store(true, std::sync::atomic::Ordering::SeqCst);
         p.post(x).unwrap();

@@ -489,15 +489,10 @@ fn engines_own_host_caches_across_tp_sizes() {
     pair_caches("Push", (2, Cache::HostPooled), (1, Cache::Host));
 }
 
-/// NPU memory of the test runtime (`rbln`): pooled P ranks, per-layer D ranks, TP 2 → 1,
-/// and push_stream. The verbs backend refuses NPU memory until the agent bounces it
-/// (connector_suite checks that refusal); here that part runs on TCP only.
+/// NPU memory of the test runtime (`rbln`): pooled P ranks, per-layer D ranks, TP 2 → 1
+/// and 1 → 2, and push_stream (on verbs through the agent's host bounce).
 #[test]
 fn engines_own_npu_caches_across_tp_sizes_and_push_stream() {
-    if lab::Topology::from_env().is_some() {
-        eprintln!("SKIPPED on verbs: NPU memory needs dma-buf or the agent's bounce path");
-        return;
-    }
     pair_caches("Pull", (2, Cache::NpuPooled), (1, Cache::Npu));
     pair_caches("Push", (1, Cache::Npu), (2, Cache::NpuPooled));
     stream_caches(2, 1, Cache::NpuPooled);

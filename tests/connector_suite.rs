@@ -246,8 +246,8 @@ fn push_moves_every_kv_byte_and_reports_completion() {
 /// The engines' own caches, registered in place (`register_kv_caches`): P one allocation per
 /// layer, D one pooled allocation for every layer (and the other way round), pull and push.
 /// `cpu`: host memory; on verbs the agents copy no payload byte. `rbln`: NPU memory of the
-/// test runtime, which moves on TCP by copies through the runtime, and which the verbs
-/// backend refuses with the reason (rxe has no dma-buf; the agent does not bounce yet).
+/// test runtime, which moves on TCP by copies through the runtime and on verbs through the
+/// agent's host bounce (rxe has no dma-buf).
 fn engines_own_caches(p_cache: Cache, d_cache: Cache) {
     for dir in ["Pull", "Push"] {
         let json = |role: &str| {
@@ -264,17 +264,6 @@ fn engines_own_caches(p_cache: Cache, d_cache: Cache) {
             layout(),
             p_cache,
         );
-        if lab::Topology::from_env().is_some() && p_cache.buffer_device() == "rbln" {
-            let e = p
-                .err()
-                .expect("NPU memory on rxe verbs is refused")
-                .to_string();
-            assert!(
-                e.contains("cannot be registered on the verbs backend") && e.contains("dma-buf"),
-                "{e}"
-            );
-            return;
-        }
         let p = p.unwrap();
         let d = engine_cache(
             "decode-engine",

@@ -48,6 +48,8 @@ pub struct AgentConfig {
     /// Where rail discovery reads sysfs and `/proc/net/route` (None: the running system;
     /// a fixture tree in tests, see `tests/fixtures/make_sysfs.py`).
     pub sysfs_root: Option<std::path::PathBuf>,
+    /// How device memory is staged on verbs (host bounce).
+    pub bounce: crate::bounce::BounceConfig,
 }
 
 impl Default for AgentConfig {
@@ -73,6 +75,7 @@ impl Default for AgentConfig {
             numa: -1,
             devices: Vec::new(),
             sysfs_root: None,
+            bounce: crate::bounce::BounceConfig::default(),
         }
     }
 }

@@ -250,7 +250,8 @@ impl AgentMetadata {
                     r.id, r.len
                 ));
             }
-            let want = if self.backend == BackendKind::Verbs {
+            // device memory is staged (host bounce), never addressed by rkey
+            let want = if self.backend == BackendKind::Verbs && r.kind == MemKind::Host {
                 self.rails.len()
             } else {
                 0

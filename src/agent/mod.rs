@@ -23,6 +23,7 @@
 //! ```
 
 mod config;
+mod local;
 pub mod metadata;
 mod notifs;
 mod region;
@@ -42,7 +43,7 @@ pub use register::{MemRegion, RegisteredMemory};
 pub(crate) use verbs::config_rails;
 
 use crate::proto::handshake::{HandshakeError, HandshakeInfo};
-use metadata::{AgentMetadata, BackendKind, MetadataError, RegionMeta};
+use metadata::{AgentMetadata, BackendKind, MemKind, MetadataError, RegionMeta};
 use region::Region;
 
 /// A descriptor: `len` bytes at `offset` of a region (local, or the peer's).
@@ -218,6 +219,8 @@ pub(crate) struct Shared {
     /// The verbs data path, when the agent runs on RDMA.
     #[cfg(feature = "verbs")]
     verbs: Option<Arc<verbs::Verbs>>,
+    /// The host-bounce engine (verbs backend): moves device memory through staging slots.
+    bounce: std::sync::OnceLock<crate::bounce::Engine>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -229,6 +232,22 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct Agent {
     shared: Arc<Shared>,
     _guard: Arc<tcp::Shutdown>,
+}
+
+/// An [`Agent`] that does not keep it alive: what its own helper threads hold.
+pub(crate) struct WeakAgent {
+    shared: std::sync::Weak<Shared>,
+    guard: std::sync::Weak<tcp::Shutdown>,
+}
+
+impl WeakAgent {
+    /// The agent, while some clone of it lives.
+    pub(crate) fn upgrade(&self) -> Option<Agent> {
+        Some(Agent {
+            shared: self.shared.upgrade()?,
+            _guard: self.guard.upgrade()?,
+        })
+    }
 }
 
 impl std::fmt::Debug for Agent {
@@ -329,17 +348,35 @@ impl Agent {
             copied: std::sync::atomic::AtomicU64::new(0),
             #[cfg(feature = "verbs")]
             verbs,
+            bounce: std::sync::OnceLock::new(),
         });
         #[cfg(feature = "verbs")]
         if let Some(v) = &shared.verbs {
             v.run(shared.clone())?;
         }
-        let guard = tcp::serve(shared.clone(), listener, local)?;
+        let guard = Arc::new(tcp::serve(shared.clone(), listener, local)?);
         tracing::info!(agent = name, side_channel = %addr, "kvrail agent up");
-        Ok(Self {
+        let agent = Self {
             shared,
-            _guard: Arc::new(guard),
-        })
+            _guard: guard,
+        };
+        #[cfg(feature = "verbs")]
+        if agent.shared.verbs.is_some() {
+            let engine = crate::bounce::Engine::start(
+                agent.downgrade(),
+                agent.shared.config.bounce.clone(),
+            )?;
+            let _ = agent.shared.bounce.set(engine);
+        }
+        Ok(agent)
+    }
+
+    /// A handle that does not keep the agent alive (for its own helper threads).
+    pub(crate) fn downgrade(&self) -> WeakAgent {
+        WeakAgent {
+            shared: Arc::downgrade(&self.shared),
+            guard: Arc::downgrade(&self._guard),
+        }
     }
 
     /// The agent's name.
@@ -504,6 +541,9 @@ impl Agent {
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
             v.remove_peer(&self.shared, peer);
+        }
+        if let Some(b) = self.shared.bounce.get() {
+            b.forget(peer);
         }
         p.conn.close();
         Ok(())
@@ -671,6 +711,45 @@ impl Agent {
         } else {
             0
         };
+        // device memory on either side, on verbs: the host-bounce path
+        let device = x.held.iter().any(|r| r.kind != MemKind::Host)
+            || x.remote.iter().any(|d| {
+                p.meta
+                    .regions
+                    .iter()
+                    .any(|m| m.id == d.region.0 && m.kind != MemKind::Host)
+            });
+        #[cfg(feature = "verbs")]
+        let device = device
+            && self
+                .shared
+                .verbs
+                .as_ref()
+                .is_some_and(|v| v.has_peer(&x.peer));
+        if let Some(engine) = self.shared.bounce.get().filter(|_| device) {
+            let part = |d: &Desc| crate::bounce::wire::Part {
+                region: d.region.0,
+                offset: d.offset,
+                len: d.len,
+            };
+            let pieces = x
+                .local
+                .iter()
+                .zip(&x.remote)
+                .map(|(l, r)| crate::bounce::wire::Piece {
+                    src: part(l),
+                    dst: part(r),
+                })
+                .collect();
+            let (op, peer, notif) = (x.op, x.peer.clone(), x.notif.clone());
+            drop(xfers);
+            drop(peers);
+            if let Err(e) = engine.post(self, id.0, op, &peer, pieces, notif) {
+                self.shared.finish(id.0, Err(e.to_string()));
+                return Err(e);
+            }
+            return Ok(());
+        }
         #[cfg(feature = "verbs")]
         if let Some(v) = self.shared.verbs.as_ref().filter(|v| v.has_peer(&x.peer)) {
             let local: Vec<(Arc<Region>, Desc)> = x
@@ -1066,7 +1145,22 @@ impl Shared {
             .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// A notification arrived from `from`: the host-bounce engine's go to it, the rest to
+    /// the engine's queue.
     fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
+        if let Some(b) = self
+            .bounce
+            .get()
+            .filter(|_| bytes.starts_with(crate::bounce::wire::MAGIC))
+        {
+            b.incoming(from, bytes);
+            return;
+        }
+        self.deliver_user_notif(from, bytes);
+    }
+
+    /// Queue a notification for the engine.
+    fn deliver_user_notif(&self, from: &str, bytes: Vec<u8>) {
         lock(&self.notifs).push_back((from.to_owned(), bytes));
         self.notif_cv.notify_all();
     }

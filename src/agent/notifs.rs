@@ -50,9 +50,8 @@ impl Shared {
     /// A numbered notification from `from` on target connection `conn`.
     pub(crate) fn deliver_seq_notif(&self, conn: u64, from: &str, seq: u64, bytes: Vec<u8>) {
         let ready = lock(&self.seqs).entry(conn).or_default().take(seq, bytes);
-        if !ready.is_empty() {
-            let mut q = lock(&self.notifs);
-            q.extend(ready.into_iter().map(|b| (from.to_owned(), b)));
+        for b in ready {
+            self.deliver_notif(from, b);
         }
     }
 

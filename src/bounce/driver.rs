@@ -1,6 +1,7 @@
-//! The bounce driver: link state, the send pump (device → slot → RDMA), the receive path
-//! (slot → device → acknowledgement), and the thread that reacts to notifications and
-//! chunk completions.
+//! The bounce driver: link state, the send pump (region → slot → RDMA), the receive path
+//! (slot → region → acknowledgement), and the thread that reacts to bounce messages and
+//! chunk completions. Lock order: the engine's state, then the agent's maps (the agent never
+//! calls in here with its maps held).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -8,9 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::wire::{self, Decoded, Part, Piece, Tag, Wire};
-use super::{part, DevDesc, Shared};
-use crate::agent::{AgentError, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
-use crate::mem::{DeviceMemory, HostBuffer, MemError};
+use super::Core;
+use crate::agent::{Agent, AgentError, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
+use crate::mem::{HostBuffer, MemError};
 
 /// The peer's staging region we write into.
 pub(crate) struct PeerStage {
@@ -27,83 +28,39 @@ pub(crate) struct Link {
     out_buf: Arc<HostBuffer>,
     in_stage: RegionId,
     in_buf: Arc<HostBuffer>,
-    pub(crate) peer: Option<PeerStage>,
-    /// The peer's device regions: id → size.
-    pub(crate) peer_regions: HashMap<u32, u64>,
+    peer: Option<PeerStage>,
+    /// When our Hello asking for the peer's went out (resent after a second unanswered).
+    hello_sent: Option<Instant>,
     /// Slots of the peer's staging region we may write now.
     free: VecDeque<u32>,
     /// Work waiting for a slot, in order.
-    pub(crate) queue: VecDeque<Job>,
+    queue: VecDeque<Job>,
+    /// READ requests waiting for the link (sent once the peer's Hello arrived).
+    reads: Vec<Wire>,
 }
 
 /// Pieces to send under one tag.
-pub(crate) struct Job {
-    pub(crate) tag: Tag,
-    pub(crate) pieces: VecDeque<Piece>,
-    pub(crate) notif: Option<Vec<u8>>,
+struct Job {
+    tag: Tag,
+    pieces: VecDeque<Piece>,
+    notif: Option<Vec<u8>>,
     /// Chunks sent so far.
-    pub(crate) sent: u32,
+    sent: u32,
 }
 
-/// A transfer created here.
-pub(crate) struct Xfer {
-    pub(crate) op: XferOp,
-    pub(crate) peer: String,
-    local: Vec<DevDesc>,
-    remote: Vec<DevDesc>,
-    pub(crate) notif: Option<Vec<u8>>,
-    pub(crate) status: XferStatus,
+/// An agent transfer this engine moves.
+struct Xfer {
+    op: XferOp,
+    peer: String,
+    notif: Option<Vec<u8>>,
+    active: bool,
     /// Which post this is (see [`Tag::gen`]).
-    pub(crate) gen: u32,
+    gen: u32,
     /// WRITE: chunks sent / acknowledged; all packed.
     sent: u32,
     acked: u32,
     packed: bool,
     last_progress: Instant,
-}
-
-impl Xfer {
-    pub(crate) fn new(
-        op: XferOp,
-        peer: &str,
-        local: Vec<DevDesc>,
-        remote: Vec<DevDesc>,
-        notif: Option<Vec<u8>>,
-    ) -> Self {
-        Self {
-            op,
-            peer: peer.into(),
-            local,
-            remote,
-            notif,
-            status: XferStatus::NotPosted,
-            gen: 0,
-            sent: 0,
-            acked: 0,
-            packed: false,
-            last_progress: Instant::now(),
-        }
-    }
-
-    pub(crate) fn reset(&mut self) {
-        self.status = XferStatus::InProgress;
-        self.gen = self.gen.wrapping_add(1);
-        (self.sent, self.acked, self.packed) = (0, 0, false);
-        self.last_progress = Instant::now();
-    }
-
-    /// The (local → remote) pieces, zero-length ones dropped.
-    pub(crate) fn pieces(&self) -> Vec<Piece> {
-        self.local
-            .iter()
-            .zip(&self.remote)
-            .filter(|(l, _)| l.len > 0)
-            .map(|(l, r)| Piece {
-                src: part(l),
-                dst: part(r),
-            })
-            .collect()
-    }
 }
 
 /// What the receiver has of one incoming transfer.
@@ -125,154 +82,204 @@ struct Inflight {
 
 #[derive(Default)]
 pub(crate) struct State {
-    pub(crate) devices: HashMap<u32, Arc<dyn DeviceMemory>>,
-    pub(crate) next_dev: u32,
     pub(crate) links: HashMap<String, Link>,
-    pub(crate) xfers: HashMap<u64, Xfer>,
-    pub(crate) next_xid: u64,
+    xfers: HashMap<u64, Xfer>,
     recvs: HashMap<(String, Tag), Recv>,
     inflight: Vec<Inflight>,
-    pub(crate) user_notifs: VecDeque<(String, Vec<u8>)>,
     pub(crate) stats: super::BounceStats,
 }
 
-pub(crate) fn send(sh: &Shared, peer: &str, w: &Wire) {
-    if let Err(e) = sh.agent.send_notif(peer, w.encode()) {
+fn send(agent: &Agent, peer: &str, w: &Wire) {
+    if let Err(e) = agent.send_notif(peer, w.encode()) {
         tracing::warn!(%peer, "host bounce: sending {w:?} failed: {e}");
     }
 }
 
 /// Our Hello for `peer`'s link.
-pub(crate) fn hello(sh: &Shared, st: &State, peer: &str, reply: bool) -> Wire {
-    let mut regions: Vec<(u32, u64)> = st.devices.iter().map(|(i, m)| (*i, m.size())).collect();
-    regions.sort_unstable();
+fn hello(core: &Core, agent: &Agent, st: &State, peer: &str, reply: bool) -> Wire {
     Wire::Hello {
-        addr: sh.agent.side_channel_addr().to_string(),
+        addr: agent.side_channel_addr().to_string(),
         in_stage: st.links.get(peer).map_or(u32::MAX, |l| l.in_stage.0),
-        slots: sh.config.slots,
-        slot_size: sh.config.slot_size,
-        regions,
+        slots: core.config.slots,
+        slot_size: core.config.slot_size,
         reply,
     }
 }
 
 /// Register `peer`'s staging regions unless they exist.
-pub(crate) fn ensure_link(sh: &Shared, st: &mut State, peer: &str) -> Result<(), AgentError> {
+fn ensure_link(core: &Core, agent: &Agent, st: &mut State, peer: &str) -> Result<(), AgentError> {
     if st.links.contains_key(peer) {
         return Ok(());
     }
-    let len = usize::try_from(sh.config.slots as u64 * sh.config.slot_size)
-        .map_err(|_| AgentError::Unsupported("staging size overflows".into()))?;
-    let out_stage = sh.agent.register(len, RemoteAccess::NONE, vec![])?;
-    let in_stage = sh.agent.register(len, RemoteAccess::WRITE, vec![])?;
+    let len = usize::try_from(u64::from(core.config.slots) * core.config.slot_size)
+        .map_err(|_| AgentError::Unsupported("bounce: staging size overflows".into()))?;
+    let out_stage = agent.register(len, RemoteAccess::NONE, vec![])?;
+    let in_stage = agent.register(len, RemoteAccess::WRITE, vec![])?;
     st.links.insert(
         peer.to_owned(),
         Link {
-            out_buf: sh.agent.region_buffer(out_stage)?,
-            in_buf: sh.agent.region_buffer(in_stage)?,
+            out_buf: agent.region_buffer(out_stage)?,
+            in_buf: agent.region_buffer(in_stage)?,
             out_stage,
             in_stage,
             peer: None,
-            peer_regions: HashMap::new(),
+            hello_sent: None,
             free: VecDeque::new(),
             queue: VecDeque::new(),
+            reads: Vec::new(),
         },
     );
     Ok(())
 }
 
-/// The driver thread: notifications in, chunk completions polled, timeouts.
-pub(crate) fn run(sh: &Arc<Shared>) {
-    while !sh.stop.load(Ordering::Acquire) {
-        let busy = {
-            let st = sh.lock();
-            !st.inflight.is_empty()
-                || st
-                    .xfers
-                    .values()
-                    .any(|x| x.status == XferStatus::InProgress)
-        };
-        let wait = if busy {
-            Duration::from_micros(200)
-        } else {
-            Duration::from_millis(20)
-        };
-        let msgs = sh.agent.wait_notifs(wait);
-        for (from, m) in msgs {
-            match wire::decode(&m) {
-                Decoded::Theirs => sh.lock().user_notifs.push_back((from, m)),
-                Decoded::Malformed(e) => {
-                    sh.malformed.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(peer = %from, "host bounce: malformed message dropped: {e}");
-                }
-                Decoded::Ours(w) => handle(sh, &from, w),
-            }
+/// Ask `peer` for its staging region (again, when the last ask went unanswered for 1 s).
+fn greet(core: &Core, agent: &Agent, st: &mut State, peer: &str) {
+    let due = st.links.get(peer).is_some_and(|l| {
+        l.peer.is_none()
+            && l.hello_sent
+                .is_none_or(|t| t.elapsed() > Duration::from_secs(1))
+    });
+    if due {
+        let h = hello(core, agent, st, peer, true);
+        if let Some(l) = st.links.get_mut(peer) {
+            l.hello_sent = Some(Instant::now());
         }
-        let mut st = sh.lock();
-        poll_inflight(sh, &mut st);
-        expire(sh, &mut st);
-        let peers: Vec<String> = st.links.keys().cloned().collect();
-        for p in peers {
-            pump(sh, &mut st, &p);
-        }
-        drop(st);
-        sh.cv.notify_all();
+        send(agent, peer, &h);
     }
 }
 
-fn handle(sh: &Shared, from: &str, w: Wire) {
+/// Start agent transfer `id`.
+pub(crate) fn post(
+    core: &Core,
+    agent: &Agent,
+    id: u64,
+    op: XferOp,
+    peer: &str,
+    pieces: Vec<Piece>,
+    notif: Option<Vec<u8>>,
+) -> Result<(), AgentError> {
+    let mut st = core.lock();
+    ensure_link(core, agent, &mut st, peer)?;
+    let x = st.xfers.entry(id).or_insert_with(|| Xfer {
+        op,
+        peer: peer.to_owned(),
+        notif: None,
+        active: false,
+        gen: 0,
+        sent: 0,
+        acked: 0,
+        packed: false,
+        last_progress: Instant::now(),
+    });
+    x.gen = x.gen.wrapping_add(1);
+    (x.active, x.sent, x.acked, x.packed) = (true, 0, 0, false);
+    x.last_progress = Instant::now();
+    x.notif = notif.clone();
+    let gen = x.gen;
+    let pieces: Vec<Piece> = pieces.into_iter().filter(|p| p.src.len > 0).collect();
+    let Some(l) = st.links.get_mut(peer) else {
+        return Ok(());
+    };
+    match op {
+        XferOp::Write => l.queue.push_back(Job {
+            tag: Tag {
+                xid: id,
+                read: false,
+                gen,
+            },
+            pieces: pieces.into(),
+            notif,
+            sent: 0,
+        }),
+        XferOp::Read => {
+            // the peer sends src (its memory) → dst (ours): swap the roles
+            let pieces = pieces
+                .into_iter()
+                .map(|p| Piece {
+                    src: p.dst,
+                    dst: p.src,
+                })
+                .collect();
+            let req = Wire::ReadReq {
+                xid: id,
+                gen,
+                pieces,
+            };
+            if l.peer.is_some() {
+                send(agent, peer, &req);
+            } else {
+                l.reads.push(req);
+            }
+        }
+    }
+    greet(core, agent, &mut st, peer);
+    pump(core, agent, &mut st, peer);
+    Ok(())
+}
+
+/// The driver thread: bounce messages in, chunk completions polled, timeouts. It holds the
+/// agent only while it works, and ends when the agent is gone.
+pub(crate) fn run(core: &Arc<Core>) {
+    loop {
+        let busy = {
+            let st = core.lock();
+            !st.inflight.is_empty() || st.xfers.values().any(|x| x.active)
+        };
+        let msgs: Vec<(String, Vec<u8>)> = {
+            let mut q = core.inbox.lock().unwrap_or_else(|p| p.into_inner());
+            if q.is_empty() && !core.stop.load(Ordering::Acquire) {
+                let wait = if busy {
+                    Duration::from_micros(200)
+                } else {
+                    Duration::from_secs(1)
+                };
+                q = core
+                    .wake
+                    .wait_timeout(q, wait)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            q.drain(..).collect()
+        };
+        if core.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(agent) = core.agent.upgrade() else {
+            return;
+        };
+        for (from, m) in msgs {
+            match wire::decode(&m) {
+                Decoded::Theirs => {}
+                Decoded::Malformed(e) => {
+                    core.malformed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(peer = %from, "host bounce: malformed message dropped: {e}");
+                }
+                Decoded::Ours(w) => handle(core, &agent, &from, w),
+            }
+        }
+        let mut st = core.lock();
+        poll_inflight(core, &agent, &mut st);
+        expire(core, &agent, &mut st);
+        let peers: Vec<String> = st.links.keys().cloned().collect();
+        for p in peers {
+            greet(core, &agent, &mut st, &p);
+            pump(core, &agent, &mut st, &p);
+        }
+    }
+}
+
+fn handle(core: &Core, agent: &Agent, from: &str, w: Wire) {
     if let Wire::Hello {
         addr,
         in_stage,
         slots,
         slot_size,
-        regions,
         reply,
     } = w
     {
-        if slots == 0 || slot_size == 0 {
-            tracing::warn!(peer = %from, "host bounce: Hello with no staging slots ignored");
-            return;
-        }
-        let need_load = sh.lock().links.get(from).is_none_or(|l| l.peer.is_none());
-        if need_load {
-            // (re)load the peer's metadata, which now holds the staging region it made for us
-            let loaded = addr
-                .parse()
-                .map_err(|_| format!("bad address {addr:?}"))
-                .and_then(|a| sh.agent.load_remote(a).map_err(|e| e.to_string()));
-            if let Err(e) = loaded {
-                tracing::warn!(peer = %from, "host bounce: cannot link back: {e}");
-                return;
-            }
-        }
-        let mut st = sh.lock();
-        if let Err(e) = ensure_link(sh, &mut st, from) {
-            tracing::warn!(peer = %from, "host bounce: staging buffers: {e}");
-            return;
-        }
-        let slots = slots.min(sh.config.slots);
-        let Some(l) = st.links.get_mut(from) else {
-            return;
-        };
-        l.peer_regions = regions.into_iter().collect();
-        if l.peer.is_none() {
-            l.peer = Some(PeerStage {
-                region: RegionId(in_stage),
-                stride: slot_size,
-                cap: slot_size.min(sh.config.slot_size),
-            });
-            l.free = (0..slots).collect();
-        }
-        if reply {
-            let h = hello(sh, &st, from, false);
-            send(sh, from, &h);
-        }
-        drop(st);
-        sh.cv.notify_all();
-        return;
+        return hello_from(core, agent, from, (addr, in_stage, slots, slot_size), reply);
     }
-    let mut st = sh.lock();
+    let mut st = core.lock();
     match w {
         Wire::Hello { .. } => {}
         Wire::Chunk {
@@ -281,50 +288,66 @@ fn handle(sh: &Shared, from: &str, w: Wire) {
             parts,
             total,
             notif,
-        } => receive(sh, &mut st, from, tag, slot, &parts, total, notif),
+        } => receive(
+            core,
+            agent,
+            &mut st,
+            from,
+            (tag, slot),
+            &parts,
+            total,
+            notif,
+        ),
         Wire::Ack { tag, slot, error } => {
             if let Some(l) = st.links.get_mut(from) {
                 // a slot we never lent (or one already free) is not taken back twice
-                if slot < sh.config.slots && !l.free.contains(&slot) {
+                if slot < core.config.slots && !l.free.contains(&slot) {
                     l.free.push_back(slot);
                 }
             }
             if !tag.read {
                 if let Some(x) = ours_mut(&mut st, tag) {
-                    if x.status == XferStatus::InProgress {
-                        x.acked += 1;
-                        x.last_progress = Instant::now();
-                        if let Some(e) = error {
-                            fail(
-                                &mut st,
-                                tag,
-                                &format!("{from} could not place a chunk: {e}"),
-                            );
-                        } else if x.packed && x.acked == x.sent {
-                            x.status = XferStatus::Done;
-                        }
+                    x.acked += 1;
+                    x.last_progress = Instant::now();
+                    if let Some(e) = error {
+                        fail(
+                            agent,
+                            &mut st,
+                            tag,
+                            &format!("{from} could not place a chunk: {e}"),
+                        );
+                    } else if x.packed && x.acked == x.sent {
+                        finish(agent, &mut st, tag, Ok(()));
                     }
                 }
             }
-            pump(sh, &mut st, from);
+            pump(core, agent, &mut st, from);
         }
         Wire::ReadReq { xid, gen, pieces } => {
             let tag = Tag::read(xid, gen);
             let bad = pieces.iter().enumerate().find_map(|(i, p)| {
-                let size = st.devices.get(&p.src.region).map(|m| m.size());
-                let d = DevDesc::new(super::DevRegionId(p.src.region), p.src.offset, p.src.len);
-                super::check_desc("remote", i, &d, size).err()
+                match agent.local_region(RegionId(p.src.region)) {
+                    Some((_, access)) if !access.read => Some(format!(
+                        "piece #{i}: region {} does not allow remote READ",
+                        p.src.region
+                    )),
+                    Some((len, _))
+                        if p.src.offset.checked_add(p.src.len).is_none_or(|e| e > len) =>
+                    {
+                        Some(format!(
+                            "piece #{i}: [{}, +{}) is outside region {} ({len} bytes)",
+                            p.src.offset, p.src.len, p.src.region
+                        ))
+                    }
+                    Some(_) => None,
+                    None => Some(format!("piece #{i}: no region {}", p.src.region)),
+                }
             });
-            if let Some(e) = bad {
-                send(
-                    sh,
-                    from,
-                    &Wire::ReadFail {
-                        xid,
-                        gen,
-                        error: e.to_string(),
-                    },
-                );
+            if let Some(error) = bad {
+                send(agent, from, &Wire::ReadFail { xid, gen, error });
+            } else if let Err(e) = ensure_link(core, agent, &mut st, from) {
+                let error = format!("staging buffers: {e}");
+                send(agent, from, &Wire::ReadFail { xid, gen, error });
             } else if let Some(l) = st.links.get_mut(from) {
                 l.queue.push_back(Job {
                     tag,
@@ -332,98 +355,144 @@ fn handle(sh: &Shared, from: &str, w: Wire) {
                     notif: None,
                     sent: 0,
                 });
-                pump(sh, &mut st, from);
+                greet(core, agent, &mut st, from);
+                pump(core, agent, &mut st, from);
             }
         }
         Wire::ReadFail { xid, gen, error } => {
             let tag = Tag::read(xid, gen);
             st.recvs.remove(&(from.to_owned(), tag));
-            fail(&mut st, tag, &format!("{from} could not send: {error}"));
+            fail(
+                agent,
+                &mut st,
+                tag,
+                &format!("{from} could not send: {error}"),
+            );
         }
         Wire::ReadDone { notif, .. } => {
             if let Some(n) = notif {
-                st.user_notifs.push_back((from.to_owned(), n));
+                agent.deliver_user_notif(from, n);
             }
         }
     }
 }
 
-/// The local transfer `tag` names, if it is ours and this very post of it.
+/// The peer's Hello: (re)load its metadata if we have no link yet (it holds the staging
+/// region it made for us), take its staging region, answer when asked.
+fn hello_from(
+    core: &Core,
+    agent: &Agent,
+    from: &str,
+    (addr, in_stage, slots, slot_size): (String, u32, u32, u64),
+    reply: bool,
+) {
+    if slots == 0 || slot_size == 0 {
+        tracing::warn!(peer = %from, "host bounce: Hello with no staging slots ignored");
+        return;
+    }
+    let loaded = addr
+        .parse()
+        .map_err(|_| format!("bad address {addr:?}"))
+        .and_then(|a| agent.load_remote(a).map_err(|e| e.to_string()));
+    if let Err(e) = loaded {
+        tracing::warn!(peer = %from, "host bounce: cannot link back: {e}");
+        return;
+    }
+    let mut st = core.lock();
+    if let Err(e) = ensure_link(core, agent, &mut st, from) {
+        tracing::warn!(peer = %from, "host bounce: staging buffers: {e}");
+        return;
+    }
+    let slots = slots.min(core.config.slots);
+    let Some(l) = st.links.get_mut(from) else {
+        return;
+    };
+    let fresh = l.peer.as_ref().is_none_or(|p| p.region.0 != in_stage);
+    if fresh {
+        l.peer = Some(PeerStage {
+            region: RegionId(in_stage),
+            stride: slot_size,
+            cap: slot_size.min(core.config.slot_size),
+        });
+        l.free = (0..slots).collect();
+    }
+    let reads = std::mem::take(&mut l.reads);
+    if reply {
+        let h = hello(core, agent, &st, from, false);
+        send(agent, from, &h);
+    }
+    for r in &reads {
+        send(agent, from, r);
+    }
+    pump(core, agent, &mut st, from);
+}
+
+/// This post of the local transfer `tag` names, while it is active.
 fn ours_mut(st: &mut State, tag: Tag) -> Option<&mut Xfer> {
     st.xfers
         .get_mut(&tag.xid)
-        .filter(|x| x.gen == tag.gen && (x.op == XferOp::Read) == tag.read)
+        .filter(|x| x.active && x.gen == tag.gen && (x.op == XferOp::Read) == tag.read)
 }
 
-/// Fail the local transfer behind `tag` (if it is ours and in progress).
-fn fail(st: &mut State, tag: Tag, why: &str) {
+/// The local transfer behind `tag` ended: the agent learns how.
+fn finish(agent: &Agent, st: &mut State, tag: Tag, res: Result<(), String>) {
     if let Some(x) = ours_mut(st, tag) {
-        if x.status == XferStatus::InProgress {
-            x.status = XferStatus::Error(why.to_owned());
-        }
+        x.active = false;
+        agent.finish_xfer(tag.xid, res);
     }
+}
+
+fn fail(agent: &Agent, st: &mut State, tag: Tag, why: &str) {
+    finish(agent, st, tag, Err(why.to_owned()));
 }
 
 #[allow(clippy::too_many_arguments)]
 fn receive(
-    sh: &Shared,
+    core: &Core,
+    agent: &Agent,
     st: &mut State,
     from: &str,
-    tag: Tag,
-    slot: u32,
+    (tag, slot): (Tag, u32),
     parts: &[Part],
     total: Option<u32>,
     notif: Option<Vec<u8>>,
 ) {
-    if tag.read && ours_mut(st, tag).is_none_or(|x| x.status != XferStatus::InProgress) {
+    let ack = |error: Option<String>| Wire::Ack { tag, slot, error };
+    if tag.read && ours_mut(st, tag).is_none() {
         // a chunk of a READ that is over (failed, released, or reposted): not placed
-        send(
-            sh,
-            from,
-            &Wire::Ack {
-                tag,
-                slot,
-                error: None,
-            },
-        );
+        send(agent, from, &ack(None));
         return;
     }
     let Some(l) = st.links.get(from) else {
         return;
     };
-    let base = u64::from(slot) * sh.config.slot_size;
+    let base = u64::from(slot) * core.config.slot_size;
     let mut error = None;
     let mut at = base;
-    let end = base + sh.config.slot_size;
+    let end = base + core.config.slot_size;
     for p in parts {
-        let placed = match st.devices.get(&p.region) {
-            _ if slot >= sh.config.slots || p.len > end - at => {
-                Err(format!("chunk parts overrun slot {slot}"))
-            }
-            None => Err(format!("no device region {}", p.region)),
-            Some(dev) => {
-                let len = usize::try_from(p.len).unwrap_or(usize::MAX);
-                l.in_buf
-                    .with_mut(at as usize, len, |s| dev.copy_from_host(p.offset, s))
-                    .map_err(|e: MemError| e.to_string())
-            }
+        let placed = if slot >= core.config.slots || p.len > end - at {
+            Err(format!("chunk parts overrun slot {slot}"))
+        } else {
+            let len = usize::try_from(p.len).unwrap_or(usize::MAX);
+            l.in_buf
+                .with_mut(at as usize, len, |s| {
+                    // a WRITE into us needs the region to allow it; a READ's are ours
+                    agent
+                        .write_local(RegionId(p.region), p.offset, s, !tag.read)
+                        .map_err(|e| MemError::Device(e.to_string()))
+                })
+                .map_err(|e| e.to_string())
         };
         if let Err(e) = placed {
             error = Some(e);
             break;
         }
+        agent.count_payload_copy(p.len);
         at += p.len;
     }
     st.stats.chunks_received += 1;
-    send(
-        sh,
-        from,
-        &Wire::Ack {
-            tag,
-            slot,
-            error: error.clone(),
-        },
-    );
+    send(agent, from, &ack(error.clone()));
     if tag.read {
         if let Some(x) = ours_mut(st, tag) {
             x.last_progress = Instant::now();
@@ -445,37 +514,29 @@ fn receive(
         // a WRITE into us is complete: the engine's notification, after every byte
         if r.error.is_none() {
             if let Some(n) = r.notif {
-                st.user_notifs.push_back((from.to_owned(), n));
+                agent.deliver_user_notif(from, n);
             }
         }
         return;
     }
-    let Some(x) = ours_mut(st, tag) else {
-        return;
-    };
-    if x.status != XferStatus::InProgress {
-        return;
-    }
     match r.error {
-        Some(e) => x.status = XferStatus::Error(format!("placing a chunk from {from}: {e}")),
+        Some(e) => fail(agent, st, tag, &format!("placing a chunk from {from}: {e}")),
         None => {
-            x.status = XferStatus::Done;
-            if let Some(n) = x.notif.clone() {
-                send(
-                    sh,
-                    from,
-                    &Wire::ReadDone {
-                        xid: tag.xid,
-                        notif: Some(n),
-                    },
-                );
+            let notif = ours_mut(st, tag).and_then(|x| x.notif.clone());
+            finish(agent, st, tag, Ok(()));
+            if let Some(n) = notif {
+                let done = Wire::ReadDone {
+                    xid: tag.xid,
+                    notif: Some(n),
+                };
+                send(agent, from, &done);
             }
         }
     }
 }
 
 /// Fill free slots of `peer` with queued pieces and WRITE them.
-pub(crate) fn pump(sh: &Shared, st: &mut State, peer: &str) {
+fn pump(core: &Core, agent: &Agent, st: &mut State, peer: &str) {
     loop {
         let Some(l) = st.links.get_mut(peer) else {
             return;
@@ -491,7 +552,7 @@ pub(crate) fn pump(sh: &Shared, st: &mut State, peer: &str) {
         let Some(mut job) = l.queue.pop_front() else {
             return;
         };
-        let out_at = u64::from(slot) * sh.config.slot_size;
+        let out_at = u64::from(slot) * core.config.slot_size;
         let mut parts = Vec::new();
         let mut used = 0u64;
         let mut error = None;
@@ -500,19 +561,19 @@ pub(crate) fn pump(sh: &Shared, st: &mut State, peer: &str) {
                 break;
             };
             let n = p.src.len.min(cap - used);
-            let copied = match st.devices.get(&p.src.region) {
-                None => Err(format!("no device region {}", p.src.region)),
-                Some(dev) => l
-                    .out_buf
-                    .with_mut((out_at + used) as usize, n as usize, |s| {
-                        dev.copy_to_host(p.src.offset, s)
-                    })
-                    .map_err(|e| e.to_string()),
-            };
+            let copied = l
+                .out_buf
+                .with_mut((out_at + used) as usize, n as usize, |s| {
+                    agent
+                        .read_local(RegionId(p.src.region), p.src.offset, s)
+                        .map_err(|e| MemError::Device(e.to_string()))
+                })
+                .map_err(|e| e.to_string());
             if let Err(e) = copied {
                 error = Some(e);
                 break;
             }
+            agent.count_payload_copy(n);
             parts.push(Part {
                 region: p.dst.region,
                 offset: p.dst.offset,
@@ -529,13 +590,8 @@ pub(crate) fn pump(sh: &Shared, st: &mut State, peer: &str) {
         }
         if let Some(e) = error {
             l.free.push_front(slot);
-            job_failed(
-                sh,
-                st,
-                peer,
-                job.tag,
-                &format!("copying from device memory: {e}"),
-            );
+            let why = format!("copying out of local memory: {e}");
+            job_failed(agent, st, peer, job.tag, &why);
             continue;
         }
         job.sent += 1;
@@ -559,11 +615,10 @@ pub(crate) fn pump(sh: &Shared, st: &mut State, peer: &str) {
         }
         if used == 0 {
             // nothing to move (an empty transfer): the chunk message alone
-            send(sh, peer, &chunk);
+            send(agent, peer, &chunk);
             continue;
         }
-        let posted = sh
-            .agent
+        let posted = agent
             .create_xfer(
                 XferOp::Write,
                 vec![Desc::new(out_stage, out_at, used)],
@@ -571,7 +626,7 @@ pub(crate) fn pump(sh: &Shared, st: &mut State, peer: &str) {
                 vec![Desc::new(peer_region, u64::from(slot) * stride, used)],
                 Some(chunk.encode()),
             )
-            .and_then(|axid| sh.agent.post(axid).map(|()| axid));
+            .and_then(|axid| agent.post(axid).map(|()| axid));
         match posted {
             Ok(axid) => {
                 st.inflight.push(Inflight {
@@ -588,7 +643,7 @@ pub(crate) fn pump(sh: &Shared, st: &mut State, peer: &str) {
                 if let Some(l) = st.links.get_mut(peer) {
                     l.free.push_front(slot);
                 }
-                job_failed(sh, st, peer, tag, &format!("posting a chunk: {e}"));
+                job_failed(agent, st, peer, tag, &format!("posting a chunk: {e}"));
             }
         }
     }
@@ -596,38 +651,32 @@ pub(crate) fn pump(sh: &Shared, st: &mut State, peer: &str) {
 
 /// Sending under `tag` failed: drop what is queued, fail the transfer (ours) or tell the
 /// initiator (a READ we serve).
-fn job_failed(sh: &Shared, st: &mut State, peer: &str, tag: Tag, why: &str) {
+fn job_failed(agent: &Agent, st: &mut State, peer: &str, tag: Tag, why: &str) {
     if let Some(l) = st.links.get_mut(peer) {
         l.queue.retain(|j| j.tag != tag);
     }
     if tag.read {
-        send(
-            sh,
-            peer,
-            &Wire::ReadFail {
-                xid: tag.xid,
-                gen: tag.gen,
-                error: why.to_owned(),
-            },
-        );
+        let error = why.to_owned();
+        let (xid, gen) = (tag.xid, tag.gen);
+        send(agent, peer, &Wire::ReadFail { xid, gen, error });
     } else {
-        fail(st, tag, why);
+        fail(agent, st, tag, why);
     }
 }
 
-fn poll_inflight(sh: &Shared, st: &mut State) {
+fn poll_inflight(_core: &Core, agent: &Agent, st: &mut State) {
     let mut i = 0;
     while i < st.inflight.len() {
         let f = &st.inflight[i];
-        match sh.agent.status(f.axid) {
+        match agent.status(f.axid) {
             Ok(XferStatus::InProgress) => i += 1,
             Ok(XferStatus::Done) => {
-                let _ = sh.agent.release(f.axid);
+                let _ = agent.release(f.axid);
                 st.inflight.swap_remove(i);
             }
             other => {
                 let f = st.inflight.swap_remove(i);
-                let _ = sh.agent.release(f.axid);
+                let _ = agent.release(f.axid);
                 if let Some(l) = st.links.get_mut(&f.peer) {
                     l.free.push_back(f.slot);
                 }
@@ -636,26 +685,33 @@ fn poll_inflight(sh: &Shared, st: &mut State) {
                     Ok(s) => format!("chunk transfer ended {s:?}"),
                     Err(e) => e.to_string(),
                 };
-                job_failed(
-                    sh,
-                    st,
-                    &f.peer,
-                    f.tag,
-                    &format!("RDMA of a chunk failed: {why}"),
-                );
+                let why = format!("RDMA of a chunk failed: {why}");
+                job_failed(agent, st, &f.peer, f.tag, &why);
             }
         }
     }
 }
 
-fn expire(sh: &Shared, st: &mut State) {
-    let limit = sh.config.ack_timeout;
-    for x in st.xfers.values_mut() {
-        if x.status == XferStatus::InProgress && x.last_progress.elapsed() > limit {
-            x.status = XferStatus::Error(format!(
-                "no progress from {} for {limit:?} (peer gone or stalled)",
-                x.peer
-            ));
+fn expire(core: &Core, agent: &Agent, st: &mut State) {
+    let limit = core.config.ack_timeout;
+    let late: Vec<(u64, String)> = st
+        .xfers
+        .iter()
+        .filter(|(_, x)| x.active && x.last_progress.elapsed() > limit)
+        .map(|(id, x)| (*id, x.peer.clone()))
+        .collect();
+    for (id, peer) in late {
+        if let Some(x) = st.xfers.get_mut(&id) {
+            x.active = false;
         }
+        agent.finish_xfer(
+            id,
+            Err(format!(
+                "no progress from {peer} for {limit:?} (peer gone or stalled)"
+            )),
+        );
     }
+    // the agent ended some transfers itself (peer lost, released): forget them
+    st.xfers
+        .retain(|id, x| x.active || agent.status(XferId(*id)).is_ok());
 }

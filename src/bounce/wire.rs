@@ -31,7 +31,7 @@ impl Tag {
     }
 }
 
-/// Where `len` bytes of a chunk go: `offset` of device region `region` of the receiver.
+/// Where `len` bytes of a chunk go: `offset` of region `region` of the receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Part {
     pub(crate) region: u32,
@@ -39,7 +39,7 @@ pub(crate) struct Part {
     pub(crate) len: u64,
 }
 
-/// One contiguous piece to move: sender's device bytes → receiver's device bytes.
+/// One contiguous piece to move: sender's bytes → receiver's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Piece {
     pub(crate) src: Part,
@@ -48,15 +48,14 @@ pub(crate) struct Piece {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Wire {
-    /// A link's parameters: the sender's side-channel address, the staging region the
-    /// receiver may WRITE into (`slots` × `slot_size` bytes), and the sender's device regions
-    /// (id, size). `reply`: answer with your own Hello.
+    /// A link's parameters: the sender's side-channel address (load its metadata from
+    /// there) and the staging region the receiver may WRITE into (`slots` × `slot_size`
+    /// bytes). `reply`: answer with your own Hello.
     Hello {
         addr: String,
         in_stage: u32,
         slots: u32,
         slot_size: u64,
-        regions: Vec<(u32, u64)>,
         reply: bool,
     },
     /// The data of `parts`, packed in order, is in staging slot `slot`. `total`: on the
@@ -75,7 +74,7 @@ pub(crate) enum Wire {
         slot: u32,
         error: Option<String>,
     },
-    /// READ: send me these pieces (`src` on your devices, `dst` on mine) under `xid`.
+    /// READ: send me these pieces (`src` in your regions, `dst` in mine) under `xid`.
     ReadReq {
         xid: u64,
         gen: u32,
@@ -143,7 +142,6 @@ mod tests {
                 in_stage: 3,
                 slots: 4,
                 slot_size: 1 << 20,
-                regions: vec![(0, 1 << 30)],
                 reply: true,
             },
             Wire::Chunk {

@@ -323,26 +323,23 @@ impl Verbs {
             access = access | Access::REMOTE_WRITE;
         }
         let Some(buf) = region.host() else {
-            let why: Vec<String> = self
-                .rails
-                .iter()
-                .filter_map(|r| match &r.dmabuf {
-                    DmabufSupport::Unsupported { reason, .. } => Some(reason.clone()),
-                    DmabufSupport::Supported => None,
-                })
-                .collect();
-            return Err(AgentError::Unsupported(format!(
-                "{:?} memory on device {} cannot be registered on the verbs backend: the NIC \
-                 reaches device memory only through dma-buf, and this build registers device \
-                 memory on verbs only by host bounce, which the agent does not do yet{}",
-                region.kind,
-                region.device,
-                if why.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({})", why.join("; "))
-                }
-            )));
+            // The NIC cannot reach device memory without a dma-buf registration, which this
+            // agent does not make yet: the host-bounce engine stages it (said once per
+            // reason).
+            let reports: Vec<crate::mem::NicDmabuf> =
+                self.rails.iter().map(LocalRail::dmabuf_report).collect();
+            let exporter = match &region.mem {
+                super::region::RegionMemory::Device(d) => d
+                    .export_dmabuf()
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+                    .and(Err(
+                        "kvrail does not register dma-buf memory on verbs yet".to_owned()
+                    )),
+                super::region::RegionMemory::Host(_) => Ok(()),
+            };
+            crate::mem::MemoryPath::choose(crate::mem::KvBufferDevice::Rbln, exporter, &reports);
+            return Ok(Vec::new());
         };
         self.rails
             .iter()
