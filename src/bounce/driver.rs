@@ -711,7 +711,13 @@ fn expire(core: &Core, agent: &Agent, st: &mut State) {
             )),
         );
     }
-    // the agent ended some transfers itself (peer lost, released): forget them
-    st.xfers
-        .retain(|id, x| x.active || agent.status(XferId(*id)).is_ok());
+    // the agent ended some transfers itself (peer lost, released): stop tracking them
+    st.xfers.retain(|id, x| match agent.status(XferId(*id)) {
+        Ok(XferStatus::InProgress) => true,
+        Ok(_) => {
+            x.active = false;
+            true
+        }
+        Err(_) => false,
+    });
 }

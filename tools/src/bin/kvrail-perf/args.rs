@@ -14,6 +14,16 @@ pub(crate) enum Op {
     Lat,
 }
 
+/// Which memory the agents move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Mem {
+    /// Host memory.
+    Host,
+    /// NPU memory of the RBLN runtime `RBLN_RUNTIME_LIB` names (device 0 here, 1 at the
+    /// server); on verbs the agent stages it through its host bounce.
+    Npu,
+}
+
 /// Which data path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Transport {
@@ -83,6 +93,9 @@ pub(crate) struct Args {
     /// `stripe_width`: unset = one rail per transfer; 0 = every transfer striped over all rails.
     #[arg(long)]
     pub(crate) stripe_width: Option<i64>,
+    /// Memory both agents move.
+    #[arg(long, value_enum, default_value = "host")]
+    pub(crate) mem: Mem,
     /// Skip the data check after the timed loop.
     #[arg(long)]
     pub(crate) no_verify: bool,

@@ -14,6 +14,7 @@
 
 mod args;
 mod bench;
+mod mem;
 mod peer;
 mod report;
 
@@ -135,13 +136,15 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
     let max = sizes.iter().copied().max().unwrap_or(1);
     let slots = (args.depth as u64).min((SLOT_BYTES / max).max(1));
     let len = slots * max;
-    let local = a
-        .register(len as usize, RemoteAccess::NONE, vec![])
-        .map_err(e)?;
+    let local = mem::register(a, args.mem, len, RemoteAccess::NONE, 0)?;
     let me = a.metadata().side_channel; // what this agent advertises
+    let kind = match args.mem {
+        args::Mem::Host => "host",
+        args::Mem::Npu => "npu",
+    };
     a.send_notif(
         &peer,
-        format!("{CTL}hello {me} {len} {READ_SEED}").into_bytes(),
+        format!("{CTL}hello {me} {len} {READ_SEED} {kind}").into_bytes(),
     )
     .map_err(e)?;
     let id: u32 = expect(a, "ready", ANSWER)?
@@ -152,6 +155,17 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
     let human = !args.json;
     if human {
         print!("{}", report::header(args, a, &peer));
+        if args.mem == args::Mem::Npu {
+            println!(
+                "# memory: NPU (runtime {}), {}",
+                mem::runtime_path().unwrap_or_default(),
+                if a.bounce_stats().is_some() {
+                    "staged by the agent's host bounce"
+                } else {
+                    "copied by the runtime into the TCP stream"
+                }
+            );
+        }
         println!(
             "{}",
             if args.op == Op::Lat {

@@ -2,8 +2,9 @@
 //! control protocol both sides speak in notifications. Control messages start with
 //! `kvrail-perf:`; anything else is echoed back (the latency test).
 //!
-//! - `kvrail-perf:hello <side channel> <len> <seed>`: load the client, register `len` bytes
-//!   readable and writable, fill them with `pattern(seed)`; answer `kvrail-perf:ready <id>`.
+//! - `kvrail-perf:hello <side channel> <len> <seed> [host|npu]`: load the client, register
+//!   `len` bytes of that memory readable and writable, fill them with `pattern(seed)`;
+//!   answer `kvrail-perf:ready <id>`.
 //! - `kvrail-perf:check <len> <seed>`: compare the first `len` bytes with `pattern(seed)`;
 //!   answer `kvrail-perf:checked <wrong bytes>`.
 //! - `kvrail-perf:bye`: done; answer `kvrail-perf:done` and stop.
@@ -61,7 +62,12 @@ pub(crate) fn serve(a: &Agent, idle: Duration) -> Result<(), String> {
             };
             let w: Vec<&str> = ctl.split_whitespace().collect();
             let reply = match w.as_slice() {
-                ["hello", addr, len, seed] => {
+                ["hello", addr, len, seed, rest @ ..] => {
+                    let mem = match rest {
+                        [] | ["host"] => crate::args::Mem::Host,
+                        ["npu"] => crate::args::Mem::Npu,
+                        other => return Err(format!("unknown memory {other:?}")),
+                    };
                     let addr = addr.parse().map_err(|_| format!("bad address {addr}"))?;
                     let len: u64 = len.parse().map_err(|_| format!("bad length {len}"))?;
                     let seed: u64 = seed.parse().map_err(|_| format!("bad seed {seed}"))?;
@@ -69,9 +75,7 @@ pub(crate) fn serve(a: &Agent, idle: Duration) -> Result<(), String> {
                     if let Some(old) = region.take() {
                         a.deregister(old).map_err(|e| e.to_string())?;
                     }
-                    let r = a
-                        .register(len as usize, RemoteAccess::READ_WRITE, vec![])
-                        .map_err(|e| e.to_string())?;
+                    let r = crate::mem::register(a, mem, len, RemoteAccess::READ_WRITE, 1)?;
                     a.write_region(r, 0, &pattern(seed, len))
                         .map_err(|e| e.to_string())?;
                     region = Some(r);
