@@ -27,7 +27,7 @@ echo "=== tier 2: the agent's shared suite on the verbs backend inside the Soft-
 cargo test --test agent_suite -- --test-threads=1
 echo "=== tier 2: the engine's own memory (Vec, file mmap, raw range) in place on verbs; NPU memory refused with the reason"
 cargo test --test agent_memory -- --test-threads=1
-echo "=== tier 2: host bounce between NPU memories (RBLN test runtime) and the dma-buf probe, on verbs"
+echo "=== tier 2: NPU memory through the agent (its host bounce on verbs; RBLN test runtime) and the dma-buf probe"
 cargo test --test bounce_suite -- --test-threads=1
 echo "=== tier 2: the C ABI on verbs: the C example, the C error checks, the Python ctypes check"
 cargo build -q -p kvrail-ffi --lib   # the cdylib the C and Python programs load (not built in the VM)
