@@ -25,7 +25,7 @@ echo "=== tier 2: verbs suite inside the Soft-RoCE lab"
 cargo test --test verbs_lab
 echo "=== tier 2: the agent's shared suite on the verbs backend inside the Soft-RoCE lab"
 cargo test --test agent_suite -- --test-threads=1
-echo "=== tier 2: the engine's own memory (Vec, file mmap, raw range) in place on verbs; NPU memory refused with the reason"
+echo "=== tier 2: the engine's own memory (Vec, file mmap, raw range, NPU) in place on verbs"
 cargo test --test agent_memory -- --test-threads=1
 echo "=== tier 2: NPU memory through the agent (its host bounce on verbs; RBLN test runtime) and the dma-buf probe"
 cargo test --test bounce_suite -- --test-threads=1
