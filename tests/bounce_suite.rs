@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvrail::agent::{
-    Agent, AgentConfig, AgentError, Desc, MemRegion, RegionId, RemoteAccess, XferId, XferOp,
+    Agent, AgentConfig, AgentError, Desc, Fault, MemRegion, RegionId, RemoteAccess, XferId, XferOp,
     XferStatus,
 };
 use kvrail::bounce::BounceConfig;
@@ -365,9 +365,13 @@ impl DeviceMemory for Refusing {
     }
 }
 
-fn failed(a: &Agent, x: XferId, what: &str) -> String {
+/// The transfer's error, checked to be of `fault`; its text.
+fn failed(a: &Agent, x: XferId, what: &str, fault: Fault) -> String {
     match wait(a, x) {
-        XferStatus::Error(e) => e,
+        XferStatus::Error(e) => {
+            assert_eq!(e.fault(), fault, "{what}: {e}");
+            e.to_string()
+        }
         s => panic!("{what} reported {s:?}"),
     }
 }
@@ -408,6 +412,7 @@ fn device_copy_failures_fail_the_transfer_and_withhold_the_notification() {
         &p,
         write(good, d_bad, b"must not arrive"),
         "a refused placement",
+        Fault::Peer,
     );
     assert!(e.contains("refuses H2D"), "{e}");
     if on_verbs() {
@@ -418,6 +423,7 @@ fn device_copy_failures_fail_the_transfer_and_withhold_the_notification() {
         &p,
         write(p_bad, d_good, b"nor this"),
         "a refused device read",
+        Fault::Memory,
     );
     assert!(e.contains("refuses D2H"), "{e}");
     if on_verbs() {
@@ -434,7 +440,7 @@ fn device_copy_failures_fail_the_transfer_and_withhold_the_notification() {
         )
         .unwrap();
     d.post(r).unwrap();
-    let e = failed(&d, r, "a READ of refused memory");
+    let e = failed(&d, r, "a READ of refused memory", Fault::Peer);
     assert!(e.contains("refuses D2H"), "{e}");
     if on_verbs() {
         assert!(e.contains("could not send"), "{e}");
@@ -513,7 +519,10 @@ fn a_vanished_peer_fails_transfers_in_bounded_time() {
     let t = Instant::now();
     // the post itself may already see the closed connection
     if p.post(x).is_ok() {
-        let e = failed(&p, x, "a transfer to a vanished peer");
+        let e = match wait(&p, x) {
+            XferStatus::Error(e) => e,
+            s => panic!("a transfer to a vanished peer: {s:?}"),
+        };
         eprintln!("failed after {:?}: {e}", t.elapsed());
     }
     assert!(t.elapsed() < Duration::from_secs(60));

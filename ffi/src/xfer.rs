@@ -188,7 +188,7 @@ pub unsafe extern "C" fn kvrail_xfer_wait(x: *const kvrail_xfer, timeout_ms: u64
         let x = unsafe { xfer(x) }?;
         match x.agent.wait(x.id, Duration::from_millis(timeout_ms))? {
             XferStatus::Done => Ok(()),
-            XferStatus::Error(e) => Err(Failure::new(kvrail_result::XferFailed, e)),
+            XferStatus::Error(e) => Err(Failure::new(kvrail_result::XferFailed, e.to_string())),
             XferStatus::InProgress => Err(Failure::new(
                 kvrail_result::Timeout,
                 format!("transfer still in progress after {timeout_ms} ms"),
@@ -216,7 +216,7 @@ pub unsafe extern "C" fn kvrail_xfer_error(
         // SAFETY: the caller's promise.
         let x = unsafe { xfer(x) }?;
         let msg = match x.agent.status(x.id)? {
-            XferStatus::Error(e) => e,
+            XferStatus::Error(e) => e.to_string(),
             _ => String::new(),
         };
         // SAFETY: the caller's promises.

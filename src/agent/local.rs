@@ -1,7 +1,7 @@
 //! What the agent's own paths (the host-bounce engine) use of it: its local regions by id,
 //! its transfer table's outcomes, its notification queue and its copy counter.
 
-use super::{Agent, AgentError, RegionId, RemoteAccess};
+use super::{Agent, AgentError, RegionId, RemoteAccess, XferError};
 
 impl Agent {
     /// Local region `id`'s length and remote access.
@@ -42,7 +42,7 @@ impl Agent {
     }
 
     /// Transfer `id` ended (a no-op unless it is in progress).
-    pub(crate) fn finish_xfer(&self, id: u64, res: Result<(), String>) {
+    pub(crate) fn finish_xfer(&self, id: u64, res: Result<(), XferError>) {
         self.shared.finish(id, res);
     }
 

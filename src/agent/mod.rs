@@ -23,6 +23,7 @@
 //! ```
 
 mod config;
+mod error;
 mod local;
 pub mod metadata;
 mod notifs;
@@ -37,13 +38,14 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use config::{AgentConfig, BackendChoice};
+pub use error::{AgentError, Fault, XferError};
 pub use region::{RegionId, RegionMemory, RemoteAccess};
 pub use register::{MemRegion, RegisteredMemory};
 #[cfg(feature = "verbs")]
 pub(crate) use verbs::config_rails;
 
-use crate::proto::handshake::{HandshakeError, HandshakeInfo};
-use metadata::{AgentMetadata, BackendKind, MemKind, MetadataError, RegionMeta};
+use crate::proto::handshake::HandshakeInfo;
+use metadata::{AgentMetadata, BackendKind, MemKind, RegionMeta};
 use region::Region;
 
 /// A descriptor: `len` bytes at `offset` of a region (local, or the peer's).
@@ -91,86 +93,7 @@ pub enum XferStatus {
     /// Every byte is in place (and the notification, if any, was delivered after them).
     Done,
     /// Failed, with the cause; nothing reports success for bytes that did not land.
-    Error(String),
-}
-
-/// An agent error. Variants name what to fix.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum AgentError {
-    /// No such local region.
-    #[error("no registered region {0}")]
-    NoRegion(u32),
-    /// A byte range outside a region.
-    #[error("range [{offset}, {offset}+{len}) is outside region {region} ({size} bytes)")]
-    OutOfRange {
-        /// Region id.
-        region: u32,
-        /// Offset.
-        offset: u64,
-        /// Length.
-        len: u64,
-        /// Region size.
-        size: u64,
-    },
-    /// Deregistration refused: active transfers use the region.
-    #[error("region {region} is used by {transfers} active transfer(s); wait for them (or release them) first")]
-    RegionBusy {
-        /// Region id.
-        region: u32,
-        /// Active transfers.
-        transfers: usize,
-    },
-    /// A descriptor list is unusable; nothing was posted.
-    #[error("{side} descriptor #{index}: {reason}")]
-    InvalidDesc {
-        /// "local" or "remote".
-        side: &'static str,
-        /// Index in the list.
-        index: usize,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The two lists differ in length.
-    #[error("descriptor lists differ in length: {local} local, {remote} remote")]
-    LengthMismatch {
-        /// Local count.
-        local: usize,
-        /// Remote count.
-        remote: usize,
-    },
-    /// No such peer (load its metadata first).
-    #[error("unknown peer {0:?}: load its metadata first")]
-    UnknownPeer(String),
-    /// No such transfer.
-    #[error("no transfer {0}")]
-    NoXfer(u64),
-    /// The transfer is in progress.
-    #[error("transfer {0} is in progress: wait until it is done or failed")]
-    Active(u64),
-    /// The peer was refused in the handshake.
-    #[error(transparent)]
-    Handshake(#[from] HandshakeError),
-    /// The peer's metadata is unusable.
-    #[error(transparent)]
-    Metadata(#[from] MetadataError),
-    /// The side channel or data connection failed.
-    #[error("{what} {addr}: {message}")]
-    Connection {
-        /// What was attempted.
-        what: &'static str,
-        /// The address tried.
-        addr: String,
-        /// The error.
-        message: String,
-    },
-    /// The configuration asks for something this build cannot do.
-    #[error("{0}")]
-    Unsupported(String),
-    /// Memory handed to [`Agent::register_memory`] cannot be registered (overlap, layers
-    /// outside it, an empty or invalid range); nothing was registered.
-    #[error("memory: {0}")]
-    InvalidMemory(String),
+    Error(XferError),
 }
 
 struct Xfer {
@@ -745,7 +668,8 @@ impl Agent {
             drop(xfers);
             drop(peers);
             if let Err(e) = engine.post(self, id.0, op, &peer, pieces, notif) {
-                self.shared.finish(id.0, Err(e.to_string()));
+                self.shared
+                    .finish(id.0, Err(XferError::Post(e.to_string())));
                 return Err(e);
             }
             return Ok(());
@@ -778,7 +702,8 @@ impl Agent {
                     meta: &meta,
                 },
             ) {
-                self.shared.finish(id.0, Err(e.to_string()));
+                self.shared
+                    .finish(id.0, Err(XferError::Post(e.to_string())));
                 return Err(e);
             }
             return Ok(());
@@ -821,8 +746,7 @@ impl Agent {
             return Ok(());
         }
         if !open || tx.send(work).is_err() {
-            self.shared
-                .finish(id.0, Err("the connection to the peer is closed".into()));
+            self.shared.finish(id.0, Err(XferError::Closed));
         }
         Ok(())
     }
@@ -1094,11 +1018,11 @@ impl Shared {
     /// A verbs transfer failed.
     #[cfg(feature = "verbs")]
     fn xfer_failed(&self, id: u64, why: String) {
-        self.finish(id, Err(why));
+        self.finish(id, Err(XferError::Rdma(why)));
     }
 
     /// A transfer ended: set its status and release its regions.
-    fn finish(&self, id: u64, res: Result<(), String>) {
+    fn finish(&self, id: u64, res: Result<(), XferError>) {
         let mut xfers = lock(&self.xfers);
         if let Some(x) = xfers.get_mut(&id) {
             if x.status != XferStatus::InProgress {
@@ -1135,7 +1059,14 @@ impl Shared {
             .map(|(id, _)| *id)
             .collect();
         for id in ids {
-            self.finish(id, Err(format!("connection to {peer} lost: {why}")));
+            let why = why.to_owned();
+            self.finish(
+                id,
+                Err(XferError::ConnectionLost {
+                    peer: peer.to_owned(),
+                    why,
+                }),
+            );
         }
     }
 

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use super::wire::{self, Decoded, Part, Piece, Tag, Wire};
 use super::Core;
-use crate::agent::{Agent, AgentError, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
+use crate::agent::{
+    Agent, AgentError, Desc, RegionId, RemoteAccess, XferError, XferId, XferOp, XferStatus,
+};
 use crate::mem::{HostBuffer, MemError};
 
 /// The peer's staging region we write into.
@@ -310,12 +312,8 @@ fn handle(core: &Core, agent: &Agent, from: &str, w: Wire) {
                     x.acked += 1;
                     x.last_progress = Instant::now();
                     if let Some(e) = error {
-                        fail(
-                            agent,
-                            &mut st,
-                            tag,
-                            &format!("{from} could not place a chunk: {e}"),
-                        );
+                        let e = peer_failed(from, format!("could not place a chunk: {e}"));
+                        fail(agent, &mut st, tag, e);
                     } else if x.packed && x.acked == x.sent {
                         finish(agent, &mut st, tag, Ok(()));
                     }
@@ -362,12 +360,8 @@ fn handle(core: &Core, agent: &Agent, from: &str, w: Wire) {
         Wire::ReadFail { xid, gen, error } => {
             let tag = Tag::read(xid, gen);
             st.recvs.remove(&(from.to_owned(), tag));
-            fail(
-                agent,
-                &mut st,
-                tag,
-                &format!("{from} could not send: {error}"),
-            );
+            let e = peer_failed(from, format!("could not send: {error}"));
+            fail(agent, &mut st, tag, e);
         }
         Wire::ReadDone { notif, .. } => {
             if let Some(n) = notif {
@@ -435,15 +429,23 @@ fn ours_mut(st: &mut State, tag: Tag) -> Option<&mut Xfer> {
 }
 
 /// The local transfer behind `tag` ended: the agent learns how.
-fn finish(agent: &Agent, st: &mut State, tag: Tag, res: Result<(), String>) {
+fn finish(agent: &Agent, st: &mut State, tag: Tag, res: Result<(), XferError>) {
     if let Some(x) = ours_mut(st, tag) {
         x.active = false;
         agent.finish_xfer(tag.xid, res);
     }
 }
 
-fn fail(agent: &Agent, st: &mut State, tag: Tag, why: &str) {
-    finish(agent, st, tag, Err(why.to_owned()));
+fn fail(agent: &Agent, st: &mut State, tag: Tag, e: XferError) {
+    finish(agent, st, tag, Err(e));
+}
+
+/// `peer` failed its part, in its words.
+fn peer_failed(peer: &str, message: String) -> XferError {
+    XferError::Peer {
+        peer: peer.to_owned(),
+        message,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -520,7 +522,10 @@ fn receive(
         return;
     }
     match r.error {
-        Some(e) => fail(agent, st, tag, &format!("placing a chunk from {from}: {e}")),
+        Some(e) => {
+            let e = XferError::Memory(format!("placing a chunk from {from}: {e}"));
+            fail(agent, st, tag, e);
+        }
         None => {
             let notif = ours_mut(st, tag).and_then(|x| x.notif.clone());
             finish(agent, st, tag, Ok(()));
@@ -591,7 +596,7 @@ fn pump(core: &Core, agent: &Agent, st: &mut State, peer: &str) {
         if let Some(e) = error {
             l.free.push_front(slot);
             let why = format!("copying out of local memory: {e}");
-            job_failed(agent, st, peer, job.tag, &why);
+            job_failed(agent, st, peer, job.tag, XferError::Memory(why));
             continue;
         }
         job.sent += 1;
@@ -643,7 +648,8 @@ fn pump(core: &Core, agent: &Agent, st: &mut State, peer: &str) {
                 if let Some(l) = st.links.get_mut(peer) {
                     l.free.push_front(slot);
                 }
-                job_failed(agent, st, peer, tag, &format!("posting a chunk: {e}"));
+                let why = XferError::Post(format!("posting a chunk: {e}"));
+                job_failed(agent, st, peer, tag, why);
             }
         }
     }
@@ -651,12 +657,12 @@ fn pump(core: &Core, agent: &Agent, st: &mut State, peer: &str) {
 
 /// Sending under `tag` failed: drop what is queued, fail the transfer (ours) or tell the
 /// initiator (a READ we serve).
-fn job_failed(agent: &Agent, st: &mut State, peer: &str, tag: Tag, why: &str) {
+fn job_failed(agent: &Agent, st: &mut State, peer: &str, tag: Tag, why: XferError) {
     if let Some(l) = st.links.get_mut(peer) {
         l.queue.retain(|j| j.tag != tag);
     }
     if tag.read {
-        let error = why.to_owned();
+        let error = why.to_string();
         let (xid, gen) = (tag.xid, tag.gen);
         send(agent, peer, &Wire::ReadFail { xid, gen, error });
     } else {
@@ -681,12 +687,12 @@ fn poll_inflight(_core: &Core, agent: &Agent, st: &mut State) {
                     l.free.push_back(f.slot);
                 }
                 let why = match other {
-                    Ok(XferStatus::Error(e)) => e,
+                    Ok(XferStatus::Error(e)) => e.to_string(),
                     Ok(s) => format!("chunk transfer ended {s:?}"),
                     Err(e) => e.to_string(),
                 };
                 let why = format!("RDMA of a chunk failed: {why}");
-                job_failed(agent, st, &f.peer, f.tag, &why);
+                job_failed(agent, st, &f.peer, f.tag, XferError::Rdma(why));
             }
         }
     }
@@ -706,9 +712,9 @@ fn expire(core: &Core, agent: &Agent, st: &mut State) {
         }
         agent.finish_xfer(
             id,
-            Err(format!(
+            Err(XferError::Timeout(format!(
                 "no progress from {peer} for {limit:?} (peer gone or stalled)"
-            )),
+            ))),
         );
     }
     // the agent ended some transfers itself (peer lost, released): stop tracking them

@@ -618,7 +618,7 @@ impl Worker {
                     other => {
                         let _ = self.agent.release(x);
                         let why = match other {
-                            Ok(XferStatus::Error(e)) => e,
+                            Ok(XferStatus::Error(e)) => e.to_string(),
                             o => format!("{o:?}"),
                         };
                         r.error.get_or_insert(why);

@@ -18,7 +18,7 @@ use std::time::Duration;
 use msg::{send, Msg, Reader, CHUNK};
 
 use super::region::Region;
-use super::{lock, AgentError, Desc, Shared, XferOp};
+use super::{lock, AgentError, Desc, Shared, XferError, XferOp};
 use crate::proto::handshake;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -167,8 +167,7 @@ impl PeerConn {
 
     pub(crate) fn submit(&self, w: Work) {
         if let Err(mpsc::SendError(Work::Xfer { id, .. })) = self.tx.send(w) {
-            self.shared
-                .finish(id, Err("the connection to the peer is closed".into()));
+            self.shared.finish(id, Err(XferError::Closed));
         }
     }
 
@@ -330,7 +329,7 @@ fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &st
                                 d
                             }
                             Err(e) => {
-                                shared.finish(id, Err(e.to_string()));
+                                shared.finish(id, Err(XferError::Memory(e.to_string())));
                                 return Ok(());
                             }
                         };
@@ -389,9 +388,13 @@ fn initiator_reader(
     let why = loop {
         match r.next() {
             Ok(Some(Msg::Ack { xfer })) => shared.finish(xfer, Ok(())),
-            Ok(Some(Msg::Fail { xfer, message })) => {
-                shared.finish(xfer, Err(format!("{peer}: {message}")))
-            }
+            Ok(Some(Msg::Fail { xfer, message })) => shared.finish(
+                xfer,
+                Err(XferError::Peer {
+                    peer: peer.to_owned(),
+                    message,
+                }),
+            ),
             Ok(Some(Msg::ReadResp {
                 xfer,
                 idx,
@@ -405,12 +408,14 @@ fn initiator_reader(
                 if at.checked_add(n).is_none_or(|e| e > len) {
                     shared.finish(
                         xfer,
-                        Err(format!("{peer} sent bytes outside descriptor #{idx}")),
+                        Err(XferError::Protocol(format!(
+                            "{peer} sent bytes outside descriptor #{idx}"
+                        ))),
                     );
                     continue;
                 }
                 if let Err(e) = region.write(off + at, &data) {
-                    shared.finish(xfer, Err(e.to_string()));
+                    shared.finish(xfer, Err(XferError::Memory(e.to_string())));
                     continue;
                 }
                 shared.count_copy(n);

@@ -676,27 +676,12 @@ impl Verbs {
         }
         if let Err(err) = &c.status {
             let why = format!("{} on {}", err, self.rails[rail].name);
-            // Errors that say the request itself is wrong (lengths, keys, protections, remote
-            // access) would fail on any rail: those fail the transfers. Everything else —
-            // retries exhausted, flushes, a local QP error when the link went away (what rxe
-            // reports), fatal errors — is the path's fault: the work moves to other rails.
-            use crate::transport::verbs::WcError;
-            let path = |e: &WcError| {
-                !matches!(
-                    e.status_name,
-                    "IBV_WC_LOC_LEN_ERR"
-                        | "IBV_WC_LOC_PROT_ERR"
-                        | "IBV_WC_LOC_ACCESS_ERR"
-                        | "IBV_WC_REM_INV_REQ_ERR"
-                        | "IBV_WC_REM_ACCESS_ERR"
-                        | "IBV_WC_REM_OP_ERR"
-                        | "IBV_WC_REM_INV_RD_REQ_ERR"
-                )
-            };
-            if path(err) {
-                self.fail_over(shared, e, &key, &why);
-            } else {
+            // A request fault would fail on any rail: the transfers fail. A path fault moves
+            // the work to other rails (see WcError::is_request_fault).
+            if err.is_request_fault() {
                 self.kill_pair(shared, e, &key, &why);
+            } else {
+                self.fail_over(shared, e, &key, &why);
             }
             return;
         }

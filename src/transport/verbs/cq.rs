@@ -43,6 +43,24 @@ impl WcError {
     pub fn is_flush(&self) -> bool {
         self.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR
     }
+
+    /// True when the request itself is wrong (lengths, keys, protections, remote access):
+    /// it would fail on any rail. False for the path's faults — retries exhausted, flushes,
+    /// a local queue-pair error when the link went away (what rxe reports), fatal errors —
+    /// after which the work can move to another rail.
+    pub fn is_request_fault(&self) -> bool {
+        use ffi::ibv_wc_status as S;
+        [
+            S::IBV_WC_LOC_LEN_ERR,
+            S::IBV_WC_LOC_PROT_ERR,
+            S::IBV_WC_LOC_ACCESS_ERR,
+            S::IBV_WC_REM_INV_REQ_ERR,
+            S::IBV_WC_REM_ACCESS_ERR,
+            S::IBV_WC_REM_OP_ERR,
+            S::IBV_WC_REM_INV_RD_REQ_ERR,
+        ]
+        .contains(&self.status)
+    }
 }
 
 impl fmt::Display for WcError {
