@@ -29,6 +29,7 @@ pub mod metadata;
 mod notifs;
 mod region;
 mod register;
+mod table;
 mod tcp;
 #[cfg(feature = "verbs")]
 mod verbs;
@@ -96,19 +97,6 @@ pub enum XferStatus {
     Error(XferError),
 }
 
-struct Xfer {
-    op: XferOp,
-    peer: String,
-    local: Vec<Desc>,
-    remote: Vec<Desc>,
-    notif: Option<Vec<u8>>,
-    status: XferStatus,
-    /// READ: bytes still to arrive.
-    remaining: u64,
-    /// Regions held busy while active.
-    held: Vec<Arc<Region>>,
-}
-
 struct Peer {
     meta: Arc<AgentMetadata>,
     conn: tcp::PeerConn,
@@ -123,14 +111,13 @@ pub(crate) struct Shared {
     regions: Mutex<HashMap<u32, Arc<Region>>>,
     next_region: Mutex<u32>,
     peers: Mutex<HashMap<String, Peer>>,
-    xfers: Mutex<HashMap<u64, Xfer>>,
+    xfers: Mutex<table::XferTable<Arc<Region>>>,
     /// Signalled (with `xfers`) whenever a transfer leaves InProgress.
     xfer_done_cv: std::sync::Condvar,
     /// Signalled when a notification is queued.
     notif_cv: std::sync::Condvar,
     /// Serializes loads of one peer (by name).
     loading: Mutex<HashMap<String, Arc<Mutex<()>>>>,
-    next_xfer: Mutex<u64>,
     notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
     /// Numbered notifications per target connection (see [`notifs`]).
     seqs: Mutex<HashMap<u64, notifs::Ordered>>,
@@ -259,11 +246,10 @@ impl Agent {
             regions: Mutex::new(HashMap::new()),
             next_region: Mutex::new(1),
             peers: Mutex::new(HashMap::new()),
-            xfers: Mutex::new(HashMap::new()),
+            xfers: Mutex::new(table::XferTable::default()),
             xfer_done_cv: std::sync::Condvar::new(),
             notif_cv: std::sync::Condvar::new(),
             loading: Mutex::new(HashMap::new()),
-            next_xfer: Mutex::new(1),
             notifs: Mutex::new(VecDeque::new()),
             seqs: Mutex::new(HashMap::new()),
             next_conn: std::sync::atomic::AtomicU64::new(1),
@@ -487,102 +473,17 @@ impl Agent {
         remote: Vec<Desc>,
         notif: Option<Vec<u8>>,
     ) -> Result<XferId, AgentError> {
-        if local.len() != remote.len() {
-            return Err(AgentError::LengthMismatch {
-                local: local.len(),
-                remote: remote.len(),
-            });
-        }
         {
             let peers = lock(&self.shared.peers);
             let p = peers
                 .get(peer)
                 .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
             let regions = lock(&self.shared.regions);
-            for (i, (l, r)) in local.iter().zip(&remote).enumerate() {
-                if l.len != r.len {
-                    return Err(AgentError::InvalidDesc {
-                        side: "remote",
-                        index: i,
-                        reason: format!("{} bytes, the local descriptor has {}", r.len, l.len),
-                    });
-                }
-                let bad = |side, reason| AgentError::InvalidDesc {
-                    side,
-                    index: i,
-                    reason,
-                };
-                let lr = regions.get(&l.region.0).ok_or_else(|| {
-                    bad("local", format!("region {} is not registered", l.region.0))
-                })?;
-                if l.offset.checked_add(l.len).is_none_or(|e| e > lr.len()) {
-                    return Err(bad(
-                        "local",
-                        format!(
-                            "[{}, {}+{}) is outside region {} ({} bytes)",
-                            l.offset,
-                            l.offset,
-                            l.len,
-                            l.region.0,
-                            lr.len()
-                        ),
-                    ));
-                }
-                let rr = p
-                    .meta
-                    .regions
-                    .iter()
-                    .find(|m| m.id == r.region.0)
-                    .ok_or_else(|| {
-                        bad(
-                            "remote",
-                            format!("peer {peer} advertised no region {}", r.region.0),
-                        )
-                    })?;
-                if r.offset.checked_add(r.len).is_none_or(|e| e > rr.len) {
-                    return Err(bad(
-                        "remote",
-                        format!(
-                            "[{}, {}+{}) is outside {peer}'s region {} ({} bytes)",
-                            r.offset, r.offset, r.len, r.region.0, rr.len
-                        ),
-                    ));
-                }
-                let (need, ok) = match op {
-                    XferOp::Read => ("READ", rr.remote_read),
-                    XferOp::Write => ("WRITE", rr.remote_write),
-                };
-                if !ok {
-                    return Err(bad(
-                        "remote",
-                        format!(
-                            "{peer}'s region {} does not allow remote {need}",
-                            r.region.0
-                        ),
-                    ));
-                }
-            }
+            table::validate(op, &local, &remote, &p.meta, |r| {
+                regions.get(&r.0).map(|r| r.len())
+            })?;
         }
-        let id = {
-            let mut n = lock(&self.shared.next_xfer);
-            let id = *n;
-            *n += 1;
-            id
-        };
-        lock(&self.shared.xfers).insert(
-            id,
-            Xfer {
-                op,
-                peer: peer.into(),
-                local,
-                remote,
-                notif,
-                status: XferStatus::NotPosted,
-                remaining: 0,
-                held: Vec::new(),
-            },
-        );
-        Ok(XferId(id))
+        Ok(lock(&self.shared.xfers).create(op, peer, local, remote, notif))
     }
 
     /// Post a transfer (again, once it is no longer active).
@@ -593,10 +494,7 @@ impl Agent {
     pub fn post(&self, id: XferId) -> Result<(), AgentError> {
         let peers = lock(&self.shared.peers);
         let mut xfers = lock(&self.shared.xfers);
-        let x = xfers.get_mut(&id.0).ok_or(AgentError::NoXfer(id.0))?;
-        if x.status == XferStatus::InProgress {
-            return Err(AgentError::Active(id.0));
-        }
+        let x = xfers.postable(id)?;
         let p = peers
             .get(&x.peer)
             .ok_or_else(|| AgentError::UnknownPeer(x.peer.clone()))?;
@@ -627,13 +525,7 @@ impl Agent {
         for r in &held {
             r.acquire();
         }
-        x.held = held;
-        x.status = XferStatus::InProgress;
-        x.remaining = if x.op == XferOp::Read {
-            x.local.iter().map(|d| d.len).sum()
-        } else {
-            0
-        };
+        let x = xfers.begin(id, held)?;
         // device memory on either side, on verbs: the host-bounce path
         let device = x.held.iter().any(|r| r.kind != MemKind::Host)
             || x.remote.iter().any(|d| {
@@ -733,7 +625,7 @@ impl Agent {
         // transfer, which takes them again.
         let tx = p.conn.sender();
         let open = p.conn.is_open();
-        let empty_read = x.op == XferOp::Read && x.remaining == 0;
+        let empty_read = x.op == XferOp::Read && x.local.iter().all(|d| d.len == 0);
         let notif = x.notif.clone();
         drop(xfers);
         drop(peers);
@@ -756,10 +648,7 @@ impl Agent {
     /// # Errors
     /// [`AgentError::NoXfer`].
     pub fn status(&self, id: XferId) -> Result<XferStatus, AgentError> {
-        lock(&self.shared.xfers)
-            .get(&id.0)
-            .map(|x| x.status.clone())
-            .ok_or(AgentError::NoXfer(id.0))
+        lock(&self.shared.xfers).status(id).cloned()
     }
 
     /// Block until transfer `id` is no longer in progress, or `timeout` passed; returns its
@@ -772,7 +661,7 @@ impl Agent {
         let deadline = std::time::Instant::now() + timeout;
         let mut xfers = lock(&self.shared.xfers);
         loop {
-            let st = &xfers.get(&id.0).ok_or(AgentError::NoXfer(id.0))?.status;
+            let st = xfers.status(id)?;
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if *st != XferStatus::InProgress || left.is_zero() {
                 return Ok(st.clone());
@@ -791,15 +680,7 @@ impl Agent {
     /// # Errors
     /// [`AgentError::NoXfer`], [`AgentError::Active`].
     pub fn release(&self, id: XferId) -> Result<(), AgentError> {
-        let mut xfers = lock(&self.shared.xfers);
-        match xfers.get(&id.0) {
-            None => Err(AgentError::NoXfer(id.0)),
-            Some(x) if x.status == XferStatus::InProgress => Err(AgentError::Active(id.0)),
-            Some(_) => {
-                xfers.remove(&id.0);
-                Ok(())
-            }
-        }
+        lock(&self.shared.xfers).release(id)
     }
 
     /// Send a notification to a peer; peers receive them in the order they were sent.
@@ -992,12 +873,7 @@ impl Shared {
     /// transfer is finished: once the engine sees it done it may release it at once, and a
     /// lookup after that would lose the notification.
     fn xfer_notif(&self, id: u64) -> Option<(String, Vec<u8>)> {
-        let xfers = lock(&self.xfers);
-        let x = xfers.get(&id)?;
-        if x.status != XferStatus::InProgress {
-            return None;
-        }
-        Some((x.peer.clone(), x.notif.clone()?))
+        lock(&self.xfers).completion_notif(id)
     }
 
     /// Verbs: ask `peer` for queue pairs (a rail's rebuild); the answer comes back through
@@ -1024,15 +900,8 @@ impl Shared {
     /// A transfer ended: set its status and release its regions.
     fn finish(&self, id: u64, res: Result<(), XferError>) {
         let mut xfers = lock(&self.xfers);
-        if let Some(x) = xfers.get_mut(&id) {
-            if x.status != XferStatus::InProgress {
-                return;
-            }
-            x.status = match res {
-                Ok(()) => XferStatus::Done,
-                Err(e) => XferStatus::Error(e),
-            };
-            for r in x.held.drain(..) {
+        if let Some(held) = xfers.finish(id, res) {
+            for r in held {
                 r.release();
             }
             self.xfer_done_cv.notify_all();
@@ -1041,23 +910,11 @@ impl Shared {
 
     /// READ bytes arrived for `id`: returns true when the transfer just completed.
     fn read_arrived(&self, id: u64, n: u64) -> bool {
-        let mut xfers = lock(&self.xfers);
-        let Some(x) = xfers.get_mut(&id) else {
-            return false;
-        };
-        if x.status != XferStatus::InProgress {
-            return false;
-        }
-        x.remaining = x.remaining.saturating_sub(n);
-        x.remaining == 0
+        lock(&self.xfers).arrived(id, n) == table::Arrival::Complete
     }
 
     fn fail_peer(&self, peer: &str, why: &str) {
-        let ids: Vec<u64> = lock(&self.xfers)
-            .iter()
-            .filter(|(_, x)| x.peer == peer && x.status == XferStatus::InProgress)
-            .map(|(id, _)| *id)
-            .collect();
+        let ids = lock(&self.xfers).active_with(peer);
         for id in ids {
             let why = why.to_owned();
             self.finish(
@@ -1098,11 +955,7 @@ impl Shared {
 
     /// The local descriptor `idx` of READ transfer `id`, to copy arriving bytes into.
     fn read_target(&self, id: u64, idx: u32) -> Option<(Arc<Region>, u64, u64)> {
-        let xfers = lock(&self.xfers);
-        let x = xfers.get(&id)?;
-        let d = x.local.get(idx as usize)?;
-        let r = x.held.iter().find(|h| h.id == d.region)?.clone();
-        Some((r, d.offset, d.len))
+        lock(&self.xfers).read_target(id, idx)
     }
 }
 

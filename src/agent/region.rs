@@ -195,3 +195,9 @@ impl Region {
         self.busy.load(Ordering::Acquire)
     }
 }
+
+impl super::table::Held for Arc<Region> {
+    fn region_id(&self) -> RegionId {
+        self.id
+    }
+}
