@@ -840,3 +840,37 @@ fn invalidate_forgets_the_peer_and_fails_its_transfers() {
     assert!(a.peers().is_empty());
     a.deregister(src).unwrap();
 }
+
+/// Notifications go to their consumer by kind: a route takes the messages with its prefix
+/// (in order), the engine's queue the rest; a dropped route gives its kind back.
+#[test]
+fn notifications_are_routed_by_kind() {
+    let (p, d, peer) = pair();
+    let route = p.notif_route(b"PUSH_REG:");
+    for m in ["PUSH_REG:a", "HB:x", "PUSH_REG:b", "done:1"] {
+        d.send_notif(&peer, m.as_bytes().to_vec()).unwrap();
+    }
+    let t = Instant::now();
+    let (mut routed, mut engine) = (Vec::new(), Vec::new());
+    while routed.len() < 2 || engine.len() < 2 {
+        routed.extend(
+            route
+                .wait(Duration::from_millis(5))
+                .into_iter()
+                .map(|(_, b)| b),
+        );
+        engine.extend(p.get_new_notifs().into_iter().map(|(_, b)| b));
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{routed:?} {engine:?}"
+        );
+    }
+    assert_eq!(routed, [b"PUSH_REG:a".to_vec(), b"PUSH_REG:b".to_vec()]);
+    assert_eq!(engine, [b"HB:x".to_vec(), b"done:1".to_vec()]);
+    drop(route);
+    d.send_notif(&peer, b"PUSH_REG:c".to_vec()).unwrap();
+    assert_eq!(
+        collect_notifs(&p, 1, Duration::from_secs(60)),
+        [b"PUSH_REG:c".to_vec()]
+    );
+}

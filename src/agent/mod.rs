@@ -29,6 +29,7 @@ pub mod metadata;
 mod notifs;
 mod region;
 mod register;
+mod route;
 mod table;
 mod tcp;
 #[cfg(feature = "verbs")]
@@ -42,6 +43,7 @@ pub use config::{AgentConfig, BackendChoice};
 pub use error::{AgentError, Fault, XferError};
 pub use region::{RegionId, RegionMemory, RemoteAccess};
 pub use register::{MemRegion, RegisteredMemory};
+pub use route::NotifRoute;
 #[cfg(feature = "verbs")]
 pub(crate) use verbs::config_rails;
 
@@ -131,6 +133,8 @@ pub(crate) struct Shared {
     verbs: Option<Arc<verbs::Verbs>>,
     /// The host-bounce engine (verbs backend): moves device memory through staging slots.
     bounce: std::sync::OnceLock<crate::bounce::Engine>,
+    /// Consumers of one kind of notification each (see [`route`]).
+    routes: Mutex<Vec<Arc<route::RouteQueue>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -258,6 +262,7 @@ impl Agent {
             #[cfg(feature = "verbs")]
             verbs,
             bounce: std::sync::OnceLock::new(),
+            routes: Mutex::new(Vec::new()),
         });
         #[cfg(feature = "verbs")]
         if let Some(v) = &shared.verbs {
@@ -934,7 +939,7 @@ impl Shared {
     }
 
     /// A notification arrived from `from`: the host-bounce engine's go to it, the rest to
-    /// the engine's queue.
+    /// their consumer.
     fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
         if let Some(b) = self
             .bounce
@@ -947,10 +952,13 @@ impl Shared {
         self.deliver_user_notif(from, bytes);
     }
 
-    /// Queue a notification for the engine.
+    /// Queue a notification for its consumer: the route of its kind, else the engine's
+    /// queue.
     fn deliver_user_notif(&self, from: &str, bytes: Vec<u8>) {
-        lock(&self.notifs).push_back((from.to_owned(), bytes));
-        self.notif_cv.notify_all();
+        if let Err(bytes) = self.route_notif(from, bytes) {
+            lock(&self.notifs).push_back((from.to_owned(), bytes));
+            self.notif_cv.notify_all();
+        }
     }
 
     /// The local descriptor `idx` of READ transfer `id`, to copy arriving bytes into.

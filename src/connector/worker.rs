@@ -569,30 +569,28 @@ impl Worker {
 
     /// What finished since the last call (call once per step).
     pub fn get_finished(&mut self, now: Instant) -> Finished {
-        match &self.writer {
-            None => {
-                for (_, m) in self.agent.get_new_notifs() {
-                    self.handle_msg(&m, now);
+        // the agent routes PUSH_REG to the writer; everything else is the worker's
+        for (_, m) in self.agent.get_new_notifs() {
+            self.handle_msg(&m, now);
+        }
+        let events = self.writer.as_ref().map(|w| {
+            w.wake();
+            w.events()
+        });
+        for ev in events.into_iter().flatten() {
+            match ev {
+                WriterEvent::Unparsed(m) => self.handle_msg(&m, now),
+                WriterEvent::Pushed(id, d_tp) => {
+                    // a WRITE and its completion are done: P frees once every D rank that
+                    // takes its heads has been written
+                    self.leases.handle_completion(&Completion {
+                        request_id: id,
+                        tp_size: d_tp,
+                    });
                 }
-            }
-            Some(w) => {
-                w.wake();
-                for ev in w.events() {
-                    match ev {
-                        WriterEvent::Notif(m) => self.handle_msg(&m, now),
-                        WriterEvent::Pushed(id, d_tp) => {
-                            // a WRITE and its completion are done: P frees once every D
-                            // rank that takes its heads has been written
-                            self.leases.handle_completion(&Completion {
-                                request_id: id,
-                                tp_size: d_tp,
-                            });
-                        }
-                        WriterEvent::RegistrationFailed(id, why) => {
-                            tracing::warn!(request = %id, "push registration failed: {why}");
-                            self.receiver.send_failed(&id);
-                        }
-                    }
+                WriterEvent::RegistrationFailed(id, why) => {
+                    tracing::warn!(request = %id, "push registration failed: {why}");
+                    self.receiver.send_failed(&id);
                 }
             }
         }

@@ -23,8 +23,8 @@ use crate::proto::push::{PushAction, PushMatcher};
 /// What the writer reports to its worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum WriterEvent {
-    /// A notification that is not the writer's (heartbeats, completions, malformed).
-    Notif(Vec<u8>),
+    /// A `PUSH_REG:` message that does not parse (the worker counts it malformed).
+    Unparsed(Vec<u8>),
     /// P: a WRITE of this request (and its completion notification) is done, into a D
     /// worker of this TP size.
     Pushed(String, u32),
@@ -48,6 +48,8 @@ struct Shared {
     /// once no WRITE reads them, and no new WRITE starts.
     writing: Mutex<HashMap<String, (u32, bool)>>,
     agent: Arc<Agent>,
+    /// The `PUSH_REG:` notifications: routed here by the agent, never to the worker.
+    regs: crate::agent::NotifRoute,
     layout: KvLayout,
     regions: Vec<LayerAt>,
     /// This worker's (TP rank, TP size).
@@ -83,6 +85,7 @@ impl Writer {
     ) -> Result<Self, AgentError> {
         let shared = Arc::new(Shared {
             writing: Mutex::new(HashMap::new()),
+            regs: agent.notif_route(crate::proto::kvmsg::PUSH_REG_PREFIX),
             agent,
             layout,
             regions,
@@ -413,10 +416,10 @@ impl Loop {
                 self.settle(&k);
             }
         }
-        for (_, m) in self.sh.agent.get_new_notifs() {
+        for (_, m) in self.sh.regs.get_new() {
             match KvMsg::decode(&m) {
                 Ok(KvMsg::PushReg(r)) => self.matcher.on_registration(r, now),
-                _ => self.event(WriterEvent::Notif(m)),
+                _ => self.event(WriterEvent::Unparsed(m)),
             }
         }
         self.matcher.handle_timeout(now);
