@@ -11,7 +11,6 @@
 mod lab;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use kvrail::agent::metadata::MemKind;
 use kvrail::agent::{
@@ -33,15 +32,7 @@ fn agents() -> (Agent, Agent, String) {
 }
 
 fn wait(a: &Agent, x: XferId) -> XferStatus {
-    let t = Instant::now();
-    loop {
-        let s = a.status(x).unwrap();
-        if s != XferStatus::InProgress {
-            return s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(120), "{x:?} hung");
-        std::thread::sleep(Duration::from_micros(200));
-    }
+    lab::wait_xfer(a, x)
 }
 
 fn run(a: &Agent, op: XferOp, l: Vec<Desc>, peer: &str, r: Vec<Desc>) {

@@ -56,18 +56,7 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 }
 
 fn wait(a: &Agent, x: XferId) -> XferStatus {
-    let t = Instant::now();
-    loop {
-        let s = a.status(x).unwrap();
-        if s != XferStatus::InProgress {
-            return s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(120),
-            "transfer {x:?} hung"
-        );
-        std::thread::sleep(Duration::from_micros(200));
-    }
+    lab::wait_xfer(a, x)
 }
 
 fn pair() -> (Agent, Agent, String) {

@@ -328,17 +328,7 @@ impl Agent {
     /// # Errors
     /// [`AgentError::NoRegion`]; [`AgentError::RegionBusy`] while active transfers use it.
     pub fn deregister(&self, id: RegionId) -> Result<(), AgentError> {
-        let mut regions = lock(&self.shared.regions);
-        let r = regions.get(&id.0).ok_or(AgentError::NoRegion(id.0))?;
-        let transfers = r.in_use();
-        if transfers > 0 {
-            return Err(AgentError::RegionBusy {
-                region: id.0,
-                transfers,
-            });
-        }
-        regions.remove(&id.0);
-        Ok(())
+        self.shared.take_idle_region(id).map(drop)
     }
 
     /// Copy `data` into a local region (the engine's CPU access to its own memory).
@@ -561,10 +551,16 @@ impl Agent {
                     dst: part(r),
                 })
                 .collect();
-            let (op, peer, notif) = (x.op, x.peer.clone(), x.notif.clone());
+            let req = crate::bounce::Post {
+                id: id.0,
+                op: x.op,
+                peer: x.peer.clone(),
+                pieces,
+                notif: x.notif.clone(),
+            };
             drop(xfers);
             drop(peers);
-            if let Err(e) = engine.post(self, id.0, op, &peer, pieces, notif) {
+            if let Err(e) = engine.post(self, req) {
                 self.shared
                     .finish(id.0, Err(XferError::Post(e.to_string())));
                 return Err(e);
@@ -817,6 +813,20 @@ impl Agent {
 }
 
 impl Shared {
+    /// Remove region `id` from the registry unless transfers use it.
+    fn take_idle_region(&self, id: RegionId) -> Result<Arc<Region>, AgentError> {
+        let mut regions = lock(&self.regions);
+        let r = regions.get(&id.0).ok_or(AgentError::NoRegion(id.0))?;
+        let transfers = r.in_use();
+        if transfers > 0 {
+            return Err(AgentError::RegionBusy {
+                region: id.0,
+                transfers,
+            });
+        }
+        regions.remove(&id.0).ok_or(AgentError::NoRegion(id.0))
+    }
+
     fn region(&self, id: u32) -> Result<Arc<Region>, AgentError> {
         lock(&self.regions)
             .get(&id)

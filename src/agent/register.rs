@@ -264,18 +264,7 @@ impl Agent {
     /// [`AgentError::NoRegion`]; [`AgentError::RegionBusy`] while transfers use it (it
     /// stays registered).
     pub fn deregister_memory(&self, id: RegionId) -> Result<RegisteredMemory, AgentError> {
-        let region = {
-            let mut regions = lock(&self.shared.regions);
-            let r = regions.get(&id.0).ok_or(AgentError::NoRegion(id.0))?;
-            let transfers = r.in_use();
-            if transfers > 0 {
-                return Err(AgentError::RegionBusy {
-                    region: id.0,
-                    transfers,
-                });
-            }
-            regions.remove(&id.0).ok_or(AgentError::NoRegion(id.0))?
-        };
+        let region = self.shared.take_idle_region(id)?;
         // A finished transfer's last reference may still be on its way out: wait briefly.
         let mut region = region;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);

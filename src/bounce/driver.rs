@@ -151,15 +151,15 @@ fn greet(core: &Core, agent: &Agent, st: &mut State, peer: &str) {
 }
 
 /// Start agent transfer `id`.
-pub(crate) fn post(
-    core: &Core,
-    agent: &Agent,
-    id: u64,
-    op: XferOp,
-    peer: &str,
-    pieces: Vec<Piece>,
-    notif: Option<Vec<u8>>,
-) -> Result<(), AgentError> {
+pub(crate) fn post(core: &Core, agent: &Agent, req: super::Post) -> Result<(), AgentError> {
+    let super::Post {
+        id,
+        op,
+        peer,
+        pieces,
+        notif,
+    } = req;
+    let peer = peer.as_str();
     let mut st = core.lock();
     ensure_link(core, agent, &mut st, peer)?;
     let x = st.xfers.entry(id).or_insert_with(|| Xfer {

@@ -34,6 +34,18 @@ use crate::agent::{Agent, AgentError, WeakAgent, XferOp};
 use driver::State;
 use wire::Piece;
 
+/// An agent transfer to bounce.
+pub(crate) struct Post {
+    /// The agent's transfer id.
+    pub(crate) id: u64,
+    pub(crate) op: XferOp,
+    pub(crate) peer: String,
+    /// Local → remote, in order.
+    pub(crate) pieces: Vec<Piece>,
+    /// For the peer, after the last byte.
+    pub(crate) notif: Option<Vec<u8>>,
+}
+
 /// How the agent stages device memory on verbs (`AgentConfig::bounce`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BounceConfig {
@@ -128,22 +140,13 @@ impl Engine {
         self.core.wake.notify_all();
     }
 
-    /// Move agent transfer `id` (`op` with `peer`, the pieces in order; `notif` for the
-    /// peer after the last byte) through the staging slots. The agent learns the outcome
+    /// Move an agent transfer through the staging slots. The agent learns the outcome
     /// through its transfer table.
     ///
     /// # Errors
     /// What registering the staging buffers returns.
-    pub(crate) fn post(
-        &self,
-        agent: &Agent,
-        id: u64,
-        op: XferOp,
-        peer: &str,
-        pieces: Vec<Piece>,
-        notif: Option<Vec<u8>>,
-    ) -> Result<(), AgentError> {
-        driver::post(&self.core, agent, id, op, peer, pieces, notif)?;
+    pub(crate) fn post(&self, agent: &Agent, req: Post) -> Result<(), AgentError> {
+        driver::post(&self.core, agent, req)?;
         self.core.wake.notify_all();
         Ok(())
     }

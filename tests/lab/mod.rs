@@ -165,3 +165,19 @@ pub fn wait_port(dev: &str, want: &str) -> Result<(), String> {
     }
     Err(format!("{dev} never became {want}"))
 }
+
+/// Poll transfer `x` of `a` until it is no longer in progress (it must end within 120 s).
+pub fn wait_xfer(a: &kvrail::agent::Agent, x: kvrail::agent::XferId) -> kvrail::agent::XferStatus {
+    let t = Instant::now();
+    loop {
+        let s = a.status(x).expect("a transfer");
+        if s != kvrail::agent::XferStatus::InProgress {
+            return s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "transfer {x:?} hung"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
