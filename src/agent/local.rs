@@ -1,5 +1,6 @@
 //! What the agent's own paths (the host-bounce engine) use of it: its local regions by id,
 //! its transfer table's outcomes, its notification queue and its copy counter.
+#![cfg_attr(not(feature = "verbs"), allow(dead_code))]
 
 use super::{Agent, AgentError, RegionId, RemoteAccess, XferError};
 

@@ -23,6 +23,7 @@
 //! ```
 
 mod config;
+mod control;
 mod error;
 mod local;
 pub mod metadata;
@@ -101,7 +102,7 @@ pub enum XferStatus {
 
 struct Peer {
     meta: Arc<AgentMetadata>,
-    conn: tcp::PeerConn,
+    conn: control::PeerConn,
     addr: SocketAddr,
 }
 
@@ -145,15 +146,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Clone)]
 pub struct Agent {
     shared: Arc<Shared>,
-    _guard: Arc<tcp::Shutdown>,
+    _guard: Arc<control::Shutdown>,
 }
 
 /// An [`Agent`] that does not keep it alive: what its own helper threads hold.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub(crate) struct WeakAgent {
     shared: std::sync::Weak<Shared>,
-    guard: std::sync::Weak<tcp::Shutdown>,
+    guard: std::sync::Weak<control::Shutdown>,
 }
 
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 impl WeakAgent {
     /// The agent, while some clone of it lives.
     pub(crate) fn upgrade(&self) -> Option<Agent> {
@@ -268,7 +271,7 @@ impl Agent {
         if let Some(v) = &shared.verbs {
             v.run(shared.clone())?;
         }
-        let guard = Arc::new(tcp::serve(shared.clone(), listener, local)?);
+        let guard = Arc::new(control::serve(shared.clone(), listener, local)?);
         tracing::info!(agent = name, side_channel = %addr, "kvrail agent up");
         let agent = Self {
             shared,
@@ -286,6 +289,7 @@ impl Agent {
     }
 
     /// A handle that does not keep the agent alive (for its own helper threads).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn downgrade(&self) -> WeakAgent {
         WeakAgent {
             shared: Arc::downgrade(&self.shared),
@@ -362,7 +366,7 @@ impl Agent {
     /// [`AgentError::Metadata`].
     pub fn load_remote(&self, addr: SocketAddr) -> Result<String, AgentError> {
         crate::proto::handshake::check_advertised(self.shared.addr.ip(), addr.ip())?;
-        let bytes = tcp::fetch_metadata(addr)?;
+        let bytes = control::fetch_metadata(addr)?;
         self.load_remote_metadata(&bytes, Some(addr))
     }
 
@@ -416,7 +420,7 @@ impl Agent {
                 }
             }
         }
-        let conn = tcp::PeerConn::connect(self.shared.clone(), addr, &name, &meta)?;
+        let conn = control::PeerConn::connect(self.shared.clone(), addr, &name, &meta)?;
         tracing::info!(agent = %self.shared.name, peer = %name, %addr, "handshake done; peer connected");
         if let Some(old) = lock(&self.shared.peers).insert(
             name.clone(),
@@ -601,7 +605,7 @@ impl Agent {
             }
             return Ok(());
         }
-        let work = tcp::Work::Xfer {
+        let work = control::Work::Xfer {
             id: id.0,
             op: x.op,
             local: x
@@ -633,7 +637,7 @@ impl Agent {
         if empty_read {
             // nothing to read: done at once; the notification is queued first
             if let Some(n) = notif {
-                let _ = tx.send(tcp::Work::Notif(n));
+                let _ = tx.send(control::Work::Notif(n));
             }
             self.shared.finish(id.0, Ok(()));
             return Ok(());
@@ -881,9 +885,6 @@ impl Shared {
         }
     }
 
-    /// A verbs transfer finished on every rail: done. Returns its notification (and the
-    /// peer), which the caller sends now.
-    #[cfg(feature = "verbs")]
     /// The notification (and its peer) of in-progress transfer `id`, looked up *before* the
     /// transfer is finished: once the engine sees it done it may release it at once, and a
     /// lookup after that would lose the notification.
@@ -898,7 +899,7 @@ impl Shared {
         // Lock order: the verbs engine (taken by `rebuilt`) is never taken under `peers`.
         let sent = lock(&self.peers)
             .get(peer)
-            .is_some_and(|p| p.conn.try_submit(tcp::Work::QpOpen(req)));
+            .is_some_and(|p| p.conn.try_submit(control::Work::QpOpen(req)));
         if !sent {
             if let Some(v) = &self.verbs {
                 v.rebuilt(peer, Err("no open connection to the peer".into()));

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{lock, tcp, Shared};
+use super::{control, lock, Shared};
 
 /// Most notifications held back waiting for an earlier one, per connection. A correct peer
 /// has at most a channel's worth in flight; more is a broken peer, and its extra ones drop.
@@ -65,8 +65,8 @@ impl Shared {
     pub(crate) fn send_tcp_notif(&self, peer: &str, seq: Option<u64>, bytes: Vec<u8>) {
         if let Some(p) = lock(&self.peers).get(peer) {
             p.conn.submit(match seq {
-                Some(seq) => tcp::Work::SeqNotif(seq, bytes),
-                None => tcp::Work::Notif(bytes),
+                Some(seq) => control::Work::SeqNotif(seq, bytes),
+                None => control::Work::Notif(bytes),
             });
         }
     }

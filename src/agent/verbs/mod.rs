@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
+pub(crate) mod exchange;
 mod notif;
 mod poster;
 mod rebuild;
@@ -26,8 +27,8 @@ use crate::agent::metadata::{AgentMetadata, RailAddr};
 use crate::rails::{discover, select, AddrSource, Ipv4If, SysfsRoot};
 use crate::transport::stripe::{DescPair, Planner, Progress, StripeMode, XferState};
 use crate::transport::verbs::{
-    probe_dmabuf, Access, Completion, ConnectOptions, Context, Cq, DmabufSupport, Endpoint, Mr, Pd,
-    Qp, QpOptions, RemoteRegion,
+    probe_dmabuf, Access, Completion, Context, Cq, DmabufSupport, Mr, Pd, Qp, QpOptions,
+    RemoteRegion,
 };
 
 /// Send-queue depth of a data queue pair.
@@ -811,27 +812,4 @@ impl Verbs {
         let _ = self.waker.wake();
         self.stop_posters();
     }
-}
-
-/// The target side: queue pairs the initiator asked for, connected to its endpoints.
-pub(crate) fn open_target_qps(
-    verbs: &Verbs,
-    pairs: &[(u32, u32, Endpoint)],
-) -> Result<(Vec<Qp>, Vec<Endpoint>), String> {
-    let mut qps = Vec::new();
-    let mut eps = Vec::new();
-    for &(_, mine, ep) in pairs {
-        let rail = mine as usize;
-        if rail >= verbs.rails.len() {
-            return Err(format!("no rail {rail} here"));
-        }
-        let qp = verbs
-            .new_qp(rail, Access::REMOTE_READ | Access::REMOTE_WRITE)
-            .map_err(|e| e.to_string())?;
-        qp.connect(&ep, &ConnectOptions::default())
-            .map_err(|e| e.to_string())?;
-        eps.push(qp.endpoint());
-        qps.push(qp);
-    }
-    Ok((qps, eps))
 }

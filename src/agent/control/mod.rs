@@ -1,21 +1,21 @@
-//! The TCP side channel and data path. One listener per agent serves both: a connection
-//! that starts with `GetMetadata` gets the metadata; one that starts with `Attach` is a peer's
-//! data connection. Each agent sends its own transfers and notifications on the connection
-//! it opened to the peer (so they stay in order), and serves the peer's on the connection the
-//! peer opened. A WRITE's notification is delivered only after every byte of the transfer
-//! was copied into the target's memory (same connection, processed in order), and the
-//! initiator reports done only on the target's acknowledgement.
+//! The control channel, under both backends: framing (`msg`), the listener (`accept`), the
+//! metadata request, the attach handshake, and one connection per peer with its writer and
+//! reader threads. A connection that starts with `GetMetadata` gets the metadata; one that
+//! starts with `Attach` is a peer's connection. Each agent sends its own transfers'
+//! messages and notifications on the connection it opened to the peer (so they stay in
+//! order), and serves the peer's on the connection the peer opened. What travels on it
+//! belongs to others: the TCP data path's messages (`super::tcp`), the verbs backend's queue
+//! pair exchange (`super::verbs::exchange`), and notifications.
 
 mod accept;
-mod msg;
+pub(crate) mod msg;
 
-use std::collections::HashMap;
 use std::net::{Shutdown as NetShutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use msg::{send, Msg, Reader, CHUNK};
+use msg::{send, Msg, Reader};
 
 use super::region::Region;
 use super::{lock, AgentError, Desc, Shared, XferError, XferOp};
@@ -44,7 +44,7 @@ pub(crate) enum Work {
     QpOpen(crate::agent::verbs::QpRequest),
 }
 
-fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToString) -> AgentError {
+pub(crate) fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToString) -> AgentError {
     AgentError::Connection {
         what,
         addr: addr.to_string(),
@@ -123,7 +123,7 @@ impl PeerConn {
             },
         )?;
         #[cfg(feature = "verbs")]
-        open_qps(&shared, &mut w, &mut reader, addr, peer, meta)?;
+        crate::agent::verbs::exchange::open_qps(&shared, &mut w, &mut reader, (addr, peer), meta)?;
         #[cfg(not(feature = "verbs"))]
         let _ = meta;
         s.set_read_timeout(None).ok();
@@ -195,7 +195,7 @@ impl PeerConn {
 
 /// The peer's answer to one step of the attach handshake: `want` takes the expected
 /// message (or hands it back); `Refused` and anything else are errors naming the step.
-fn expect_reply<T>(
+pub(crate) fn expect_reply<T>(
     reader: &mut Reader<TcpStream>,
     addr: SocketAddr,
     step: &'static str,
@@ -209,99 +209,6 @@ fn expect_reply<T>(
         Ok(None) => Err(conn_err(step, addr, "unexpected reply None")),
         Err(e) => Err(conn_err(step, addr, e)),
     }
-}
-
-/// Verbs: one queue pair per paired rail, endpoints exchanged over the attach connection.
-#[cfg(feature = "verbs")]
-fn open_qps(
-    shared: &Shared,
-    w: &mut TcpStream,
-    reader: &mut Reader<TcpStream>,
-    addr: SocketAddr,
-    peer: &str,
-    meta: &crate::agent::metadata::AgentMetadata,
-) -> Result<(), AgentError> {
-    use crate::agent::metadata::BackendKind;
-    let Some(v) = &shared.verbs else {
-        return Ok(());
-    };
-    if meta.backend != BackendKind::Verbs {
-        return Ok(());
-    }
-    let pairs = v.pairs_with(meta);
-    let mut qps = Vec::new();
-    let mut req = Vec::new();
-    for (mine, theirs) in pairs {
-        let qp = v.new_qp(mine, crate::transport::verbs::Access::NONE)?;
-        req.push((mine as u32, theirs as u32, qp.endpoint()));
-        qps.push((mine, theirs, qp));
-    }
-    send(w, &Msg::QpOpen { pairs: req })
-        .map_err(|e| conn_err("queue pair exchange with", addr, e))?;
-    let eps = expect_reply(
-        reader,
-        addr,
-        "queue pair exchange with",
-        "peer could not open queue pairs at",
-        |m| match m {
-            Msg::QpOpened { endpoints } if endpoints.len() == qps.len() => Ok(endpoints),
-            m => Err(m),
-        },
-    )?;
-    for ((rail, _, qp), ep) in qps.iter().zip(&eps) {
-        qp.connect(ep, &crate::transport::verbs::ConnectOptions::default())
-            .map_err(|e| {
-                conn_err(
-                    "connecting the queue pair on",
-                    addr,
-                    format!("{}: {e}", v.rails[*rail].name),
-                )
-            })?;
-    }
-    tracing::info!(agent = %shared.name, peer, pairs = qps.len(), "verbs queue pairs connected");
-    let first = qps.first().map(|(mine, theirs, _)| (*mine, *theirs));
-    v.add_peer(peer, qps);
-    if let Some((mine, theirs)) = first {
-        open_chan(v, w, reader, addr, peer, (mine, theirs))?;
-    }
-    Ok(())
-}
-
-/// Verbs: the notification channel to the peer, on the first paired rail.
-#[cfg(feature = "verbs")]
-fn open_chan(
-    v: &crate::agent::verbs::Verbs,
-    w: &mut TcpStream,
-    reader: &mut Reader<TcpStream>,
-    addr: SocketAddr,
-    peer: &str,
-    (mine, theirs): (usize, usize),
-) -> Result<(), AgentError> {
-    let (qp, ch) = v
-        .new_chan(mine)
-        .map_err(|e| conn_err("notification channel to", addr, e))?;
-    send(
-        w,
-        &Msg::ChanOpen {
-            rail: theirs as u32,
-            ep: qp.endpoint(),
-        },
-    )
-    .map_err(|e| conn_err("notification channel to", addr, e))?;
-    let ep = expect_reply(
-        reader,
-        addr,
-        "notification channel to",
-        "notification channel refused by",
-        |m| match m {
-            Msg::ChanOpened { ep } => Ok(ep),
-            m => Err(m),
-        },
-    )?;
-    qp.connect(&ep, &crate::agent::verbs::chan_connect_options())
-        .map_err(|e| conn_err("notification channel to", addr, e))?;
-    v.add_out_chan(peer, mine, &qp, ch);
-    Ok(())
 }
 
 /// Sends this agent's transfers and notifications, in submission order.
@@ -318,57 +225,13 @@ fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &st
                 local,
                 remote,
                 notif,
-            } => (|| {
-                for ((r, off, len), rd) in local.iter().zip(&remote) {
-                    let mut at = 0;
-                    while at < *len {
-                        let n = (*len - at).min(CHUNK as u64);
-                        let data = match r.read_vec(off + at, n) {
-                            Ok(d) => {
-                                shared.count_copy(n);
-                                d
-                            }
-                            Err(e) => {
-                                shared.finish(id, Err(XferError::Memory(e.to_string())));
-                                return Ok(());
-                            }
-                        };
-                        send(
-                            &mut w,
-                            &Msg::Write {
-                                xfer: id,
-                                region: rd.region.0,
-                                offset: rd.offset + at,
-                                data,
-                            },
-                        )?;
-                        at += n;
-                    }
-                }
-                send(&mut w, &Msg::WriteEnd { xfer: id, notif })
-            })(),
+            } => super::tcp::send_write(shared, &mut w, id, &local, &remote, notif),
             Work::Xfer {
                 id,
                 op: XferOp::Read,
                 remote,
                 ..
-            } => (|| {
-                for (i, rd) in remote.iter().enumerate() {
-                    if rd.len > 0 {
-                        send(
-                            &mut w,
-                            &Msg::ReadReq {
-                                xfer: id,
-                                idx: i as u32,
-                                region: rd.region.0,
-                                offset: rd.offset,
-                                len: rd.len,
-                            },
-                        )?;
-                    }
-                }
-                Ok(())
-            })(),
+            } => super::tcp::send_read(&mut w, id, &remote),
         };
         if let Err(e) = res {
             shared.fail_peer(peer, &format!("send failed: {e}"));
@@ -400,34 +263,7 @@ fn initiator_reader(
                 idx,
                 at,
                 data,
-            })) => {
-                let Some((region, off, len)) = shared.read_target(xfer, idx) else {
-                    continue;
-                };
-                let n = data.len() as u64;
-                if at.checked_add(n).is_none_or(|e| e > len) {
-                    shared.finish(
-                        xfer,
-                        Err(XferError::Protocol(format!(
-                            "{peer} sent bytes outside descriptor #{idx}"
-                        ))),
-                    );
-                    continue;
-                }
-                if let Err(e) = region.write(off + at, &data) {
-                    shared.finish(xfer, Err(XferError::Memory(e.to_string())));
-                    continue;
-                }
-                shared.count_copy(n);
-                if shared.read_arrived(xfer, n) {
-                    // queue the notification before the engine can see the transfer done
-                    // (and release it, which would lose the notification)
-                    if let Some((_, n)) = shared.xfer_notif(xfer) {
-                        let _ = tx.send(Work::Notif(n));
-                    }
-                    shared.finish(xfer, Ok(()));
-                }
-            }
+            })) => super::tcp::on_read_resp(shared, tx, peer, (xfer, idx, at), &data),
             #[cfg(feature = "verbs")]
             Ok(Some(Msg::QpOpened { endpoints })) => {
                 if let Some(v) = &shared.verbs {
@@ -551,17 +387,20 @@ fn target_loop(
     from: &str,
     conn: u64,
 ) -> Result<(), String> {
-    let mut failed: HashMap<u64, String> = HashMap::new();
-    // Queue pairs the initiator asked for live as long as its connection; a rebuilt one
-    // replaces the old one of its initiator rail.
+    let mut writes = super::tcp::Writes::default();
     #[cfg(feature = "verbs")]
-    let mut qps: HashMap<u32, crate::transport::verbs::Qp> = HashMap::new();
+    let mut qps = crate::agent::verbs::exchange::TargetQps::default();
     loop {
         let m = match r.next() {
             Ok(Some(m)) => m,
             Ok(None) => return Ok(()),
             Err(e) => return Err(format!("from {from}: {e}")),
         };
+        #[cfg(feature = "verbs")]
+        if let Some(reply) = qps.answer(shared, conn, from, &m) {
+            send(w, &reply).map_err(|e| format!("to {from}: {e}"))?;
+            continue;
+        }
         let res = match m {
             Msg::Write {
                 xfer,
@@ -569,29 +408,17 @@ fn target_loop(
                 offset,
                 data,
             } => {
-                if let std::collections::hash_map::Entry::Vacant(v) = failed.entry(xfer) {
-                    if let Err(e) = apply_write(shared, region, offset, &data) {
-                        v.insert(e);
-                    }
-                }
+                writes.chunk(shared, xfer, region, offset, &data);
                 Ok(())
             }
-            Msg::WriteEnd { xfer, notif } => match failed.remove(&xfer) {
-                Some(message) => send(w, &Msg::Fail { xfer, message }),
-                None => {
-                    if let Some(n) = notif {
-                        shared.deliver_notif(from, n);
-                    }
-                    send(w, &Msg::Ack { xfer })
-                }
-            },
+            Msg::WriteEnd { xfer, notif } => send(w, &writes.end(shared, from, xfer, notif)),
             Msg::ReadReq {
                 xfer,
                 idx,
                 region,
                 offset,
                 len,
-            } => serve_read(shared, w, xfer, idx, region, offset, len),
+            } => super::tcp::serve_read(shared, w, (xfer, idx), region, offset, len),
             Msg::Notif(b) => {
                 shared.deliver_notif(from, b);
                 Ok(())
@@ -600,109 +427,8 @@ fn target_loop(
                 shared.deliver_seq_notif(conn, from, seq, bytes);
                 Ok(())
             }
-            #[cfg(feature = "verbs")]
-            Msg::ChanOpen { rail, ep } => match shared
-                .verbs
-                .as_ref()
-                .map(|v| v.accept_chan(conn, from, rail, &ep))
-            {
-                Some(Ok(ep)) => send(w, &Msg::ChanOpened { ep }),
-                Some(Err(message)) => send(w, &Msg::Refused { message }),
-                None => send(
-                    w,
-                    &Msg::Refused {
-                        message: "this agent runs on TCP".into(),
-                    },
-                ),
-            },
-            #[cfg(feature = "verbs")]
-            Msg::QpOpen { pairs } => match shared
-                .verbs
-                .as_ref()
-                .map(|v| crate::agent::verbs::open_target_qps(v, &pairs))
-            {
-                Some(Ok((new, endpoints))) => {
-                    qps.extend(pairs.iter().map(|p| p.0).zip(new));
-                    send(w, &Msg::QpOpened { endpoints })
-                }
-                Some(Err(message)) => send(w, &Msg::Refused { message }),
-                None => send(
-                    w,
-                    &Msg::Refused {
-                        message: "this agent runs on TCP".into(),
-                    },
-                ),
-            },
             other => return Err(format!("from {from}: unexpected {other:?}")),
         };
         res.map_err(|e| format!("to {from}: {e}"))?;
     }
-}
-
-fn apply_write(shared: &Shared, region: u32, offset: u64, data: &[u8]) -> Result<(), String> {
-    let r = shared.region(region).map_err(|e| e.to_string())?;
-    if !r.access.write {
-        return Err(format!("region {region} does not allow remote WRITE"));
-    }
-    r.write(offset, data).map_err(|e| e.to_string())?;
-    shared.count_copy(data.len() as u64);
-    Ok(())
-}
-
-fn serve_read(
-    shared: &Shared,
-    w: &mut TcpStream,
-    xfer: u64,
-    idx: u32,
-    region: u32,
-    offset: u64,
-    len: u64,
-) -> std::io::Result<()> {
-    let r = match shared.region(region) {
-        Ok(r) if r.access.read => r,
-        Ok(_) => {
-            return send(
-                w,
-                &Msg::Fail {
-                    xfer,
-                    message: format!("region {region} does not allow remote READ"),
-                },
-            )
-        }
-        Err(e) => {
-            return send(
-                w,
-                &Msg::Fail {
-                    xfer,
-                    message: e.to_string(),
-                },
-            )
-        }
-    };
-    let mut at = 0;
-    while at < len {
-        let n = (len - at).min(CHUNK as u64);
-        match r.read_vec(offset + at, n).inspect(|_| shared.count_copy(n)) {
-            Ok(data) => send(
-                w,
-                &Msg::ReadResp {
-                    xfer,
-                    idx,
-                    at,
-                    data,
-                },
-            )?,
-            Err(e) => {
-                return send(
-                    w,
-                    &Msg::Fail {
-                        xfer,
-                        message: e.to_string(),
-                    },
-                )
-            }
-        }
-        at += n;
-    }
-    Ok(())
 }
