@@ -22,6 +22,7 @@
 //! # Ok::<(), kvrail::agent::AgentError>(())
 //! ```
 
+mod backend;
 mod config;
 mod control;
 mod error;
@@ -525,7 +526,24 @@ impl Agent {
             r.acquire();
         }
         let x = xfers.begin(id, held)?;
-        // device memory on either side, on verbs: the host-bounce path
+        let posted = backend::Posted {
+            id: id.0,
+            op: x.op,
+            peer: x.peer.clone(),
+            local: x
+                .local
+                .iter()
+                .filter_map(|d| {
+                    let r = x.held.iter().find(|h| h.id == d.region)?;
+                    Some((r.clone(), *d))
+                })
+                .collect(),
+            remote: x.remote.clone(),
+            notif: x.notif.clone(),
+            meta: p.meta.clone(),
+        };
+        // device memory on either side goes through the host bounce (on verbs); the rest
+        // on the peer's queue pairs, else its TCP connection
         let device = x.held.iter().any(|r| r.kind != MemKind::Host)
             || x.remote.iter().any(|d| {
                 p.meta
@@ -533,117 +551,32 @@ impl Agent {
                     .iter()
                     .any(|m| m.id == d.region.0 && m.kind != MemKind::Host)
             });
-        #[cfg(feature = "verbs")]
-        let device = device
-            && self
-                .shared
-                .verbs
-                .as_ref()
-                .is_some_and(|v| v.has_peer(&x.peer));
-        if let Some(engine) = self.shared.bounce.get().filter(|_| device) {
-            let part = |d: &Desc| crate::bounce::wire::Part {
-                region: d.region.0,
-                offset: d.offset,
-                len: d.len,
-            };
-            let pieces = x
-                .local
-                .iter()
-                .zip(&x.remote)
-                .map(|(l, r)| crate::bounce::wire::Piece {
-                    src: part(l),
-                    dst: part(r),
-                })
-                .collect();
-            let req = crate::bounce::Post {
-                id: id.0,
-                op: x.op,
-                peer: x.peer.clone(),
-                pieces,
-                notif: x.notif.clone(),
-            };
-            drop(xfers);
-            drop(peers);
-            if let Err(e) = engine.post(self, req) {
-                self.shared
-                    .finish(id.0, Err(XferError::Post(e.to_string())));
-                return Err(e);
-            }
-            return Ok(());
-        }
-        #[cfg(feature = "verbs")]
-        if let Some(v) = self.shared.verbs.as_ref().filter(|v| v.has_peer(&x.peer)) {
-            let local: Vec<(Arc<Region>, Desc)> = x
-                .local
-                .iter()
-                .filter_map(|d| {
-                    x.held
-                        .iter()
-                        .find(|h| h.id == d.region)
-                        .map(|r| (r.clone(), *d))
-                })
-                .collect();
-            let (op, peer, remote, meta) = (x.op, x.peer.clone(), x.remote.clone(), p.meta.clone());
-            let v = v.clone();
-            drop(xfers);
-            drop(peers);
-            // Lock order: the verbs engine is taken without the agent's maps held.
-            if let Err(e) = v.post(
-                &self.shared,
-                verbs::PostReq {
-                    id: id.0,
-                    op,
-                    peer: &peer,
-                    local: &local,
-                    remote: &remote,
-                    meta: &meta,
-                },
-            ) {
-                self.shared
-                    .finish(id.0, Err(XferError::Post(e.to_string())));
-                return Err(e);
-            }
-            return Ok(());
-        }
-        let work = control::Work::Xfer {
-            id: id.0,
-            op: x.op,
-            local: x
-                .local
-                .iter()
-                .map(|d| {
-                    (
-                        x.held
-                            .iter()
-                            .find(|h| h.id == d.region)
-                            .cloned()
-                            .expect("held"),
-                        d.offset,
-                        d.len,
-                    )
-                })
-                .collect(),
-            remote: x.remote.clone(),
-            notif: x.notif.clone(),
+        let tcp = backend::TcpPath {
+            tx: p.conn.sender(),
+            open: p.conn.is_open(),
         };
-        // Nothing is sent with the agent's maps locked: a closed connection fails the
-        // transfer, which takes them again.
-        let tx = p.conn.sender();
-        let open = p.conn.is_open();
-        let empty_read = x.op == XferOp::Read && x.local.iter().all(|d| d.len == 0);
-        let notif = x.notif.clone();
+        #[cfg(feature = "verbs")]
+        let verbs: Option<&dyn backend::Backend> = self
+            .shared
+            .verbs
+            .as_deref()
+            .filter(|v| v.has_peer(&posted.peer))
+            .map(|v| v as &dyn backend::Backend);
+        #[cfg(not(feature = "verbs"))]
+        let verbs: Option<&dyn backend::Backend> = None;
+        // Nothing is handed over with the agent's maps locked: a backend that fails the
+        // transfer takes them again (and the verbs engine is never taken under them).
         drop(xfers);
         drop(peers);
-        if empty_read {
-            // nothing to read: done at once; the notification is queued first
-            if let Some(n) = notif {
-                let _ = tx.send(control::Work::Notif(n));
-            }
-            self.shared.finish(id.0, Ok(()));
-            return Ok(());
-        }
-        if !open || tx.send(work).is_err() {
-            self.shared.finish(id.0, Err(XferError::Closed));
+        let chosen: &dyn backend::Backend = match (verbs, self.shared.bounce.get()) {
+            (Some(_), Some(engine)) if device => engine,
+            (Some(v), _) => v,
+            _ => &tcp,
+        };
+        if let Err(e) = chosen.start(self, posted) {
+            self.shared
+                .finish(id.0, Err(XferError::Post(e.to_string())));
+            return Err(e);
         }
         Ok(())
     }

@@ -1,0 +1,110 @@
+//! The data paths behind [`Agent::post`]: a posted transfer is handed to exactly one
+//! [`Backend`] — the verbs queue pairs, the host bounce (device memory on verbs), or the TCP
+//! connection — with the agent's maps no longer held. A backend reports the outcome
+//! through the agent's transfer table (done, failed, notification after the last byte).
+
+use std::sync::{mpsc, Arc};
+
+use super::control::Work;
+use super::metadata::AgentMetadata;
+use super::region::Region;
+use super::{Agent, AgentError, Desc, XferError, XferOp};
+
+/// A posted transfer, as a backend gets it.
+pub(crate) struct Posted {
+    pub(crate) id: u64,
+    pub(crate) op: XferOp,
+    pub(crate) peer: String,
+    /// Each local descriptor with the region it lies in (held busy by the table).
+    pub(crate) local: Vec<(Arc<Region>, Desc)>,
+    pub(crate) remote: Vec<Desc>,
+    pub(crate) notif: Option<Vec<u8>>,
+    /// The peer's metadata as loaded (the verbs path addresses its regions by rkey).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) meta: Arc<AgentMetadata>,
+}
+
+/// A data path.
+pub(crate) trait Backend {
+    /// Start moving `x`. An error means nothing moves; the agent fails the transfer.
+    fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError>;
+}
+
+/// The TCP data path to one peer: its connection's writer queue.
+pub(crate) struct TcpPath {
+    pub(crate) tx: mpsc::Sender<Work>,
+    pub(crate) open: bool,
+}
+
+impl Backend for TcpPath {
+    fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError> {
+        let shared = &agent.shared;
+        if x.op == XferOp::Read && x.local.iter().all(|(_, d)| d.len == 0) {
+            // nothing to read: done at once; the notification is queued first
+            if let Some(n) = x.notif {
+                let _ = self.tx.send(Work::Notif(n));
+            }
+            shared.finish(x.id, Ok(()));
+            return Ok(());
+        }
+        let work = Work::Xfer {
+            id: x.id,
+            op: x.op,
+            local: x
+                .local
+                .into_iter()
+                .map(|(r, d)| (r, d.offset, d.len))
+                .collect(),
+            remote: x.remote,
+            notif: x.notif,
+        };
+        if !self.open || self.tx.send(work).is_err() {
+            shared.finish(x.id, Err(XferError::Closed));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for crate::bounce::Engine {
+    fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError> {
+        let part = |d: &Desc| crate::bounce::wire::Part {
+            region: d.region.0,
+            offset: d.offset,
+            len: d.len,
+        };
+        let pieces = x
+            .local
+            .iter()
+            .zip(&x.remote)
+            .map(|((_, l), r)| crate::bounce::wire::Piece {
+                src: part(l),
+                dst: part(r),
+            })
+            .collect();
+        let req = crate::bounce::Post {
+            id: x.id,
+            op: x.op,
+            peer: x.peer,
+            pieces,
+            notif: x.notif,
+        };
+        self.post(agent, req)
+    }
+}
+
+#[cfg(feature = "verbs")]
+impl Backend for super::verbs::Verbs {
+    fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError> {
+        self.post(
+            &agent.shared,
+            super::verbs::PostReq {
+                id: x.id,
+                op: x.op,
+                peer: &x.peer,
+                local: &x.local,
+                remote: &x.remote,
+                meta: &x.meta,
+            },
+        )
+    }
+}
