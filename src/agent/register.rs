@@ -264,9 +264,8 @@ impl Agent {
     /// [`AgentError::NoRegion`]; [`AgentError::RegionBusy`] while transfers use it (it
     /// stays registered).
     pub fn deregister_memory(&self, id: RegionId) -> Result<RegisteredMemory, AgentError> {
-        let region = self.shared.take_idle_region(id)?;
         // A finished transfer's last reference may still be on its way out: wait briefly.
-        let mut region = region;
+        let mut region = self.shared.take_idle_region(id)?;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         let region = loop {
             match Arc::try_unwrap(region) {
