@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use kvrail::agent::metadata::{AgentMetadata, BackendKind, MemKind, RegionMeta};
 use kvrail::agent::{
-    Agent, AgentConfig, AgentError, BackendChoice, Desc, Fault, RegionId, RemoteAccess, XferError,
-    XferId, XferOp, XferStatus,
+    Agent, AgentConfig, AgentError, BackendChoice, Desc, Fault, MemRegion, RegionId, RemoteAccess,
+    XferError, XferId, XferOp, XferStatus,
 };
 use kvrail::proto::handshake::HandshakeInfo;
 
@@ -537,7 +537,10 @@ fn busy_deregistration_repost_rules_and_a_dying_peer() {
     let peer = a
         .load_remote_metadata(&silent.metadata(), Some(silent.addr))
         .unwrap();
-    let src = a.register(1 << 20, RemoteAccess::NONE, vec![]).unwrap();
+    // the engine's own memory, registered in place
+    let src = a
+        .register_memory(MemRegion::vec(vec![7u8; 1 << 20]).unwrap())
+        .unwrap();
     let x = a
         .create_xfer(
             XferOp::Write,
@@ -551,13 +554,12 @@ fn busy_deregistration_repost_rules_and_a_dying_peer() {
     a.post(x).unwrap();
     assert_eq!(a.status(x).unwrap(), XferStatus::InProgress);
     // the silent peer never acknowledges: the region is busy, the transfer active
-    assert_eq!(
-        a.deregister(src).unwrap_err(),
-        AgentError::RegionBusy {
-            region: src.0,
-            transfers: 1
-        }
-    );
+    let busy = AgentError::RegionBusy {
+        region: src.0,
+        transfers: 1,
+    };
+    assert_eq!(a.deregister(src).unwrap_err(), busy);
+    assert_eq!(a.deregister_memory(src).unwrap_err(), busy);
     assert_eq!(a.post(x).unwrap_err(), AgentError::Active(x.0));
     assert_eq!(a.release(x).unwrap_err(), AgentError::Active(x.0));
     // waiting gives up after its timeout and says so
@@ -579,7 +581,9 @@ fn busy_deregistration_repost_rules_and_a_dying_peer() {
     // now the region is free and the request can be released
     a.release(x).unwrap();
     assert_eq!(a.status(x).unwrap_err(), AgentError::NoXfer(x.0));
-    a.deregister(src).unwrap();
+    // the engine gets its memory back, untouched
+    let back = a.deregister_memory(src).unwrap().into_vec();
+    assert!(back.len() == 1 << 20 && back.iter().all(|b| *b == 7));
 }
 
 #[test]
