@@ -18,7 +18,6 @@ use kvrail::agent::{
     XferStatus,
 };
 use kvrail::mem::{HostBuffer, NpuMemory};
-use rbln_sys::RblnLib;
 
 fn on_verbs() -> bool {
     lab::Topology::from_env().is_some()
@@ -218,11 +217,7 @@ fn pooled_layers_reach_the_peer_and_address_the_right_bytes() {
     assert_eq!(got[..], kv[8192..]);
 }
 
-fn runtime() -> Arc<RblnLib> {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("memory-rbln");
-    let p = rbln_sys::test_runtime::build(&dir, &[]).expect("building the RBLN test runtime");
-    RblnLib::load_from(p.to_str().unwrap()).expect("loading the RBLN test runtime")
-}
+use lab::cache::runtime;
 
 #[test]
 fn engine_npu_memory_registers_in_place_and_moves() {

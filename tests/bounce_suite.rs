@@ -23,11 +23,7 @@ use kvrail::bounce::BounceConfig;
 use kvrail::mem::{DeviceMemory, HostBuffer, KvBufferDevice, MemError, MemoryPath, NpuMemory};
 use rbln_sys::RblnLib;
 
-fn runtime() -> Arc<RblnLib> {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bounce-rbln");
-    let p = rbln_sys::test_runtime::build(&dir, &[]).expect("building the RBLN test runtime");
-    RblnLib::load_from(p.to_str().unwrap()).expect("loading the RBLN test runtime")
-}
+use lab::cache::runtime;
 
 fn on_verbs() -> bool {
     lab::Topology::from_env().is_some()

@@ -87,13 +87,19 @@ impl RegionMeta {
     /// Where layer `name` lies in the region: (offset, bytes).
     pub fn layer_span(&self, name: &str) -> Option<(u64, u64)> {
         let i = self.layers.iter().position(|l| l == name)?;
-        let len = if self.layer_len == 0 {
-            self.len
-        } else {
-            self.layer_len
-        };
-        Some((self.layer_offsets.get(i).copied().unwrap_or(0), len))
+        Some(layer_span(&self.layer_offsets, self.layer_len, self.len, i))
     }
+}
+
+/// Where the `i`th layer of a region of `region_len` bytes lies: (offset, bytes). No
+/// offsets: every layer starts at 0; a `layer_len` of 0: a layer spans the region.
+pub(crate) fn layer_span(offsets: &[u64], layer_len: u64, region_len: u64, i: usize) -> (u64, u64) {
+    let len = if layer_len == 0 {
+        region_len
+    } else {
+        layer_len
+    };
+    (offsets.get(i).copied().unwrap_or(0), len)
 }
 
 /// Everything a peer loads to connect to an agent.

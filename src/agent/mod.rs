@@ -543,14 +543,16 @@ impl Agent {
             meta: p.meta.clone(),
         };
         // device memory on either side goes through the host bounce (on verbs); the rest
-        // on the peer's queue pairs, else its TCP connection
-        let device = x.held.iter().any(|r| r.kind != MemKind::Host)
-            || x.remote.iter().any(|d| {
-                p.meta
-                    .regions
-                    .iter()
-                    .any(|m| m.id == d.region.0 && m.kind != MemKind::Host)
-            });
+        // on the peer's queue pairs, else its TCP connection. Only an agent with a bounce
+        // engine looks, and it scans the descriptors only when the peer has device memory.
+        let device = self.shared.bounce.get().is_some() && {
+            let peer_dev: Vec<u32> = (p.meta.regions.iter())
+                .filter(|m| m.kind != MemKind::Host)
+                .map(|m| m.id)
+                .collect();
+            x.held.iter().any(|r| r.kind != MemKind::Host)
+                || (!peer_dev.is_empty() && x.remote.iter().any(|d| peer_dev.contains(&d.region.0)))
+        };
         let tcp = backend::TcpPath {
             tx: p.conn.sender(),
             open: p.conn.is_open(),
@@ -618,7 +620,11 @@ impl Agent {
     /// # Errors
     /// [`AgentError::NoXfer`], [`AgentError::Active`].
     pub fn release(&self, id: XferId) -> Result<(), AgentError> {
-        lock(&self.shared.xfers).release(id)
+        lock(&self.shared.xfers).release(id)?;
+        if let Some(b) = self.shared.bounce.get() {
+            b.forget_xfer(id.0);
+        }
+        Ok(())
     }
 
     /// Send a notification to a peer; peers receive them in the order they were sent.
@@ -647,21 +653,7 @@ impl Agent {
     /// Like [`Agent::get_new_notifs`], but sleeps until at least one notification is there
     /// or `timeout` passed (then the list is empty).
     pub fn wait_notifs(&self, timeout: std::time::Duration) -> Vec<(String, Vec<u8>)> {
-        let deadline = std::time::Instant::now() + timeout;
-        let mut q = lock(&self.shared.notifs);
-        while q.is_empty() {
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                break;
-            }
-            q = self
-                .shared
-                .notif_cv
-                .wait_timeout(q, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        q.drain(..).collect()
+        route::drain_waiting(&self.shared.notifs, &self.shared.notif_cv, timeout)
     }
 
     /// The host memory behind a local region (for layers above the agent that copy device

@@ -57,6 +57,24 @@ pub enum RegionMemory {
     Device(Arc<dyn DeviceMemory>),
 }
 
+impl RegionMemory {
+    /// Bytes.
+    pub(crate) fn len(&self) -> u64 {
+        match self {
+            Self::Host(b) => b.len() as u64,
+            Self::Device(d) => d.size(),
+        }
+    }
+
+    /// The first byte's address (host: virtual; device: the runtime's, 0 when unknown).
+    pub(crate) fn addr(&self) -> u64 {
+        match self {
+            Self::Host(b) => b.addr(),
+            Self::Device(d) => d.device_addr(),
+        }
+    }
+}
+
 /// Layers a region holds: names, and where each starts (a pooled allocation holds several
 /// layers of `layer_len` bytes at known offsets; a per-layer region holds one at 0).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -105,18 +123,12 @@ impl Region {
     }
 
     pub(crate) fn len(&self) -> u64 {
-        match &self.mem {
-            RegionMemory::Host(b) => b.len() as u64,
-            RegionMemory::Device(d) => d.size(),
-        }
+        self.mem.len()
     }
 
     /// The first byte's address (host: virtual; device: the runtime's, 0 when unknown).
     pub(crate) fn addr(&self) -> u64 {
-        match &self.mem {
-            RegionMemory::Host(b) => b.addr(),
-            RegionMemory::Device(d) => d.device_addr(),
-        }
+        self.mem.addr()
     }
 
     /// The memory, once the region is gone (its registrations dropped first).

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::metadata::MemKind;
 use super::region::{Layers, Region, RegionMemory};
 use super::{lock, Agent, AgentError, RegionId, RemoteAccess};
-use crate::mem::{DeviceMemory, HostBuffer, HostOwner};
+use crate::mem::{DeviceMemory, HostBuffer, HostOwner, KvBufferDevice};
 
 /// Memory to register, built from the caller's memory (or kvrail's), then
 /// [`Agent::register_memory`].
@@ -122,34 +122,25 @@ impl MemRegion {
     /// Each layer it holds and where: (name, offset, bytes).
     pub fn layer_spans(&self) -> Vec<(String, u64, u64)> {
         let l = &self.layers;
-        let len = if l.len == 0 { self.len() } else { l.len };
+        let region_len = self.len();
         l.names
             .iter()
             .enumerate()
-            .map(|(i, n)| (n.clone(), l.offsets.get(i).copied().unwrap_or(0), len))
+            .map(|(i, n)| {
+                let (off, len) = super::metadata::layer_span(&l.offsets, l.len, region_len, i);
+                (n.clone(), off, len)
+            })
             .collect()
     }
 
     /// Bytes.
     pub fn len(&self) -> u64 {
-        match &self.mem {
-            RegionMemory::Host(b) => b.len() as u64,
-            RegionMemory::Device(d) => d.size(),
-        }
+        self.mem.len()
     }
 
     /// True for no bytes (never: empty memory cannot be built).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-
-    /// The first byte's address, for overlap checks (host: the virtual address; device: the
-    /// runtime's address, or 0 when it has none to show).
-    fn addr(&self) -> u64 {
-        match &self.mem {
-            RegionMemory::Host(b) => b.addr(),
-            RegionMemory::Device(d) => d.device_addr(),
-        }
     }
 
     fn check(&self) -> Result<(), AgentError> {
@@ -221,7 +212,7 @@ impl Agent {
     /// memory (device memory on verbs without dma-buf).
     pub fn register_memory(&self, m: MemRegion) -> Result<RegionId, AgentError> {
         m.check()?;
-        let (addr, len) = (m.addr(), m.len());
+        let (addr, len) = (m.mem.addr(), m.len());
         let mut regions = lock(&self.shared.regions);
         if addr != 0 {
             if let Some(r) = regions.values().find(|r| {
@@ -246,6 +237,18 @@ impl Agent {
             *n += 1;
             RegionId(id)
         };
+        if let RegionMemory::Device(d) = &m.mem {
+            // How its bytes will move, said once per reason: never device to device yet
+            // (staged by the host bounce on verbs; copies through the runtime on TCP).
+            let exporter = d
+                .export_dmabuf()
+                .map(drop)
+                .map_err(|e| e.to_string())
+                .and(Err(
+                    "kvrail does not register dma-buf memory with the NIC yet".to_owned(),
+                ));
+            crate::mem::MemoryPath::choose(KvBufferDevice::Rbln, exporter, &self.dmabuf_support());
+        }
         #[allow(unused_mut)]
         let mut region = Region::new(id, m.mem, m.kind, m.device, m.access, m.layers);
         #[cfg(feature = "verbs")]
@@ -289,11 +292,6 @@ impl Agent {
                 .map_or_else(RegisteredMemory::HostShared, RegisteredMemory::Host)),
             RegionMemory::Device(d) => Ok(RegisteredMemory::Device(d)),
         }
-    }
-
-    /// The kind of memory behind local region `id`.
-    pub fn region_kind(&self, id: RegionId) -> Option<MemKind> {
-        lock(&self.shared.regions).get(&id.0).map(|r| r.kind)
     }
 
     /// Bytes of payload this agent's transfers copied with the CPU between registered

@@ -39,22 +39,25 @@ impl NotifRoute {
 
     /// Like [`NotifRoute::get_new`], sleeping until one is there or `timeout` passed.
     pub fn wait(&self, timeout: Duration) -> Vec<(String, Vec<u8>)> {
-        let deadline = Instant::now() + timeout;
-        let mut q = lock(&self.queue.q);
-        while q.is_empty() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            q = self
-                .queue
-                .cv
-                .wait_timeout(q, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        q.drain(..).collect()
+        drain_waiting(&self.queue.q, &self.queue.cv, timeout)
     }
+}
+
+/// Everything in `q`, sleeping on `cv` until something is there or `timeout` passed.
+pub(crate) fn drain_waiting<T>(q: &Mutex<VecDeque<T>>, cv: &Condvar, timeout: Duration) -> Vec<T> {
+    let deadline = Instant::now() + timeout;
+    let mut q = lock(q);
+    while q.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        q = cv
+            .wait_timeout(q, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+    q.drain(..).collect()
 }
 
 impl Drop for NotifRoute {

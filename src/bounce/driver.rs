@@ -162,16 +162,19 @@ pub(crate) fn post(core: &Core, agent: &Agent, req: super::Post) -> Result<(), A
     let peer = peer.as_str();
     let mut st = core.lock();
     ensure_link(core, agent, &mut st, peer)?;
-    let x = st.xfers.entry(id).or_insert_with(|| Xfer {
-        op,
-        peer: peer.to_owned(),
-        notif: None,
-        active: false,
-        gen: 0,
-        sent: 0,
-        acked: 0,
-        packed: false,
-        last_progress: Instant::now(),
+    let x = st.xfers.entry(id).or_insert_with(|| {
+        core.tracked.fetch_add(1, Ordering::AcqRel);
+        Xfer {
+            op,
+            peer: peer.to_owned(),
+            notif: None,
+            active: false,
+            gen: 0,
+            sent: 0,
+            acked: 0,
+            packed: false,
+            last_progress: Instant::now(),
+        }
     });
     x.gen = x.gen.wrapping_add(1);
     (x.active, x.sent, x.acked, x.packed) = (true, 0, 0, false);
@@ -371,8 +374,8 @@ fn handle(core: &Core, agent: &Agent, from: &str, w: Wire) {
     }
 }
 
-/// The peer's Hello: (re)load its metadata if we have no link yet (it holds the staging
-/// region it made for us), take its staging region, answer when asked.
+/// The peer's Hello: (re)load its metadata if it lacks the staging region the peer made for
+/// us, take that region, answer when asked.
 fn hello_from(
     core: &Core,
     agent: &Agent,
@@ -384,13 +387,19 @@ fn hello_from(
         tracing::warn!(peer = %from, "host bounce: Hello with no staging slots ignored");
         return;
     }
-    let loaded = addr
-        .parse()
-        .map_err(|_| format!("bad address {addr:?}"))
-        .and_then(|a| agent.load_remote(a).map_err(|e| e.to_string()));
-    if let Err(e) = loaded {
-        tracing::warn!(peer = %from, "host bounce: cannot link back: {e}");
-        return;
+    // (re)load the peer's metadata only when it lacks the staging region made for us
+    let known = agent
+        .remote_metadata(from)
+        .is_some_and(|m| m.regions.iter().any(|r| r.id == in_stage));
+    if !known {
+        let loaded = addr
+            .parse()
+            .map_err(|_| format!("bad address {addr:?}"))
+            .and_then(|a| agent.load_remote(a).map_err(|e| e.to_string()));
+        if let Err(e) = loaded {
+            tracing::warn!(peer = %from, "host bounce: cannot link back: {e}");
+            return;
+        }
     }
     let mut st = core.lock();
     if let Err(e) = ensure_link(core, agent, &mut st, from) {
@@ -670,6 +679,13 @@ fn job_failed(agent: &Agent, st: &mut State, peer: &str, tag: Tag, why: XferErro
     }
 }
 
+impl State {
+    /// Forget transfer `id` (released by the agent); true when it had a record.
+    pub(crate) fn xfers_remove(&mut self, id: u64) -> bool {
+        self.xfers.remove(&id).is_some()
+    }
+}
+
 fn poll_inflight(_core: &Core, agent: &Agent, st: &mut State) {
     let mut i = 0;
     while i < st.inflight.len() {
@@ -717,13 +733,10 @@ fn expire(core: &Core, agent: &Agent, st: &mut State) {
             ))),
         );
     }
-    // the agent ended some transfers itself (peer lost, released): stop tracking them
-    st.xfers.retain(|id, x| match agent.status(XferId(*id)) {
-        Ok(XferStatus::InProgress) => true,
-        Ok(_) => {
+    // the agent may have ended an active transfer itself (peer lost): stop polling for it
+    for (id, x) in st.xfers.iter_mut().filter(|(_, x)| x.active) {
+        if !matches!(agent.status(XferId(*id)), Ok(XferStatus::InProgress)) {
             x.active = false;
-            true
         }
-        Err(_) => false,
-    });
+    }
 }

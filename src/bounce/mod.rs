@@ -92,6 +92,9 @@ pub(crate) struct Core {
     pub(crate) wake: Condvar,
     pub(crate) stop: AtomicBool,
     pub(crate) malformed: AtomicU64,
+    /// Transfers with a record in the state (released ones are forgotten without taking
+    /// the state's lock when there are none: most transfers never bounce).
+    pub(crate) tracked: AtomicU64,
 }
 
 impl Core {
@@ -124,6 +127,7 @@ impl Engine {
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             malformed: AtomicU64::new(0),
+            tracked: AtomicU64::new(0),
         });
         let c = core.clone();
         std::thread::Builder::new()
@@ -154,6 +158,13 @@ impl Engine {
     /// `peer` is gone (invalidated, or reloaded at a new address): its link is dropped.
     pub(crate) fn forget(&self, peer: &str) {
         self.core.lock().links.remove(peer);
+    }
+
+    /// The agent released transfer `id`: its record (kept for reposts) goes.
+    pub(crate) fn forget_xfer(&self, id: u64) {
+        if self.core.tracked.load(Ordering::Acquire) > 0 && self.core.lock().xfers_remove(id) {
+            self.core.tracked.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 
     /// Counters since the start.

@@ -60,13 +60,12 @@ pub fn on_accelerator(
         .sysfs_root
         .clone()
         .map_or_else(SysfsRoot::system, SysfsRoot::new);
-    let smi = smi.or_else(|| {
-        lib.and_then(|l| l.numa_node(device))
-            .is_none()
-            .then(rbln_sys::smi::query_smi)
-            .flatten()
+    // the runtime first; rbln-smi (a process) only when the runtime does not know
+    let found = accelerator_numa(device, lib, None, &root).or_else(|| {
+        let smi = smi.or_else(rbln_sys::smi::query_smi);
+        accelerator_numa(device, None, smi.as_deref(), &root)
     });
-    match accelerator_numa(device, lib, smi.as_deref(), &root) {
+    match found {
         Some((n, src)) => {
             tracing::info!(npu = device, numa = n, source = ?src, "accelerator placement: rails of numa={n}");
             base.numa = n;

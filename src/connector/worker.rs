@@ -17,7 +17,6 @@ use super::linkwatch::{exit_process, LinkDownAction, LinkMonitor};
 use super::meta::{ConnectorMetadata, Finished, RecvReq};
 use super::tp::{head_slices, rank_agent_name, HeadSlice};
 use super::writer::{Writer, WriterEvent};
-use crate::agent::metadata::{BackendKind, MemKind};
 use crate::agent::{Agent, AgentError, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
 use crate::proto::handshake::Direction;
 use crate::proto::kvmsg::{Completion, KvMsg};
@@ -144,18 +143,6 @@ impl Worker {
             Direction::Push => RemoteAccess::WRITE,
         };
         let (layers, regions) = super::caches::register(&agent, &cfg, &layout, caches, access)?;
-        if cfg.buffer_device == crate::mem::KvBufferDevice::Rbln
-            && regions
-                .iter()
-                .any(|&r| agent.region_kind(r) == Some(MemKind::Npu))
-            && agent.metadata().backend == BackendKind::Tcp
-        {
-            tracing::warn!(
-                agent = agent.name(),
-                "kv_buffer_device \"rbln\": NPU memory moves by copies through the runtime on \
-                 the TCP backend (no RDMA rail, so no dma-buf registration)"
-            );
-        }
         let chunk = cfg.chunk_mode.then(|| {
             let bs = u64::from(layout.block_size);
             chunk_tokens(bs, cfg.chunk_tokens.unwrap_or(bs))

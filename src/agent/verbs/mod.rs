@@ -324,22 +324,8 @@ impl Verbs {
             access = access | Access::REMOTE_WRITE;
         }
         let Some(buf) = region.host() else {
-            // The NIC cannot reach device memory without a dma-buf registration, which this
-            // agent does not make yet: the host-bounce engine stages it (said once per
-            // reason).
-            let reports: Vec<crate::mem::NicDmabuf> =
-                self.rails.iter().map(LocalRail::dmabuf_report).collect();
-            let exporter = match &region.mem {
-                super::region::RegionMemory::Device(d) => d
-                    .export_dmabuf()
-                    .map(drop)
-                    .map_err(|e| e.to_string())
-                    .and(Err(
-                        "kvrail does not register dma-buf memory on verbs yet".to_owned()
-                    )),
-                super::region::RegionMemory::Host(_) => Ok(()),
-            };
-            crate::mem::MemoryPath::choose(crate::mem::KvBufferDevice::Rbln, exporter, &reports);
+            // device memory: the NIC cannot reach it without dma-buf, which this agent does
+            // not register; the host bounce stages it (see Agent::register_memory)
             return Ok(Vec::new());
         };
         self.rails
