@@ -680,9 +680,14 @@ fn job_failed(agent: &Agent, st: &mut State, peer: &str, tag: Tag, why: XferErro
 }
 
 impl State {
-    /// Forget transfer `id` (released by the agent); true when it had a record.
-    pub(crate) fn xfers_remove(&mut self, id: u64) -> bool {
-        self.xfers.remove(&id).is_some()
+    /// Forget the transfers the agent released.
+    fn forget_released(&mut self, core: &Core) {
+        let ids = std::mem::take(&mut *core.released.lock().unwrap_or_else(|p| p.into_inner()));
+        for id in ids {
+            if self.xfers.remove(&id).is_some() {
+                core.tracked.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
     }
 }
 
@@ -715,6 +720,7 @@ fn poll_inflight(_core: &Core, agent: &Agent, st: &mut State) {
 }
 
 fn expire(core: &Core, agent: &Agent, st: &mut State) {
+    st.forget_released(core);
     let limit = core.config.ack_timeout;
     let late: Vec<(u64, String)> = st
         .xfers

@@ -92,9 +92,12 @@ pub(crate) struct Core {
     pub(crate) wake: Condvar,
     pub(crate) stop: AtomicBool,
     pub(crate) malformed: AtomicU64,
-    /// Transfers with a record in the state (released ones are forgotten without taking
-    /// the state's lock when there are none: most transfers never bounce).
+    /// Transfers with a record in the state: while there are none, releases are not noted
+    /// (most transfers never bounce).
     pub(crate) tracked: AtomicU64,
+    /// Transfers the agent released since the driver last looked. A list of its own, not the
+    /// state: the driver itself releases its chunk transfers with the state locked.
+    pub(crate) released: Mutex<Vec<u64>>,
 }
 
 impl Core {
@@ -128,6 +131,7 @@ impl Engine {
             stop: AtomicBool::new(false),
             malformed: AtomicU64::new(0),
             tracked: AtomicU64::new(0),
+            released: Mutex::new(Vec::new()),
         });
         let c = core.clone();
         std::thread::Builder::new()
@@ -162,8 +166,9 @@ impl Engine {
 
     /// The agent released transfer `id`: its record (kept for reposts) goes.
     pub(crate) fn forget_xfer(&self, id: u64) {
-        if self.core.tracked.load(Ordering::Acquire) > 0 && self.core.lock().xfers_remove(id) {
-            self.core.tracked.fetch_sub(1, Ordering::AcqRel);
+        if self.core.tracked.load(Ordering::Acquire) > 0 {
+            let mut r = self.core.released.lock().unwrap_or_else(|p| p.into_inner());
+            r.push(id);
         }
     }
 
