@@ -14,7 +14,7 @@ use kvrail::agent::{
     Agent, AgentConfig, BackendChoice, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus,
 };
 use lab::runner::Runner;
-use lab::{ip_link, pattern, wait_port, Topology};
+use lab::{pattern, wait_port, LinkSwitch, Topology};
 
 type R = Result<(), String>;
 
@@ -406,20 +406,21 @@ fn rail_down(t: &Topology) -> R {
             Some(b"after-failover".to_vec()),
         )
         .map_err(s)?;
+    let netdev = &t.a_netdevs[1];
+    let mut link = LinkSwitch::new(netdev)?;
     let t0 = Instant::now();
     d.post(x).map_err(s)?;
-    // take the link down while both rails have slices in flight (striped, 128 MiB each;
-    // the whole transfer takes seconds here)
-    std::thread::sleep(Duration::from_millis(100));
+    // take the link down while both rails have slices in flight (striped, 128 MiB each; the
+    // whole transfer takes over a second here, and completions come in large batches)
+    std::thread::sleep(Duration::from_millis(50));
     let moved: u64 = d.rail_bytes().iter().map(|(_, b)| b).sum();
-    let netdev = &t.a_netdevs[1];
-    ip_link(netdev, "down")?;
+    link.set("down")?;
     let t_down = t0.elapsed();
     let early = d.status(x).map_err(s)?;
     let st = wait(&d, x);
     println!("    link down after {:.2} s with {moved} bytes moved (status then {early:?}); finished after {:.2} s", t_down.as_secs_f64(), t0.elapsed().as_secs_f64());
     let res = after_failover(t, &d, &p, &peer, (src, dst), &bytes, st);
-    ip_link(netdev, "up")?;
+    link.set("up")?;
     res?;
     // the link is back: rail 1's queue pair is rebuilt and striped transfers use it again
     wait_port(&t.a_devs[1], "ACTIVE")?;
@@ -591,17 +592,17 @@ fn notif_rail_down(t: &Topology) -> R {
     let p = agent("sender", &t.a_devs, None)?;
     let d = agent("receiver", &t.b_devs, None)?;
     let peer = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    let mut link = LinkSwitch::new(&t.a_netdevs[0])?;
     for i in 0..N / 2 {
         p.send_notif(&peer, notif_msg(i)).map_err(s)?;
     }
-    let netdev = &t.a_netdevs[0];
-    ip_link(netdev, "down")?;
+    link.set("down")?;
     for i in N / 2..N {
         p.send_notif(&peer, notif_msg(i)).map_err(s)?;
     }
     let res = expect_notifs(&d, "sender", N, Duration::from_secs(120));
     let rail = p.notif_rail(&peer);
-    ip_link(netdev, "up")?;
+    link.set("up")?;
     wait_port(&t.a_devs[0], "ACTIVE")?;
     res?;
     ensure(rail.is_none(), || {

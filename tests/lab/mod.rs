@@ -150,6 +150,61 @@ pub fn ip_link(netdev: &str, state: &str) -> Result<(), String> {
     }
 }
 
+/// An `ip -batch -` started ahead of time, so that taking a link down mid-transfer happens
+/// when the test says and not a process start later (forking and loading `ip` under the
+/// lab's CPU emulation, with rxe busy, took over a second: a fast transfer ended first).
+pub struct LinkSwitch {
+    child: std::process::Child,
+    netdev: String,
+}
+
+impl LinkSwitch {
+    /// Start the `ip` process for `netdev`.
+    pub fn new(netdev: &str) -> Result<Self, String> {
+        let child = Command::new("ip")
+            .args(["-batch", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("ip -batch -: {e}"))?;
+        Ok(Self {
+            child,
+            netdev: netdev.to_owned(),
+        })
+    }
+
+    /// `link set NETDEV STATE`, then wait (up to 10 s) until the netdev's operstate says so.
+    pub fn set(&mut self, state: &str) -> Result<(), String> {
+        use std::io::Write;
+        let stdin = self.child.stdin.as_mut().ok_or("ip's stdin is closed")?;
+        writeln!(stdin, "link set {} {state}", self.netdev)
+            .and_then(|()| stdin.flush())
+            .map_err(|e| format!("ip -batch -: {e}"))?;
+        let path = format!("/sys/class/net/{}/flags", self.netdev);
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            // IFF_UP is bit 0 of the flags
+            let flags = std::fs::read_to_string(&path).unwrap_or_default();
+            let up = u32::from_str_radix(flags.trim().trim_start_matches("0x"), 16)
+                .is_ok_and(|f| f & 1 == 1);
+            if up == (state == "up") {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Err(format!(
+            "{} is not {state} 10 s after `ip link set`",
+            self.netdev
+        ))
+    }
+}
+
+impl Drop for LinkSwitch {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take()); // ip ends at the end of its input
+        let _ = self.child.wait();
+    }
+}
+
 /// Wait (up to 30 s) until port 1 of `dev` reports `want` (e.g. `ACTIVE`).
 pub fn wait_port(dev: &str, want: &str) -> Result<(), String> {
     let path = format!("/sys/class/infiniband/{dev}/ports/1/state");
