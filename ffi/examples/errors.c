@@ -96,6 +96,16 @@ int main(void) {
     expect("bad address", kvrail_agent_load_remote(d, "not an address", (uint8_t *)peer, sizeof peer, &n), KVRAIL_RESULT_INVALID_ARGUMENT, "not an address");
     expect("load", kvrail_agent_load_remote(d, addr, (uint8_t *)peer, sizeof peer - 1, &n), KVRAIL_RESULT_OK, NULL);
     peer[n] = 0;
+    /* the compatibility hash covers what the config says about the model, also from C */
+    kvrail_agent *o = NULL;
+    expect("agent of another model", kvrail_agent_new("decode-other", "{\"backend\":\"tcp\",\"listen\":\"127.0.0.1:0\",\"model\":\"llama-3-8b\",\"dtype\":\"bfloat16\",\"attn_backend\":\"flash\",\"draft_model\":\"eagle\"}", &o), KVRAIL_RESULT_OK, NULL);
+    if (o) {
+        size_t m = 0;
+        char other[64];
+        expect("another model: handshake refused", kvrail_agent_load_remote(o, addr, (uint8_t *)other, sizeof other, &m), KVRAIL_RESULT_HANDSHAKE, "compatibility hash mismatch");
+        kvrail_agent_free(o);
+    }
+    expect("bad block_size", kvrail_agent_new("x", "{\"block_size\":0}", &a), KVRAIL_RESULT_INVALID_CONFIG, "block_size");
 
     kvrail_xfer *x = (kvrail_xfer *)0x1;
     kvrail_desc l[2] = {{dst, 0, 100}, {dst, 4000, 200}};

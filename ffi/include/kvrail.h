@@ -311,8 +311,9 @@ extern "C" {
  * `listen` ("ip:port" for the side channel, default "0.0.0.0:0"), `side_channel_host` (the
  * address advertised to peers, default "127.0.0.1"), `backend` ("auto", "verbs", "tcp"),
  * `stripe_width` (null or 0), `devices` (RDMA devices to use), `numa` (the accelerator's
- * NUMA node, -1 any) and `enforce_handshake_compat`; an unknown key or bad value is
- * [`kvrail_result::InvalidConfig`] naming the key.
+ * NUMA node, -1 any), `enforce_handshake_compat`, and what the compatibility hash covers:
+ * `model`, `dtype`, `attn_backend`, `draft_model`, `kv_layout`, `block_size`; an unknown
+ * key or bad value is [`kvrail_result::InvalidConfig`] naming the key.
  *
  * # Safety
  * `name` and `config_json` (if not NULL) are NUL-terminated strings; `out` is writable.

@@ -5,8 +5,7 @@ use std::ffi::c_char;
 use std::sync::{Arc, Mutex};
 
 use kvrail::agent::metadata::BackendKind;
-use kvrail::agent::{Agent, AgentConfig, BackendChoice, RegionId};
-use serde::Deserialize;
+use kvrail::agent::{Agent, AgentConfig, RegionId};
 
 use crate::result::{kvrail_result, Failure};
 use crate::util::{boundary, bytes_arg, null, put, str_arg, write_bytes};
@@ -46,60 +45,10 @@ pub const KVRAIL_BACKEND_TCP: u32 = 0;
 /// Backend in use: RDMA verbs.
 pub const KVRAIL_BACKEND_VERBS: u32 = 1;
 
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct ConfigJson {
-    listen: Option<String>,
-    side_channel_host: Option<String>,
-    backend: Option<String>,
-    stripe_width: Option<i64>,
-    devices: Option<Vec<String>>,
-    numa: Option<i32>,
-    enforce_handshake_compat: Option<bool>,
-}
-
-fn bad_config(key: &str, why: impl std::fmt::Display) -> Failure {
-    Failure::new(kvrail_result::InvalidConfig, format!("{key}: {why}"))
-}
-
 /// The agent configuration from JSON (keys as in [`kvrail_agent_new`]).
 pub(crate) fn parse_config(json: &str) -> Result<AgentConfig, Failure> {
-    let j: ConfigJson = if json.trim().is_empty() {
-        ConfigJson::default()
-    } else {
-        serde_json::from_str(json).map_err(|e| bad_config("config", e))?
-    };
-    let mut c = AgentConfig::default();
-    if let Some(l) = j.listen {
-        c.listen = l.parse().map_err(|e| bad_config("listen", e))?;
-    }
-    if let Some(h) = j.side_channel_host {
-        c.side_channel_host = h.parse().map_err(|e| bad_config("side_channel_host", e))?;
-    }
-    if let Some(b) = j.backend {
-        c.backend = match b.as_str() {
-            "auto" => BackendChoice::Auto,
-            "verbs" => BackendChoice::Verbs,
-            "tcp" => BackendChoice::Tcp,
-            o => {
-                return Err(bad_config(
-                    "backend",
-                    format!("{o:?}: use auto, verbs or tcp"),
-                ))
-            }
-        };
-    }
-    c.stripe_width = j.stripe_width;
-    if let Some(d) = j.devices {
-        c.devices = d;
-    }
-    if let Some(n) = j.numa {
-        c.numa = n;
-    }
-    if let Some(e) = j.enforce_handshake_compat {
-        c.enforce_handshake_compat = e;
-    }
-    Ok(c)
+    AgentConfig::from_json(json)
+        .map_err(|e| Failure::new(kvrail_result::InvalidConfig, e.to_string()))
 }
 
 /// # Safety
@@ -117,8 +66,9 @@ pub(crate) unsafe fn handle<'a>(p: *const kvrail_agent) -> Result<&'a AgentHandl
 /// `listen` ("ip:port" for the side channel, default "0.0.0.0:0"), `side_channel_host` (the
 /// address advertised to peers, default "127.0.0.1"), `backend` ("auto", "verbs", "tcp"),
 /// `stripe_width` (null or 0), `devices` (RDMA devices to use), `numa` (the accelerator's
-/// NUMA node, -1 any) and `enforce_handshake_compat`; an unknown key or bad value is
-/// [`kvrail_result::InvalidConfig`] naming the key.
+/// NUMA node, -1 any), `enforce_handshake_compat`, and what the compatibility hash covers:
+/// `model`, `dtype`, `attn_backend`, `draft_model`, `kv_layout`, `block_size`; an unknown
+/// key or bad value is [`kvrail_result::InvalidConfig`] naming the key.
 ///
 /// # Safety
 /// `name` and `config_json` (if not NULL) are NUL-terminated strings; `out` is writable.

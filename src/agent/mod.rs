@@ -24,6 +24,7 @@
 
 mod backend;
 mod config;
+mod config_json;
 mod control;
 mod error;
 mod local;

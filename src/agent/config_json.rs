@@ -1,0 +1,138 @@
+//! An agent's configuration as JSON: what the C ABI and the Python package hand over.
+
+use serde::Deserialize;
+
+use super::{AgentConfig, BackendChoice};
+use crate::mem::ConfigError;
+
+/// The accepted keys; anything else is refused, named.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ConfigJson {
+    listen: Option<String>,
+    side_channel_host: Option<String>,
+    backend: Option<String>,
+    stripe_width: Option<i64>,
+    devices: Option<Vec<String>>,
+    numa: Option<i32>,
+    enforce_handshake_compat: Option<bool>,
+    model: Option<String>,
+    dtype: Option<String>,
+    attn_backend: Option<String>,
+    draft_model: Option<String>,
+    kv_layout: Option<String>,
+    block_size: Option<u32>,
+}
+
+fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
+    ConfigError {
+        key: key.into(),
+        reason: why.to_string(),
+    }
+}
+
+impl AgentConfig {
+    /// The configuration from a JSON object (empty text: the defaults). Keys: `listen`
+    /// ("ip:port" of the side channel), `side_channel_host` (the address advertised to
+    /// peers), `backend` ("auto", "verbs", "tcp"), `stripe_width` (null or 0), `devices`
+    /// (RDMA devices to use), `numa` (the accelerator's NUMA node, -1 any),
+    /// `enforce_handshake_compat`, and what the compatibility hash covers: `model`, `dtype`,
+    /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the key: an unknown key, a value of the wrong type, a bad
+    /// address or backend name.
+    pub fn from_json(json: &str) -> Result<Self, ConfigError> {
+        let j: ConfigJson = if json.trim().is_empty() {
+            ConfigJson::default()
+        } else {
+            serde_json::from_str(json).map_err(|e| {
+                // serde names an unknown field in its message; say which key either way
+                let m = e.to_string();
+                let key = m
+                    .strip_prefix("unknown field `")
+                    .and_then(|r| r.split('`').next())
+                    .unwrap_or("config");
+                bad(key, m.clone())
+            })?
+        };
+        let mut c = Self::default();
+        if let Some(l) = j.listen {
+            c.listen = l.parse().map_err(|e| bad("listen", format!("{l:?}: {e}")))?;
+        }
+        if let Some(h) = j.side_channel_host {
+            c.side_channel_host = h
+                .parse()
+                .map_err(|e| bad("side_channel_host", format!("{h:?}: {e}")))?;
+        }
+        if let Some(b) = j.backend {
+            c.backend = match b.as_str() {
+                "auto" => BackendChoice::Auto,
+                "verbs" => BackendChoice::Verbs,
+                "tcp" => BackendChoice::Tcp,
+                o => return Err(bad("backend", format!("{o:?}: use auto, verbs or tcp"))),
+            };
+        }
+        c.stripe_width = j.stripe_width;
+        if let Some(d) = j.devices {
+            c.devices = d;
+        }
+        if let Some(n) = j.numa {
+            c.numa = n;
+        }
+        if let Some(e) = j.enforce_handshake_compat {
+            c.enforce_handshake_compat = e;
+        }
+        let text = [
+            (j.model, &mut c.compat.model),
+            (j.dtype, &mut c.compat.dtype),
+            (j.attn_backend, &mut c.compat.attn_backend),
+            (j.kv_layout, &mut c.kv_layout),
+        ];
+        for (v, slot) in text {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        }
+        if j.draft_model.is_some() {
+            c.compat.draft_model = j.draft_model;
+        }
+        if let Some(b) = j.block_size {
+            if b == 0 {
+                return Err(bad("block_size", "must be at least 1"));
+            }
+            c.block_size = b;
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_errors_name_the_key() {
+        let c = AgentConfig::from_json(
+            r#"{"backend":"tcp","listen":"127.0.0.1:0","model":"m","dtype":"bf16",
+                "attn_backend":"a","draft_model":"d","block_size":32}"#,
+        )
+        .unwrap();
+        assert_eq!(c.backend, BackendChoice::Tcp);
+        assert_eq!(
+            (c.compat.model.as_str(), c.compat.dtype.as_str(), c.block_size),
+            ("m", "bf16", 32)
+        );
+        assert_eq!(c.compat.draft_model.as_deref(), Some("d"));
+        assert!(AgentConfig::from_json("").is_ok());
+        for (json, key) in [
+            (r#"{"bogus":1}"#, "bogus"),
+            (r#"{"backend":"ucx"}"#, "backend"),
+            (r#"{"listen":"nope"}"#, "listen"),
+            (r#"{"block_size":0}"#, "block_size"),
+            ("[1]", "config"),
+        ] {
+            assert_eq!(AgentConfig::from_json(json).unwrap_err().key, key, "{json}");
+        }
+    }
+}
