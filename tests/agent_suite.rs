@@ -604,7 +604,14 @@ fn repost_after_done_moves_the_bytes_again() {
     for round in 0..3 {
         let bytes = pattern(round, 4096);
         p.write_region(src, 0, &bytes).unwrap();
+        // each post may carry its own notification (none in round 1)
+        let msg = (round != 1).then(|| format!("round-{round}").into_bytes());
+        p.set_notif(x, msg.clone()).unwrap();
         p.post(x).unwrap();
+        assert!(
+            matches!(p.set_notif(x, None), Err(AgentError::Active(_)))
+                || p.status(x).unwrap() != XferStatus::InProgress
+        );
         // Agent::wait sleeps until the transfer finishes
         assert_eq!(
             p.wait(x, Duration::from_secs(120)).unwrap(),
@@ -613,7 +620,19 @@ fn repost_after_done_moves_the_bytes_again() {
         let mut got = vec![0u8; 4096];
         d.read_region(dst, 0, &mut got).unwrap();
         assert_eq!(got, bytes, "round {round}");
+        if let Some(m) = msg {
+            assert_eq!(
+                d.wait_notifs(Duration::from_secs(60)),
+                vec![("prefill-0".to_string(), m)]
+            );
+        }
     }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(d.get_new_notifs().is_empty(), "round 1 sent a notification");
+    assert!(matches!(
+        p.set_notif(XferId(999_999), None),
+        Err(AgentError::NoXfer(_))
+    ));
 }
 
 #[test]

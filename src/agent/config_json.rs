@@ -58,7 +58,9 @@ impl AgentConfig {
         };
         let mut c = Self::default();
         if let Some(l) = j.listen {
-            c.listen = l.parse().map_err(|e| bad("listen", format!("{l:?}: {e}")))?;
+            c.listen = l
+                .parse()
+                .map_err(|e| bad("listen", format!("{l:?}: {e}")))?;
         }
         if let Some(h) = j.side_channel_host {
             c.side_channel_host = h
@@ -120,7 +122,11 @@ mod tests {
         .unwrap();
         assert_eq!(c.backend, BackendChoice::Tcp);
         assert_eq!(
-            (c.compat.model.as_str(), c.compat.dtype.as_str(), c.block_size),
+            (
+                c.compat.model.as_str(),
+                c.compat.dtype.as_str(),
+                c.block_size
+            ),
             ("m", "bf16", 32)
         );
         assert_eq!(c.compat.draft_model.as_deref(), Some("d"));

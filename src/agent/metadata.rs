@@ -62,7 +62,8 @@ pub struct RegionMeta {
     pub id: u32,
     /// Memory kind.
     pub kind: MemKind,
-    /// Address of the first byte (as the NIC addresses it).
+    /// Address of the first byte (as the NIC addresses it; on TCP too, where peers name
+    /// memory by address the way NIXL descriptors do).
     pub addr: u64,
     /// Length in bytes.
     pub len: u64,

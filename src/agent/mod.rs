@@ -584,6 +584,15 @@ impl Agent {
         Ok(())
     }
 
+    /// Replace the notification a transfer sends when it next completes (None: none), for a
+    /// transfer posted again with another message (NIXL's `transfer(handle, notif_msg)`).
+    ///
+    /// # Errors
+    /// [`AgentError::NoXfer`], [`AgentError::Active`].
+    pub fn set_notif(&self, id: XferId, notif: Option<Vec<u8>>) -> Result<(), AgentError> {
+        lock(&self.shared.xfers).set_notif(id, notif)
+    }
+
     /// Where a transfer stands.
     ///
     /// # Errors
@@ -775,7 +784,7 @@ impl Shared {
             .map(|r| RegionMeta {
                 id: r.id.0,
                 kind: r.kind,
-                addr: if verbs.is_some() { r.addr() } else { 0 },
+                addr: r.addr(),
                 len: r.len(),
                 #[cfg(feature = "verbs")]
                 rkeys: r.mrs.iter().map(|m| m.rkey()).collect(),

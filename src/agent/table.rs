@@ -208,6 +208,22 @@ impl<R: Held> XferTable<R> {
             .ok_or(AgentError::NoXfer(id.0))
     }
 
+    /// Replace the notification transfer `id` sends when it next completes.
+    ///
+    /// # Errors
+    /// As [`XferTable::postable`].
+    pub(crate) fn set_notif(
+        &mut self,
+        id: XferId,
+        notif: Option<Vec<u8>>,
+    ) -> Result<(), AgentError> {
+        self.postable(id)?;
+        if let Some(x) = self.xfers.get_mut(&id.0) {
+            x.notif = notif;
+        }
+        Ok(())
+    }
+
     /// Forget transfer `id`.
     ///
     /// # Errors

@@ -1,0 +1,21 @@
+//! `kvrail._kvrail`, the native module under the `kvrail` Python package: an agent (memory
+//! registration of the caller's buffers, metadata, peers, transfers, notifications) and the
+//! exception hierarchy that mirrors the library's fault groups. The Python modules
+//! (`kvrail.nixl`, `kvrail.vllm`) are written on top of it.
+//!
+//! Unsafe code here is PyO3 glue only: registering memory at an address Python hands over.
+
+mod agent;
+mod errors;
+mod raw;
+
+use pyo3::prelude::*;
+
+/// The module.
+#[pymodule]
+fn _kvrail(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::add(m)?;
+    m.add_class::<agent::Agent>()?;
+    Ok(())
+}
