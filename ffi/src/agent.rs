@@ -422,7 +422,7 @@ mod tests {
         assert!(parse_config("").is_ok());
         let c = parse_config(r#"{"backend":"tcp","listen":"127.0.0.1:0","stripe_width":0}"#)
             .unwrap_or_else(|f| panic!("{}", f.1));
-        assert_eq!(c.backend, BackendChoice::Tcp);
+        assert_eq!(c.backend, kvrail::agent::BackendChoice::Tcp);
         for (json, key) in [
             (r#"{"bakend":"tcp"}"#, "bakend"),
             (r#"{"backend":"ucx"}"#, "backend"),
