@@ -70,6 +70,11 @@ _NIXL_BACKENDS = ("UCX", "UCX_MO", "LIBFABRIC", "UCCL", "Mooncake", "MOONCAKE", 
 _MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM", "VRAM": "VRAM", "cuda": "VRAM"}
 
 
+def _name(agent: Union[str, bytes]) -> str:
+    """An agent name as NIXL passes them: str, or the bytes ``add_remote_agent`` returned."""
+    return agent.decode() if isinstance(agent, (bytes, bytearray)) else str(agent)
+
+
 def _mem(mem_type: Optional[str], default: str = "DRAM") -> str:
     if mem_type is None:
         return default
@@ -207,7 +212,7 @@ def _translate(e: Exception) -> Exception:
     """A kvrail error as NIXL's exception of the same meaning."""
     msg = str(e)
     if isinstance(e, MisuseError):
-        if "unknown peer" in msg or "no transfer" in msg or "no registered region" in msg:
+        if any(k in msg for k in ("unknown peer", "no transfer", "no registered region", "not inside memory")):
             return nixlNotFoundError(msg)
         if "in progress" in msg:
             return nixlRepostActiveError(msg)
@@ -387,21 +392,28 @@ class nixl_agent:
     def get_agent_metadata(self) -> bytes:
         return self._agent.metadata()
 
-    def add_remote_agent(self, metadata: bytes) -> str:
-        """Load a peer's metadata (from its ``get_agent_metadata``) and connect."""
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        """Load a peer's metadata (from its ``get_agent_metadata``) and connect; returns the
+        peer's name as bytes, as NIXL does (every call takes it as bytes or str)."""
         try:
-            return self._agent.load_remote(bytes(metadata))
+            return self._agent.load_remote(bytes(metadata)).encode()
         except KvrailError as e:
             raise _translate(e) from e
 
-    def remove_remote_agent(self, agent: str) -> None:
+    def remove_remote_agent(self, agent: Union[str, bytes]) -> None:
+        """Forget a peer (its connection closes); an unknown name is ignored, as in NIXL."""
+        name = _name(agent)
+        if not self._agent.has_peer(name):
+            logger.warning("remove_remote_agent: no peer %r", name)
+            return
         try:
-            self._agent.invalidate(agent)
+            self._agent.invalidate(name)
         except KvrailError as e:
             raise _translate(e) from e
 
-    def make_connection(self, remote_agent: str, backends: Sequence[str] = ()) -> None:
+    def make_connection(self, remote_agent: Union[str, bytes], backends: Sequence[str] = ()) -> None:
         """kvrail connects when the metadata is loaded: only checks the peer is known."""
+        remote_agent = _name(remote_agent)
         if not self._agent.has_peer(remote_agent):
             raise nixlNotFoundError(f"unknown peer {remote_agent!r}: load its metadata first")
 
@@ -422,13 +434,14 @@ class nixl_agent:
             "send_local_metadata: kvrail peers fetch metadata (fetch_remote_metadata) from the side channel"
         )
 
-    def check_remote_metadata(self, agent: str, descs=None) -> bool:
-        return self._agent.has_peer(agent)
+    def check_remote_metadata(self, agent: Union[str, bytes], descs=None) -> bool:
+        return self._agent.has_peer(_name(agent))
 
     # ---- transfers ---------------------------------------------------------------------
 
-    def prep_xfer_dlist(self, agent_name: str, xfer_list, mem_type: Optional[str] = None, backends: Sequence[str] = ()) -> nixl_prepped_dlist_handle:
+    def prep_xfer_dlist(self, agent_name: Union[str, bytes], xfer_list, mem_type: Optional[str] = None, backends: Sequence[str] = ()) -> nixl_prepped_dlist_handle:
         """Prepare a descriptor list: local for "NIXL_INIT_AGENT" or "", else the peer's."""
+        agent_name = _name(agent_name)
         local = agent_name in ("NIXL_INIT_AGENT", "")
         if not local and agent_name != self.name and not self._agent.has_peer(agent_name):
             raise nixlNotFoundError(f"unknown peer {agent_name!r}: load its metadata first")
@@ -474,7 +487,7 @@ class nixl_agent:
         if l is None or r is None:
             raise nixlInvalidParamError("descs: not transfer lists (see get_xfer_descs)")
         return self._create(
-            operation, [(a, n) for a, n, _ in l.descs], remote_agent, [(a, n) for a, n, _ in r.descs], notif_msg
+            operation, [(a, n) for a, n, _ in l.descs], _name(remote_agent), [(a, n) for a, n, _ in r.descs], notif_msg
         )
 
     def _create(self, op, local, peer, remote, notif_msg) -> nixl_xfer_handle:
@@ -552,9 +565,10 @@ class nixl_agent:
             self.notifs.setdefault(peer, []).extend(msgs)
         return self.notifs
 
-    def check_remote_xfer_done(self, remote_agent_name: str, lookup_tag: bytes, backends: Sequence[str] = (), tag_is_prefix: bool = True) -> bool:
+    def check_remote_xfer_done(self, remote_agent_name: Union[str, bytes], lookup_tag: bytes, backends: Sequence[str] = (), tag_is_prefix: bool = True) -> bool:
         """Whether a notification from the peer starting with (or containing) the tag
         arrived; removes that one notification."""
+        remote_agent_name = _name(remote_agent_name)
         self.update_notifs()
         msgs = self.notifs.get(remote_agent_name, [])
         for i, m in enumerate(msgs):
@@ -563,7 +577,8 @@ class nixl_agent:
                 return True
         return False
 
-    def send_notif(self, remote_agent_name: str, notif_msg: bytes, backend: Optional[str] = None) -> None:
+    def send_notif(self, remote_agent_name: Union[str, bytes], notif_msg: bytes, backend: Optional[str] = None) -> None:
+        remote_agent_name = _name(remote_agent_name)
         if isinstance(notif_msg, str):
             notif_msg = notif_msg.encode()
         try:
