@@ -3,7 +3,7 @@
 #   1. tier 1 on this host: `cargo test --workspace` (lab suites print SKIPPED here);
 #   2. tier 2 in the lab: the verbs suite on real queue pairs (Soft-RoCE, two rails, host A
 #      and host B in separate processes), the agent's shared suite (the same one tier 1 runs
-#      on TCP) on verbs, the engine's own memory and NPU memory through the agent's host bounce on verbs, the C ABI's C and Python checks on verbs, the connector suite and kvrail-demo on verbs, the agent's verbs-only cases, and kvrail-rails list/probe/link-down,
+#      on TCP) on verbs, the NIXL-API Python program on kvrail.nixl, the engine's own memory and NPU memory through the agent's host bounce on verbs, the C ABI's C and Python checks on verbs, the connector suite and kvrail-demo on verbs, the agent's verbs-only cases, and kvrail-rails list/probe/link-down,
 #      one VM boot per lab test binary.
 # Needs what tools/lab/setup.sh installs. KVRAIL_SKIP_LAB=1 runs tier 1 only (and says so).
 set -euo pipefail
@@ -13,6 +13,8 @@ echo "=== tier 1: cargo test --workspace"
 cargo test --workspace
 echo "=== tier 1: the agent API example (examples/agent_pair.rs)"
 cargo run -q --example agent_pair
+echo "=== tier 1: the Python package (pip install, pytest, the NIXL-API program on NIXL and on kvrail)"
+bash python/run-tests.sh
 
 if [ "${KVRAIL_SKIP_LAB:-0}" = 1 ]; then
     echo "=== tier 2 (lab): SKIPPED because KVRAIL_SKIP_LAB=1"
@@ -33,6 +35,8 @@ echo "=== tier 2: the C ABI on verbs: the C example, the C error checks, the Pyt
 cargo build -q -p kvrail-ffi --lib   # the cdylib the C and Python programs load (not built in the VM)
 # (the test runs in ffi/; the VM may write only there unless told: the C programs go to target/)
 LAB_RW="$PWD" cargo test -p kvrail-ffi --test c_abi -- c_ python
+echo "=== tier 2: the NIXL-API program (python/tests) on kvrail.nixl over verbs"
+tools/lab/run.sh env LAB=1 bash python/run-tests.sh
 echo "=== tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) on verbs"
 cargo test --test connector_suite -- --test-threads=1
 echo "=== tier 2: heterogeneous TP, push_stream and swa_window_mode between multi-rank engines on verbs"

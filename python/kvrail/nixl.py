@@ -211,6 +211,8 @@ class nixl_agent_config:
 def _translate(e: Exception) -> Exception:
     """A kvrail error as NIXL's exception of the same meaning."""
     msg = str(e)
+    if isinstance(e, _kvrail.ConfigError):
+        return e  # names the key; NIXL has no configuration error of its own
     if isinstance(e, MisuseError):
         if any(k in msg for k in ("unknown peer", "no transfer", "no registered region", "not inside memory")):
             return nixlNotFoundError(msg)

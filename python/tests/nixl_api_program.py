@@ -212,6 +212,10 @@ def initiator(conn, impl):
         ck(False, "removed peer: refused")
     except Exception as e:
         ck(type(e).__name__ == "nixlNotFoundError", f"removed peer: {type(e).__name__}")
+    if impl == "kvrail":  # what carried it (kvrail only; NIXL has no such call)
+        k = agent._agent
+        print(f"[initiator] kvrail backend {k.backend}; rail bytes {k.rail_bytes()}; "
+              f"payload bytes copied {k.payload_bytes_copied()}", flush=True)
     agent.deregister_memory(reg)
     conn.send("bye")
     print(f"[target] {res[2]} ok, {res[1]} failed", flush=True)

@@ -188,13 +188,6 @@ impl Region {
         res.map_err(|e| self.mem_err(offset, len, e))
     }
 
-    pub(crate) fn read_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>, AgentError> {
-        self.start(offset, len)?;
-        let mut v = vec![0u8; len as usize];
-        self.read(offset, &mut v)?;
-        Ok(v)
-    }
-
     pub(crate) fn acquire(&self) {
         self.busy.fetch_add(1, Ordering::AcqRel);
     }

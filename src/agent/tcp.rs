@@ -1,7 +1,8 @@
 //! The TCP data path: a transfer's bytes as messages on the peer connection the control
 //! channel (`super::control`) keeps. The initiator sends a WRITE's bytes in `Write` chunks
-//! and `WriteEnd` (with the notification), or asks for a READ's with one `ReadReq` per
-//! descriptor and places each `ReadResp`; the target applies the writes in order (the first
+//! (`WriteData` headers, each followed by its bytes raw) and `WriteEnd` (with the
+//! notification), or asks for a READ's with one `ReadReq` per descriptor and places each
+//! `ReadData`'s bytes; the target applies the writes in order (the first
 //! failure of a transfer is kept and answered at its `WriteEnd`), delivers the notification
 //! only after every byte was copied into its memory, and serves reads chunk by chunk. Every
 //! copy between registered memory and a message is counted (`Agent::payload_bytes_copied`).
@@ -10,7 +11,7 @@ use std::collections::HashMap;
 use std::net::TcpStream;
 use std::sync::mpsc;
 
-use super::control::msg::{send, Msg, CHUNK};
+use super::control::msg::{send, send_data, Msg, CHUNK};
 use super::control::Work;
 use super::region::Region;
 use super::{Desc, Shared, XferError};
@@ -29,31 +30,25 @@ pub(crate) fn send_write(
     remote: &[Desc],
     notif: Option<Vec<u8>>,
 ) -> std::io::Result<()> {
+    let mut frame = Vec::new();
     for ((r, off, len), rd) in local.iter().zip(remote) {
         let mut at = 0;
         while at < *len {
             let n = (*len - at).min(CHUNK as u64);
-            let data = match r.read_vec(off + at, n) {
-                Ok(d) => {
-                    shared.count_copy(n);
-                    d
-                }
-                Err(e) => {
-                    shared.finish(id, Err(XferError::Memory(e.to_string())));
-                    return Ok(());
-                }
+            let header = Msg::WriteData {
+                xfer: id,
+                region: rd.region.0,
+                offset: rd.offset + at,
+                len: n as u32,
             };
-            let region = rd.region.0;
-            let offset = rd.offset + at;
-            send(
-                w,
-                &Msg::Write {
-                    xfer: id,
-                    region,
-                    offset,
-                    data,
-                },
-            )?;
+            let filled = send_data(w, &mut frame, &header, n as usize, |out| {
+                r.read(off + at, out)
+            })?;
+            if let Err(e) = filled {
+                shared.finish(id, Err(XferError::Memory(e.to_string())));
+                return Ok(());
+            }
+            shared.count_copy(n);
             at += n;
         }
     }
@@ -185,24 +180,22 @@ pub(crate) fn serve_read(
         Ok(_) => return fail(w, format!("region {region} does not allow remote READ")),
         Err(e) => return fail(w, e.to_string()),
     };
+    let mut frame = Vec::new();
     let mut at = 0;
     while at < len {
         let n = (len - at).min(CHUNK as u64);
-        match r.read_vec(offset + at, n) {
-            Ok(data) => {
-                shared.count_copy(n);
-                send(
-                    w,
-                    &Msg::ReadResp {
-                        xfer,
-                        idx,
-                        at,
-                        data,
-                    },
-                )?;
-            }
-            Err(e) => return fail(w, e.to_string()),
+        let header = Msg::ReadData {
+            xfer,
+            idx,
+            at,
+            len: n as u32,
+        };
+        if let Err(e) = send_data(w, &mut frame, &header, n as usize, |out| {
+            r.read(offset + at, out)
+        })? {
+            return fail(w, e.to_string());
         }
+        shared.count_copy(n);
         at += n;
     }
     Ok(())

@@ -86,6 +86,15 @@ impl FrameDecoder {
         Ok(Some(body))
     }
 
+    /// Move up to `out.len()` buffered bytes that are not a frame (the raw payload that
+    /// follows a data header) into the front of `out`; returns how many.
+    pub fn take_raw(&mut self, out: &mut [u8]) -> usize {
+        let n = out.len().min(self.buf.len());
+        out[..n].copy_from_slice(&self.buf[..n]);
+        self.buf.drain(..n);
+        n
+    }
+
     /// The peer closed the stream: fine between frames, an error inside one.
     ///
     /// # Errors

@@ -258,12 +258,10 @@ fn initiator_reader(
                     message,
                 }),
             ),
-            Ok(Some(Msg::ReadResp {
-                xfer,
-                idx,
-                at,
-                data,
-            })) => super::tcp::on_read_resp(shared, tx, peer, (xfer, idx, at), &data),
+            Ok(Some(Msg::ReadData { xfer, idx, at, len })) => match r.payload(len) {
+                Ok(data) => super::tcp::on_read_resp(shared, tx, peer, (xfer, idx, at), data),
+                Err(e) => break e,
+            },
             #[cfg(feature = "verbs")]
             Ok(Some(Msg::QpOpened { endpoints })) => {
                 if let Some(v) = &shared.verbs {
@@ -402,13 +400,14 @@ fn target_loop(
             continue;
         }
         let res = match m {
-            Msg::Write {
+            Msg::WriteData {
                 xfer,
                 region,
                 offset,
-                data,
+                len,
             } => {
-                writes.chunk(shared, xfer, region, offset, &data);
+                let data = r.payload(len).map_err(|e| format!("from {from}: {e}"))?;
+                writes.chunk(shared, xfer, region, offset, data);
                 Ok(())
             }
             Msg::WriteEnd { xfer, notif } => send(w, &writes.end(shared, from, xfer, notif)),

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::proto::frame::{self, FrameDecoder};
 use crate::proto::handshake::HandshakeInfo;
 
-/// Largest frame: a data chunk plus headers.
+/// Largest frame (data travels raw after its header frame; metadata is the largest).
 pub(crate) const MAX_FRAME: usize = CHUNK + 4096;
 /// Data moves in chunks of at most this many bytes.
 pub(crate) const CHUNK: usize = 4 << 20;
@@ -47,13 +47,12 @@ pub(crate) enum Msg {
     },
     /// Attach refused, or a request that cannot be served at all.
     Refused { message: String },
-    /// Bytes of a WRITE for `region` at `offset`.
-    Write {
+    /// `len` bytes of a WRITE for `region` at `offset`; the bytes follow the frame raw.
+    WriteData {
         xfer: u64,
         region: u32,
         offset: u64,
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
+        len: u32,
     },
     /// All WRITE bytes of `xfer` were sent; deliver `notif` once they are in place, then ack.
     WriteEnd {
@@ -69,13 +68,13 @@ pub(crate) enum Msg {
         offset: u64,
         len: u64,
     },
-    /// Bytes of descriptor `idx`, starting `at` bytes into it.
-    ReadResp {
+    /// `len` bytes of descriptor `idx`, starting `at` bytes into it; the bytes follow the
+    /// frame raw.
+    ReadData {
         xfer: u64,
         idx: u32,
         at: u64,
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
+        len: u32,
     },
     /// A notification.
     Notif(#[serde(with = "serde_bytes")] Vec<u8>),
@@ -101,11 +100,36 @@ pub(crate) fn send(w: &mut impl Write, m: &Msg) -> std::io::Result<()> {
     w.write_all(&f)
 }
 
+/// Write a data message: `header` (a `WriteData` or `ReadData` of `len` bytes), then the
+/// bytes `fill` puts in place — copied once, from registered memory into the buffer the
+/// socket sends from (`frame`, reused between chunks).
+pub(crate) fn send_data<E>(
+    w: &mut impl Write,
+    frame: &mut Vec<u8>,
+    header: &Msg,
+    len: usize,
+    fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+) -> std::io::Result<Result<(), E>> {
+    let body = rmp_serde::to_vec(header)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    frame.clear();
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&body);
+    let at = frame.len();
+    frame.resize(at + len, 0);
+    if let Err(e) = fill(&mut frame[at..]) {
+        return Ok(Err(e));
+    }
+    w.write_all(frame).map(Ok)
+}
+
 /// Reads messages from a stream, bounded.
 pub(crate) struct Reader<R> {
     r: R,
     dec: FrameDecoder,
     buf: Vec<u8>,
+    /// The raw bytes of the last data message (up to `CHUNK`).
+    payload: Vec<u8>,
 }
 
 impl<R: Read> Reader<R> {
@@ -114,7 +138,27 @@ impl<R: Read> Reader<R> {
             r,
             dec: FrameDecoder::new(MAX_FRAME),
             buf: vec![0u8; 256 << 10],
+            payload: Vec::new(),
         }
+    }
+
+    /// The `len` raw bytes that follow a data message's frame: what was already read with
+    /// the frame, then the rest straight from the stream.
+    pub(crate) fn payload(&mut self, len: u32) -> Result<&[u8], String> {
+        let len = len as usize;
+        if len > CHUNK {
+            return Err(format!(
+                "protocol error: a data message of {len} bytes (at most {CHUNK})"
+            ));
+        }
+        if self.payload.len() < len {
+            self.payload.resize(len, 0);
+        }
+        let have = self.dec.take_raw(&mut self.payload[..len]);
+        self.r
+            .read_exact(&mut self.payload[have..len])
+            .map_err(|e| format!("inside a data message: {e}"))?;
+        Ok(&self.payload[..len])
     }
 
     /// The next message; `Ok(None)` at a clean end of stream.

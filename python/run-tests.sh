@@ -1,0 +1,42 @@
+#!/bin/bash
+# python/run-tests.sh — the Python package's tests, the way CI runs them:
+#   1. `pip install ./python` into a venv (target/py; maturin builds the native module),
+#      then pytest python/tests (the agent, kvrail.nixl, the NIXL-API program on kvrail);
+#   2. the same NIXL-API program against the real NIXL from PyPI (nixl-cu12, its UCX
+#      backend over TCP on loopback), in its own venv (target/nixl-venv; numpy only, no
+#      torch or CUDA wheels);
+#   3. with LAB=1 (inside the Soft-RoCE lab): the program against kvrail.nixl on verbs.
+# Needs python3 with venv (Debian: python3-venv) and PyPI. ~1 min warm, ~4 min fresh.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+VENV=target/py
+NIXL_VENV=target/nixl-venv
+PROGRAM=python/tests/nixl_api_program.py
+
+if [ "${LAB:-0}" = 1 ]; then
+    # inside the lab VM: the package was installed by an earlier run on the host
+    out=$(KVRAIL_AGENT_CONFIG='{"backend":"verbs"}' "$VENV/bin/python" "$PROGRAM" --impl kvrail 2>&1) || {
+        echo "$out"; echo "NIXL-API program on kvrail/verbs: FAILED"; exit 1; }
+    echo "$out" | grep -v '^ok'
+    echo "$out" | grep -q "kvrail backend verbs" || { echo "not on verbs"; exit 1; }
+    echo "$out" | grep -q "payload bytes copied 0$" || { echo "kvrail copied payload on verbs"; exit 1; }
+    echo "=== NIXL-API program on kvrail.nixl over verbs: passed"
+    exit 0
+fi
+
+echo "=== python: pip install ./python into $VENV"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/pip" install -q --disable-pip-version-check ./python pytest numpy
+echo "=== python: pytest python/tests"
+"$VENV/bin/python" -m pytest -q python/tests
+
+echo "=== python: the NIXL-API program against the real NIXL (nixl-cu12, UCX over TCP on lo)"
+[ -x "$NIXL_VENV/bin/python" ] || "$PY" -m venv "$NIXL_VENV"
+"$NIXL_VENV/bin/pip" install -q --disable-pip-version-check numpy
+"$NIXL_VENV/bin/pip" install -q --disable-pip-version-check --no-deps nixl-cu12==1.5.1
+out=$(UCX_TLS=tcp UCX_NET_DEVICES=lo "$NIXL_VENV/bin/python" "$PROGRAM" --impl nixl 2>&1) || {
+    echo "$out"; echo "NIXL-API program on NIXL: FAILED"; exit 1; }
+echo "$out" | grep '^\[.*\] [0-9]* ok'
+echo "=== python: the same program on kvrail.nixl (TCP)"
+"$VENV/bin/python" "$PROGRAM" --impl kvrail 2>&1 | grep -v '^ok'

@@ -1,0 +1,122 @@
+"""The native agent through the package: configuration errors name the key, exceptions
+follow the fault groups, Python-owned memory (numpy, bytearray) moves in place byte-exact."""
+
+import time
+
+import numpy as np
+import pytest
+
+import kvrail
+from kvrail import nixl
+
+
+def tcp_agent(name, **extra):
+    return kvrail.Agent(name, {"backend": "tcp", "listen": "127.0.0.1:0", **extra})
+
+
+def pattern(seed, n):
+    i = np.arange(n, dtype=np.uint64)
+    return ((i * np.uint64(2654435761) + np.uint64(seed * 40503)) >> np.uint64(7)).astype(np.uint8)
+
+
+def test_config_errors_name_the_key():
+    for cfg, key in [({"bakend": "tcp"}, "bakend"), ({"backend": "ucx"}, "backend"),
+                     ({"listen": "nowhere"}, "listen"), ({"block_size": 0}, "block_size")]:
+        with pytest.raises(kvrail.ConfigError) as e:
+            kvrail.Agent("x", cfg)
+        assert str(e.value).startswith(key + ":"), str(e.value)
+    assert issubclass(kvrail.ConfigError, kvrail.MisuseError)
+    assert issubclass(kvrail.MisuseError, kvrail.KvrailError)
+
+
+def test_numpy_and_bytearray_move_in_place_byte_exact():
+    p, d = tcp_agent("p"), tcp_agent("d")
+    src = pattern(1, 1 << 20)
+    dst = bytearray(1 << 20)
+    sa, n, kind, _ = kvrail.buffer_span(src)
+    da, _, _, _ = kvrail.buffer_span(dst)
+    assert (n, kind) == (1 << 20, "DRAM")
+    p.register(sa, n)
+    d.register(da, n)
+    peer = p.load_remote(d.metadata())
+    assert peer == "d"
+    descs = [(0, 4096), (8192, 100_000), (200_000, 500_000)]
+    x = p.create_xfer("WRITE", [(sa + o, l) for o, l in descs], "d",
+                      [(da + o, l) for o, l in descs], b"landed")
+    p.post(x)
+    assert p.wait(x, 60) == "DONE"
+    assert d.wait_notifs(30) == [("p", b"landed")]
+    got = np.frombuffer(dst, dtype=np.uint8)
+    want = np.zeros(1 << 20, dtype=np.uint8)
+    for o, l in descs:
+        want[o:o + l] = src[o:o + l]
+    assert np.array_equal(got, want), "every byte, gaps untouched"
+    # READ back into another part of P's memory
+    x2 = p.create_xfer("READ", [(sa + 900_000, 4096)], "d", [(da, 4096)])
+    src[900_000:904_096] = 0
+    p.post(x2)
+    assert p.wait(x2, 60) == "DONE"
+    assert np.array_equal(src[900_000:904_096], src[:4096])
+
+
+def test_errors_by_fault_group():
+    p, d = tcp_agent("p2"), tcp_agent("d2")
+    buf = np.zeros(8192, dtype=np.uint8)
+    a = buf.ctypes.data
+    rid = p.register(a, 8192)
+    with pytest.raises(kvrail.MemoryRegionError, match="overlaps"):
+        p.register(a + 4096, 16)
+    with pytest.raises(kvrail.MisuseError, match="addr"):
+        p.register(0, 16)
+    with pytest.raises(kvrail.MisuseError, match="mem_type"):
+        p.register(a, 16, "FILE")
+    with pytest.raises(kvrail.MisuseError, match="unknown peer"):
+        p.create_xfer("WRITE", [(a, 16)], "nobody", [(a, 16)])
+    p.load_remote(d.metadata())
+    with pytest.raises(kvrail.MisuseError, match="local: descriptor #0"):
+        p.create_xfer("WRITE", [(a + 8190, 16)], "d2", [(a, 16)])
+    with pytest.raises(kvrail.MisuseError, match="op"):
+        p.create_xfer("SEND", [(a, 16)], "d2", [(a, 16)])
+    with pytest.raises(kvrail.PeerConnectionError):
+        p.load_remote_addr("127.0.0.1:1")
+    p.deregister(rid)
+    with pytest.raises(kvrail.MisuseError, match="no registered region"):
+        p.deregister(rid)
+
+
+def test_busy_memory_cannot_be_deregistered():
+    p, d = tcp_agent("p3"), tcp_agent("d3")
+    src, dst = np.ones(64 << 20, np.uint8), np.zeros(64 << 20, np.uint8)
+    rid = p.register(src.ctypes.data, src.nbytes)
+    d.register(dst.ctypes.data, dst.nbytes)
+    p.load_remote(d.metadata())
+    x = p.create_xfer("WRITE", [(src.ctypes.data, src.nbytes)], "d3", [(dst.ctypes.data, dst.nbytes)])
+    p.post(x)
+    refused = False
+    try:
+        p.deregister(rid)
+    except kvrail.MisuseError as e:
+        refused = "active transfer" in str(e)
+    assert refused or p.status(x) == "DONE"
+    assert p.wait(x, 60) == "DONE"
+    assert dst.all()
+
+
+def test_nixl_memory_objects_and_bad_input():
+    a = nixl.nixl_agent("obj", nixl.nixl_agent_config(kvrail_config={"backend": "tcp", "listen": "127.0.0.1:0"}))
+    arr, ba = np.zeros(4096, np.uint8), bytearray(4096)
+    reg = a.register_memory([arr, ba])
+    assert reg.descCount() == 2 and reg.mem_type == "DRAM"
+    with pytest.raises(kvrail.MisuseError, match="read-only"):
+        a.register_memory(b"bytes are read-only")
+    with pytest.raises(kvrail.MisuseError, match="not C-contiguous"):
+        a.register_memory(np.zeros((64, 64), np.uint8)[:, ::2])
+    with pytest.raises(nixl.nixlNotFoundError):
+        a.create_backend("NOPE")
+    with pytest.raises(nixl.nixlInvalidParamError, match="mem_type"):
+        a.get_xfer_descs([(1, 2, 0)], "FILE")
+    a.deregister_memory(reg)
+    with pytest.raises(nixl.nixlNotFoundError):
+        a.deregister_memory(reg)
+    with pytest.raises(kvrail.ConfigError, match="bogus"):
+        nixl.nixl_agent("bad", nixl.nixl_agent_config(kvrail_config={"bogus": 1}))
