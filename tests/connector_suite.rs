@@ -625,3 +625,62 @@ fn a_restarted_prefill_instance_is_found_again() {
     }
     panic!("D never reached the restarted prefill instance");
 }
+
+/// P drops a registration that never meets its prefill after `push_registration_timeout`
+/// (from the config, not a fixed 8 minutes), and refuses one without blocks.
+#[test]
+fn unmatched_push_registration_expires_after_the_configured_timeout() {
+    let json = r#"{"kv_connector":"KvrailPushConnector","kv_role":"kv_producer","kv_buffer_device":"rbln",
+        "kv_connector_extra_config":{"push_registration_timeout":1}}"#;
+    let mut p = engine("prefill-ttl", json, false);
+    // a D that registers blocks for a request P never prefills
+    let d_json = r#"{"kv_connector":"KvrailPushConnector","kv_role":"kv_consumer","kv_buffer_device":"rbln"}"#;
+    let d = engine("decode-ttl", d_json, true);
+    let peer = d
+        .worker
+        .agent()
+        .load_remote(p.worker.agent().side_channel_addr())
+        .unwrap();
+    let addr = d.worker.agent().side_channel_addr();
+    let reg = |blocks: Vec<u64>| kvrail::proto::kvmsg::PushReg {
+        request_id: "d-req".into(),
+        engine_id: "decode-ttl".into(),
+        host: addr.ip().to_string(),
+        port: addr.port(),
+        tp_rank: 0,
+        tp_size: 1,
+        block_ids: blocks,
+        remote_engine_id: "prefill-ttl".into(),
+        remote_request_id: "never-prefilled".into(),
+    };
+    d.worker
+        .agent()
+        .send_notif(&peer, reg(vec![]).encode())
+        .unwrap();
+    d.worker
+        .agent()
+        .send_notif(&peer, reg(vec![1, 2]).encode())
+        .unwrap();
+    let t0 = Instant::now();
+    let mut seen = (false, None);
+    while t0.elapsed() < Duration::from_secs(30) {
+        p.step(Instant::now());
+        seen.0 |= p.worker.malformed > 0;
+        if p.worker.push_dropped() > 0 {
+            seen.1 = Some(t0.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(seen.0, "the registration without blocks was not refused");
+    let after = seen.1.expect("the unmatched registration never expired");
+    println!(
+        "    unmatched registration dropped after {:.2} s (timeout 1 s)",
+        after.as_secs_f64()
+    );
+    assert!(
+        after >= Duration::from_millis(900),
+        "dropped early: {after:?}"
+    );
+    assert_eq!(p.worker.push_dropped(), 1);
+}

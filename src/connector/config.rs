@@ -37,8 +37,11 @@ pub struct KvTransferConfig {
     pub push_registration_timeout_s: u64,
     /// `chunk_mode`.
     pub chunk_mode: bool,
-    /// `chunk_tokens` (unset: one prefill step).
+    /// `chunk_tokens` (unset: one prefill step, `max_num_batched_tokens`).
     pub chunk_tokens: Option<u64>,
+    /// `max_num_batched_tokens`: tokens of one prefill step (the engine's scheduler setting;
+    /// the Python connector fills it in from vLLM's; default 8192).
+    pub max_num_batched_tokens: u64,
     /// `swa_window_mode`.
     pub swa_window_mode: bool,
     /// `push_stream`.
@@ -58,18 +61,33 @@ const TOP: &[&str] = &[
     "engine_id",
     "kv_connector_extra_config",
 ];
+/// vLLM's own `kv_transfer_config` keys: accepted (vLLM sets them), not used by kvrail.
+const VLLM_KEYS: &[&str] = &[
+    "kv_connector_module_path",
+    "kv_buffer_size",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_load_failure_policy",
+    "enable_permute_local_kv",
+];
 const EXTRA: &[&str] = &[
     "kv_lease_duration",
     "decoder_kv_blocks_ttl",
     "push_registration_timeout",
     "chunk_mode",
     "chunk_tokens",
+    "max_num_batched_tokens",
     "swa_window_mode",
     "push_stream",
     "stripe_width",
     "link_down_exit_s",
     "enforce_handshake_compat",
 ];
+
+/// One prefill step's tokens when the engine does not say (vLLM's V1 default for serving).
+const DEFAULT_BATCHED_TOKENS: u64 = 8192;
 
 fn err(key: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError {
@@ -151,7 +169,8 @@ impl KvTransferConfig {
         let Value::Object(top) = v else {
             return Err(err("kv_transfer_config", "must be a JSON object"));
         };
-        unknown(&top, TOP, "")?;
+        let known: Vec<&str> = TOP.iter().chain(VLLM_KEYS).copied().collect();
+        unknown(&top, &known, "")?;
         let direction = match string(&top, "kv_connector", "kv_connector")? {
             Some("KvrailPullConnector" | "KvrailConnector") => Direction::Pull,
             Some("KvrailPushConnector") => Direction::Push,
@@ -212,6 +231,13 @@ impl KvTransferConfig {
         .unwrap_or(ttl);
         let chunk_mode = boolean(extra, "chunk_mode", &x("chunk_mode"), false)?;
         let chunk_tokens = count(extra, "chunk_tokens", &x("chunk_tokens"), true)?;
+        let step = count(
+            extra,
+            "max_num_batched_tokens",
+            &x("max_num_batched_tokens"),
+            true,
+        )?
+        .unwrap_or(DEFAULT_BATCHED_TOKENS);
         let swa = boolean(extra, "swa_window_mode", &x("swa_window_mode"), false)?;
         let push_stream = boolean(extra, "push_stream", &x("push_stream"), false)?;
         let stripe_width = match extra.get("stripe_width") {
@@ -271,6 +297,7 @@ impl KvTransferConfig {
             push_registration_timeout_s: reg_timeout,
             chunk_mode,
             chunk_tokens,
+            max_num_batched_tokens: step,
             swa_window_mode: swa,
             push_stream,
             stripe_width,

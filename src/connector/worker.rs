@@ -145,7 +145,7 @@ impl Worker {
         let (layers, regions) = super::caches::register(&agent, &cfg, &layout, caches, access)?;
         let chunk = cfg.chunk_mode.then(|| {
             let bs = u64::from(layout.block_size);
-            chunk_tokens(bs, cfg.chunk_tokens.unwrap_or(bs))
+            chunk_tokens(bs, cfg.chunk_tokens.unwrap_or(cfg.max_num_batched_tokens))
         });
         let writer = (cfg.direction == Direction::Push).then(|| {
             Writer::start(
@@ -153,6 +153,7 @@ impl Worker {
                 layout.clone(),
                 layers.clone(),
                 (tp_rank, tp_size),
+                Duration::from_secs(cfg.push_registration_timeout_s),
                 Select {
                     chunk,
                     swa: cfg.swa_window_mode,

@@ -81,6 +81,7 @@ impl Writer {
         layout: KvLayout,
         regions: Vec<LayerAt>,
         tp: (u32, u32),
+        reg_ttl: Duration,
         sel: Select,
     ) -> Result<Self, AgentError> {
         let shared = Arc::new(Shared {
@@ -101,7 +102,7 @@ impl Writer {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("kvrail-push-writer".into())
-            .spawn(move || Loop::new(s).run())
+            .spawn(move || Loop::new(s, reg_ttl).run())
             .map_err(|e| AgentError::Unsupported(format!("spawning the push writer: {e}")))?;
         Ok(Self {
             shared,
@@ -245,10 +246,12 @@ struct Loop {
 }
 
 impl Loop {
-    fn new(sh: Arc<Shared>) -> Self {
+    /// `reg_ttl`: how long an unmatched registration (or finished request) waits for its
+    /// other half (`push_registration_timeout`).
+    fn new(sh: Arc<Shared>, reg_ttl: Duration) -> Self {
         Self {
             sh,
-            matcher: PushMatcher::new(Duration::from_secs(480)),
+            matcher: PushMatcher::new(reg_ttl),
             conns: HashMap::new(),
             waiting: Vec::new(),
             inflight: Vec::new(),
@@ -291,12 +294,19 @@ impl Loop {
                 let busy = self.matcher.has_unmatched_blocks()
                     || !self.inflight.is_empty()
                     || self.conns.values().any(|c| *c == Conn::Connecting);
+                // an unmatched registration expires on time even when nothing else happens
+                let expiry = self.matcher.poll_timeout();
                 while !i.woken && !self.sh.stop.load(Ordering::Acquire) {
-                    if busy {
+                    let wait = match (busy, expiry) {
+                        (true, _) => Some(Duration::from_millis(1)),
+                        (false, Some(t)) => Some(t.saturating_duration_since(Instant::now())),
+                        (false, None) => None,
+                    };
+                    if let Some(d) = wait {
                         i = self
                             .sh
                             .wake
-                            .wait_timeout(i, Duration::from_millis(1))
+                            .wait_timeout(i, d)
                             .unwrap_or_else(|p| p.into_inner())
                             .0;
                         break;
@@ -422,7 +432,11 @@ impl Loop {
                 _ => self.event(WriterEvent::Unparsed(m)),
             }
         }
+        let before = self.matcher.dropped;
         self.matcher.handle_timeout(now);
+        self.sh
+            .dropped
+            .fetch_add(self.matcher.dropped - before, Ordering::Relaxed);
         while let Some(a) = self.matcher.poll_action() {
             match a {
                 PushAction::Handshake { engine, host, port } => {
@@ -515,6 +529,14 @@ impl Loop {
     }
 
     fn send_reg(&self, peer: &str, r: RecvReq) {
+        if r.local_block_ids.is_empty() {
+            // P refuses a registration without blocks: say so here instead of timing out
+            self.event(WriterEvent::RegistrationFailed(
+                r.request_id,
+                "PUSH_REG: no blocks to receive into".into(),
+            ));
+            return;
+        }
         let reg = PushReg {
             request_id: r.request_id.clone(),
             engine_id: self.sh.agent.name().to_owned(),

@@ -148,6 +148,12 @@ impl PushReg {
                 format!("tp rank {} of size {}", r.tp_rank, r.tp_size),
             ));
         }
+        if r.block_ids.is_empty() {
+            return Err(bad(
+                "PUSH_REG",
+                format!("request {}: no blocks to write into", r.request_id),
+            ));
+        }
         Ok(r)
     }
 }

@@ -115,6 +115,8 @@ fn malformed_messages_are_errors_naming_the_kind() {
         PushReg::decode(&bad.encode()).is_err(),
         "rank outside the size"
     );
+    let e = PushReg::decode(&reg("d", "p", vec![]).encode()).unwrap_err();
+    assert!(e.to_string().contains("no blocks"), "{e}");
 }
 
 proptest! {
@@ -130,7 +132,7 @@ proptest! {
     }
 
     #[test]
-    fn registrations_round_trip(id in "[a-z0-9-]{1,40}", blocks in proptest::collection::vec(any::<u64>(), 0..50), rank in 0u32..8) {
+    fn registrations_round_trip(id in "[a-z0-9-]{1,40}", blocks in proptest::collection::vec(any::<u64>(), 1..50), rank in 0u32..8) {
         let mut r = reg(&id, &id, blocks);
         r.tp_size = 8;
         r.tp_rank = rank;

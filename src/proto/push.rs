@@ -89,7 +89,7 @@ pub struct PushMatcher {
     /// Matches writing (streamed prefills still growing).
     active: Vec<Active>,
     actions: VecDeque<PushAction>,
-    /// Work dropped because a handshake or WRITE failed.
+    /// Work dropped: a handshake or WRITE failed, or a registration expired unmatched.
     pub dropped: u64,
 }
 
@@ -319,10 +319,11 @@ impl PushMatcher {
         self.active.retain(|a| a.request_id != request_id);
     }
 
-    /// Drop unmatched registrations older than the TTL.
+    /// Drop unmatched registrations older than the TTL (counted in `dropped`).
     pub fn handle_timeout(&mut self, now: Instant) {
         let ttl = self.reg_ttl;
         let arrived = &mut self.arrived;
+        let before = self.regs.len();
         self.regs.retain(|r| {
             let keep = arrived.get(&r.request_id).is_none_or(|t| now < *t + ttl);
             if !keep {
@@ -330,6 +331,7 @@ impl PushMatcher {
             }
             keep
         });
+        self.dropped += (before - self.regs.len()) as u64;
     }
 
     /// When the oldest unmatched registration expires.

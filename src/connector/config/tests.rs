@@ -50,6 +50,32 @@ fn the_seed_example_and_defaults() {
             .direction,
         Direction::Pull
     );
+    assert_eq!(
+        c.max_num_batched_tokens, 8192,
+        "one prefill step by default"
+    );
+}
+
+#[test]
+fn vllm_keys_are_accepted_and_the_prefill_step_is_configurable() {
+    let c = parse(
+        r#"{"kv_connector":"KvrailConnector","kv_role":"kv_producer",
+        "kv_connector_module_path":"kvrail.vllm","kv_buffer_size":1e9,"kv_rank":0,
+        "kv_parallel_size":1,"kv_ip":"127.0.0.1","kv_port":14579,
+        "kv_load_failure_policy":"recompute","enable_permute_local_kv":false,
+        "kv_connector_extra_config":{"max_num_batched_tokens":2048}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.max_num_batched_tokens, 2048);
+    let e = parse(r#"{"kv_connector":"KvrailConnector","kv_role":"kv_producer","kv_module":1}"#)
+        .unwrap_err();
+    assert!(e.starts_with("kv_module"), "{e}");
+    let e = parse(
+        r#"{"kv_connector":"KvrailConnector","kv_role":"kv_producer",
+        "kv_connector_extra_config":{"max_num_batched_tokens":0}}"#,
+    )
+    .unwrap_err();
+    assert!(e.contains("max_num_batched_tokens"), "{e}");
 }
 
 #[test]
@@ -67,7 +93,7 @@ fn every_rejection_names_its_key() {
         (r#"{"kv_connector":"KvrailPullConnector"}"#.into(), "kv_role: required"),
         (r#"{"kv_connector":"KvrailPullConnector","kv_role":"prefill"}"#.into(), "kv_role:"),
         (r#"{"kv_connector":"KvrailPullConnector","kv_role":"kv_both","kv_buffer_device":"cuda"}"#.into(), "kv_buffer_device:"),
-        (r#"{"kv_connector":"KvrailPullConnector","kv_role":"kv_both","kv_port":1}"#.into(), "kv_port: unknown key"),
+        (r#"{"kv_connector":"KvrailPullConnector","kv_role":"kv_both","kv_prot":1}"#.into(), "kv_prot: unknown key"),
         (r#"{"kv_connector":"KvrailPullConnector","kv_role":"kv_both","engine_id":7}"#.into(), "engine_id:"),
         (r#"{"kv_connector":"KvrailPullConnector","kv_role":"kv_both","kv_connector_extra_config":3}"#.into(), "kv_connector_extra_config:"),
         (base(r#""kv_lease":1"#), "kv_connector_extra_config.kv_lease: unknown key"),
