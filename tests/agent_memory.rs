@@ -103,8 +103,11 @@ fn engine_vec_mmap_and_raw_memory_move_in_place_both_ways() {
             "kvrail copied payload of host regions on verbs"
         );
     } else {
-        // each side copied every byte of both READs and the WRITE once
-        assert_eq!((pc, dc), (3 * moved, 3 * moved));
+        // the kernel sends from and receives into the memory itself; kvrail copies at most
+        // the bytes it read ahead with a message's header, on the receiving side only (it
+        // copied every byte once on each side before)
+        println!("    TCP: {pc} + {dc} payload bytes copied for 3 x {moved} moved");
+        assert!(pc + dc <= 3 * moved, "{pc} + {dc} for 3 x {moved}");
     }
 
     // the memory comes back to its owners holding what landed

@@ -35,6 +35,7 @@ mod register;
 mod route;
 mod table;
 mod tcp;
+mod tcp_io;
 #[cfg(feature = "verbs")]
 mod verbs;
 

@@ -11,10 +11,12 @@ use std::collections::HashMap;
 use std::net::TcpStream;
 use std::sync::mpsc;
 
-use super::control::msg::{send, send_data, Msg, CHUNK};
+use super::control::msg::{send, send_data, Msg, Reader, CHUNK};
 use super::control::Work;
 use super::region::Region;
+use super::tcp_io;
 use super::{Desc, Shared, XferError};
+use crate::mem::HostBuffer;
 use std::sync::Arc;
 
 /// Initiator: send WRITE `id`'s bytes (`local` region, offset, length per descriptor, into
@@ -41,14 +43,20 @@ pub(crate) fn send_write(
                 offset: rd.offset + at,
                 len: n as u32,
             };
-            let filled = send_data(w, &mut frame, &header, n as usize, |out| {
-                r.read(off + at, out)
-            })?;
-            if let Err(e) = filled {
-                shared.finish(id, Err(XferError::Memory(e.to_string())));
-                return Ok(());
+            if let Some(host) = r.host() {
+                // host memory: the kernel sends from the buffer itself
+                send(w, &header)?;
+                tcp_io::send_from(w, host, (off + at) as usize, n as usize)?;
+            } else {
+                let filled = send_data(w, &mut frame, &header, n as usize, |out| {
+                    r.read(off + at, out)
+                })?;
+                if let Err(e) = filled {
+                    shared.finish(id, Err(XferError::Memory(e.to_string())));
+                    return Ok(());
+                }
+                shared.count_copy(n);
             }
-            shared.count_copy(n);
             at += n;
         }
     }
@@ -75,10 +83,50 @@ pub(crate) fn send_read(w: &mut TcpStream, id: u64, remote: &[Desc]) -> std::io:
     Ok(())
 }
 
+/// Initiator: `len` bytes for descriptor `idx` of READ `xfer`, at `at` of it, follow on
+/// `r` from `peer`: received into host memory in place, or through `r`'s buffer.
+///
+/// # Errors
+/// The connection's (the stream cannot continue).
+pub(crate) fn on_read_data(
+    shared: &Shared,
+    tx: &mpsc::Sender<Work>,
+    peer: &str,
+    (xfer, idx, at, len): (u64, u32, u64, u32),
+    r: &mut Reader<TcpStream>,
+) -> Result<(), String> {
+    let n = u64::from(len);
+    let target = shared.read_target(xfer, idx).filter(|(region, _, dlen)| {
+        region.host().is_some() && at.checked_add(n).is_some_and(|e| e <= *dlen)
+    });
+    let Some((region, off, _)) = target else {
+        let data = r.payload(len)?;
+        on_read_resp(shared, tx, peer, (xfer, idx, at), data);
+        return Ok(());
+    };
+    let Some(host) = region.host() else {
+        return Ok(());
+    };
+    let copied = r.payload_into(len, host, (off + at) as usize)?;
+    shared.count_copy(copied);
+    read_arrived(shared, tx, xfer, n);
+    Ok(())
+}
+
+/// READ `xfer` has `n` more bytes in place: after the last, its notification is queued
+/// (on `tx`) before the transfer is done — an engine that sees it done may release it at
+/// once.
+fn read_arrived(shared: &Shared, tx: &mpsc::Sender<Work>, xfer: u64, n: u64) {
+    if shared.read_arrived(xfer, n) {
+        if let Some((_, n)) = shared.xfer_notif(xfer) {
+            let _ = tx.send(Work::Notif(n));
+        }
+        shared.finish(xfer, Ok(()));
+    }
+}
+
 /// Initiator: `data` for descriptor `idx` of READ `xfer`, at `at` of it, came from `peer`.
-/// When it was the last byte, the notification is queued (on `tx`) before the transfer is
-/// done — an engine that sees it done may release it at once.
-pub(crate) fn on_read_resp(
+fn on_read_resp(
     shared: &Shared,
     tx: &mpsc::Sender<Work>,
     peer: &str,
@@ -99,12 +147,7 @@ pub(crate) fn on_read_resp(
         return;
     }
     shared.count_copy(n);
-    if shared.read_arrived(xfer, n) {
-        if let Some((_, n)) = shared.xfer_notif(xfer) {
-            let _ = tx.send(Work::Notif(n));
-        }
-        shared.finish(xfer, Ok(()));
-    }
+    read_arrived(shared, tx, xfer, n);
 }
 
 /// Target: the WRITEs of one attached initiator, in order.
@@ -129,6 +172,29 @@ impl Writes {
                 v.insert(e);
             }
         }
+    }
+
+    /// Where `len` bytes of WRITE `xfer` for `region` at `offset` can be received in place:
+    /// a host region that allows remote WRITE, the range inside it, the transfer not failed
+    /// already. None sends them through [`Writes::chunk`], which says what is wrong.
+    pub(crate) fn in_place(
+        &self,
+        shared: &Shared,
+        xfer: u64,
+        region: u32,
+        offset: u64,
+        len: u32,
+    ) -> Option<Arc<HostBuffer>> {
+        if self.failed.contains_key(&xfer) {
+            return None;
+        }
+        let r = shared.region(region).ok()?;
+        let inside = offset
+            .checked_add(u64::from(len))
+            .is_some_and(|e| e <= r.len());
+        (r.access.write && inside)
+            .then(|| r.host().cloned())
+            .flatten()
     }
 
     /// The initiator's end of WRITE `xfer`: its notification (delivered now, after every
@@ -180,6 +246,15 @@ pub(crate) fn serve_read(
         Ok(_) => return fail(w, format!("region {region} does not allow remote READ")),
         Err(e) => return fail(w, e.to_string()),
     };
+    if offset.checked_add(len).is_none_or(|e| e > r.len()) {
+        return fail(
+            w,
+            format!(
+                "[{offset}, {offset}+{len}) is outside region {region} ({} bytes)",
+                r.len()
+            ),
+        );
+    }
     let mut frame = Vec::new();
     let mut at = 0;
     while at < len {
@@ -190,12 +265,17 @@ pub(crate) fn serve_read(
             at,
             len: n as u32,
         };
-        if let Err(e) = send_data(w, &mut frame, &header, n as usize, |out| {
-            r.read(offset + at, out)
-        })? {
-            return fail(w, e.to_string());
+        if let Some(host) = r.host() {
+            send(w, &header)?;
+            tcp_io::send_from(w, host, (offset + at) as usize, n as usize)?;
+        } else {
+            if let Err(e) = send_data(w, &mut frame, &header, n as usize, |out| {
+                r.read(offset + at, out)
+            })? {
+                return fail(w, e.to_string());
+            }
+            shared.count_copy(n);
         }
-        shared.count_copy(n);
         at += n;
     }
     Ok(())

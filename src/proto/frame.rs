@@ -86,6 +86,11 @@ impl FrameDecoder {
         Ok(Some(body))
     }
 
+    /// Bytes buffered and not yet taken.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
     /// Move up to `out.len()` buffered bytes that are not a frame (the raw payload that
     /// follows a data header) into the front of `out`; returns how many.
     pub fn take_raw(&mut self, out: &mut [u8]) -> usize {

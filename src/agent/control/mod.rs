@@ -258,10 +258,13 @@ fn initiator_reader(
                     message,
                 }),
             ),
-            Ok(Some(Msg::ReadData { xfer, idx, at, len })) => match r.payload(len) {
-                Ok(data) => super::tcp::on_read_resp(shared, tx, peer, (xfer, idx, at), data),
-                Err(e) => break e,
-            },
+            Ok(Some(Msg::ReadData { xfer, idx, at, len })) => {
+                if let Err(e) =
+                    super::tcp::on_read_data(shared, tx, peer, (xfer, idx, at, len), &mut r)
+                {
+                    break e;
+                }
+            }
             #[cfg(feature = "verbs")]
             Ok(Some(Msg::QpOpened { endpoints })) => {
                 if let Some(v) = &shared.verbs {
@@ -406,8 +409,14 @@ fn target_loop(
                 offset,
                 len,
             } => {
-                let data = r.payload(len).map_err(|e| format!("from {from}: {e}"))?;
-                writes.chunk(shared, xfer, region, offset, data);
+                let e = |e: String| format!("from {from}: {e}");
+                if let Some(buf) = writes.in_place(shared, xfer, region, offset, len) {
+                    let copied = r.payload_into(len, &buf, offset as usize).map_err(e)?;
+                    shared.count_copy(copied);
+                } else {
+                    let data = r.payload(len).map_err(e)?;
+                    writes.chunk(shared, xfer, region, offset, data);
+                }
                 Ok(())
             }
             Msg::WriteEnd { xfer, notif } => send(w, &writes.end(shared, from, xfer, notif)),

@@ -100,6 +100,35 @@ pub(crate) fn send(w: &mut impl Write, m: &Msg) -> std::io::Result<()> {
     w.write_all(&f)
 }
 
+impl Reader<std::net::TcpStream> {
+    /// The `len` raw bytes that follow a data message's frame, straight into host memory
+    /// `dst` at `offset`: what was already read with the frame, then from the socket into
+    /// the buffer itself (`tcp_io`). Returns the bytes kvrail copied (those read with the
+    /// frame).
+    pub(crate) fn payload_into(
+        &mut self,
+        len: u32,
+        dst: &crate::mem::HostBuffer,
+        offset: usize,
+    ) -> Result<u64, String> {
+        let len = len as usize;
+        if len > CHUNK {
+            return Err(format!(
+                "protocol error: a data message of {len} bytes (at most {CHUNK})"
+            ));
+        }
+        let have = self.dec.buffered().min(len);
+        dst.with_mut(offset, have, |b| {
+            self.dec.take_raw(b);
+            Ok(())
+        })
+        .map_err(|e| e.to_string())?;
+        crate::agent::tcp_io::recv_into(&self.r, dst, offset + have, len - have)
+            .map_err(|e| format!("inside a data message: {e}"))?;
+        Ok(have as u64)
+    }
+}
+
 /// Write a data message: `header` (a `WriteData` or `ReadData` of `len` bytes), then the
 /// bytes `fill` puts in place — copied once, from registered memory into the buffer the
 /// socket sends from (`frame`, reused between chunks).
@@ -137,7 +166,8 @@ impl<R: Read> Reader<R> {
         Self {
             r,
             dec: FrameDecoder::new(MAX_FRAME),
-            buf: vec![0u8; 256 << 10],
+            // what is read ahead of a data message's payload is copied once: keep it small
+            buf: vec![0u8; 64 << 10],
             payload: Vec::new(),
         }
     }
