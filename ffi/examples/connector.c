@@ -120,7 +120,13 @@ int main(int argc, char **argv) {
     params[plen] = 0;
     if (!delay) { fprintf(stderr, "P did not keep the blocks\n"); return 1; }
 
-    /* D: admit with P's parameters, allocate, receive */
+    /* D: the request arrives (heartbeats start), is admitted with P's parameters,
+       allocated, received */
+    bool tracked = false, pending = false;
+    CHECK(kvrail_scheduler_on_new_request(d.s, "cmpl-c-0-d", 50, params, &tracked));
+    if (!tracked) { fprintf(stderr, "D does not heartbeat for a remote prefill\n"); return 1; }
+    CHECK(kvrail_scheduler_has_pending_push_work(p.s, &pending));
+    if (pending != (strcmp(mode, "push") == 0)) { fprintf(stderr, "P's pending push work: %d in %s\n", pending, mode); return 1; }
     uint64_t ext = 0;
     bool async = false;
     CHECK(kvrail_scheduler_get_num_new_matched_tokens(d.s, "cmpl-c-0-d", 50, params, 0, &ext, &async));
@@ -138,6 +144,8 @@ int main(int argc, char **argv) {
         nanosleep(&ts, NULL);
     }
     if (!(sent && recvd)) { fprintf(stderr, "no completion (sent %d, received %d)\n", sent, recvd); return 1; }
+    CHECK(kvrail_scheduler_has_pending_push_work(p.s, &pending));
+    if (pending) { fprintf(stderr, "P still has push work after D received\n"); return 1; }
     for (int l = 0; l < LAYERS; l++)
         for (int pl = 0; pl < 2; pl++)
             for (int b = 0; b < 4; b++) {

@@ -589,6 +589,30 @@ kvrail_result kvrail_scheduler_prefill_progress(const kvrail_scheduler *s,
                                                 uint64_t computed);
 
 /**
+ * A request entered the engine's scheduler (its waiting queue): a remote-prefill request
+ * starts its heartbeats now, so P keeps its blocks however long it waits.
+ * `*out_tracked` says whether it is tracked.
+ *
+ * # Safety
+ * `s` from [`kvrail_scheduler_new`]; strings NUL-terminated (`params_json` may be NULL);
+ * `out_tracked` writable.
+ */
+kvrail_result kvrail_scheduler_on_new_request(const kvrail_scheduler *s,
+                                              const char *request_id,
+                                              uint64_t prompt_tokens,
+                                              const char *params_json,
+                                              bool *out_tracked);
+
+/**
+ * Whether push work is under way (`*out_pending`): while it is, the engine keeps stepping
+ * so the workers and P's writer get their turn.
+ *
+ * # Safety
+ * `s` from [`kvrail_scheduler_new`]; `out_pending` writable.
+ */
+kvrail_result kvrail_scheduler_has_pending_push_work(const kvrail_scheduler *s, bool *out_pending);
+
+/**
  * Create a worker named `engine_id` (its agent's name): `agent_config_json` as for
  * `kvrail_agent_new` (NULL: defaults), the `kv_transfer_config` JSON, and the KV layout as
  * JSON `{"layers": [...], "num_blocks": N, "block_bytes": B, "planes": 2, "block_size":

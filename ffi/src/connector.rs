@@ -394,6 +394,61 @@ pub unsafe extern "C" fn kvrail_scheduler_prefill_progress(
     })
 }
 
+/// A request entered the engine's scheduler (its waiting queue): a remote-prefill request
+/// starts its heartbeats now, so P keeps its blocks however long it waits.
+/// `*out_tracked` says whether it is tracked.
+///
+/// # Safety
+/// `s` from [`kvrail_scheduler_new`]; strings NUL-terminated (`params_json` may be NULL);
+/// `out_tracked` writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrail_scheduler_on_new_request(
+    s: *const kvrail_scheduler,
+    request_id: *const c_char,
+    prompt_tokens: u64,
+    params_json: *const c_char,
+    out_tracked: *mut bool,
+) -> kvrail_result {
+    boundary(|| {
+        // SAFETY: the caller's promises.
+        let (h, req) = unsafe { (sched(s)?, request(request_id, prompt_tokens, params_json)?) };
+        if out_tracked.is_null() {
+            return Err(null("out_tracked"));
+        }
+        let t =
+            h.s.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .on_new_request(&req, Instant::now());
+        // SAFETY: checked non-NULL; writable by the caller's promise.
+        unsafe { put(out_tracked, t, "out_tracked") }
+    })
+}
+
+/// Whether push work is under way (`*out_pending`): while it is, the engine keeps stepping
+/// so the workers and P's writer get their turn.
+///
+/// # Safety
+/// `s` from [`kvrail_scheduler_new`]; `out_pending` writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrail_scheduler_has_pending_push_work(
+    s: *const kvrail_scheduler,
+    out_pending: *mut bool,
+) -> kvrail_result {
+    boundary(|| {
+        // SAFETY: the caller's promise.
+        let h = unsafe { sched(s) }?;
+        if out_pending.is_null() {
+            return Err(null("out_pending"));
+        }
+        let p =
+            h.s.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .has_pending_push_work();
+        // SAFETY: checked non-NULL; writable by the caller's promise.
+        unsafe { put(out_pending, p, "out_pending") }
+    })
+}
+
 /// Create a worker named `engine_id` (its agent's name): `agent_config_json` as for
 /// `kvrail_agent_new` (NULL: defaults), the `kv_transfer_config` JSON, and the KV layout as
 /// JSON `{"layers": [...], "num_blocks": N, "block_bytes": B, "planes": 2, "block_size":

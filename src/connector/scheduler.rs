@@ -77,21 +77,16 @@ impl Scheduler {
         self.cfg.role != KvRole::Consumer
     }
 
-    /// Tokens the connector will load for `req` beyond `num_computed`, and whether they load
-    /// asynchronously. A remote-prefill request starts its heartbeats here: it may wait in the
-    /// queue far longer than a lease.
-    pub fn get_num_new_matched_tokens(
-        &mut self,
-        req: &EngineRequest,
-        num_computed: u64,
-        now: Instant,
-    ) -> (u64, bool) {
+    /// A request entered the engine's scheduler (its waiting queue). A remote-prefill
+    /// request starts its heartbeats here (seed 003): it may wait in the queue far longer
+    /// than a lease, and P must keep its blocks meanwhile. Returns whether it is tracked.
+    pub fn on_new_request(&mut self, req: &EngineRequest, now: Instant) -> bool {
         let Some(p) = req
             .params
             .as_ref()
             .filter(|p| p.do_remote_prefill && self.consumes())
         else {
-            return (0, false);
+            return false;
         };
         let ports = (0..p.p_tp()).map(|k| p.rank_port(k)).collect();
         self.engines.insert(
@@ -104,7 +99,35 @@ impl Scheduler {
             &p.remote_request_id,
             now,
         );
+        true
+    }
+
+    /// Tokens the connector will load for `req` beyond `num_computed`, and whether they load
+    /// asynchronously. Tracks the request's heartbeats too, for an engine that has no
+    /// [`Scheduler::on_new_request`] hook.
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        req: &EngineRequest,
+        num_computed: u64,
+        now: Instant,
+    ) -> (u64, bool) {
+        if !self.on_new_request(req, now) {
+            return (0, false);
+        }
         (req.prompt_tokens.saturating_sub(num_computed), true)
+    }
+
+    /// Whether push work is under way (seed 000): P holds finished requests for D or has
+    /// blocks to announce, D waits for registrations to complete. While it is, the engine
+    /// keeps stepping so the workers (and P's writer) get their turn each step.
+    pub fn has_pending_push_work(&self) -> bool {
+        self.cfg.direction == Direction::Push
+            && (!self.sending.is_empty()
+                || !self.pending_send.is_empty()
+                || !self.pending_stream.is_empty()
+                || !self.pending_recv.is_empty()
+                || !self.watchdog.is_empty()
+                || !self.expired.is_empty())
     }
 
     /// Blocks were allocated for `req`; with external tokens to load, the workers receive
@@ -261,3 +284,6 @@ impl Scheduler {
         self.sending.len()
     }
 }
+
+#[cfg(test)]
+mod tests;

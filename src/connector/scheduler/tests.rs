@@ -1,0 +1,90 @@
+use super::*;
+
+fn sched(dir: &str, role: &str) -> Scheduler {
+    let cfg = KvTransferConfig::from_json(&format!(
+        r#"{{"kv_connector":"Kvrail{dir}Connector","kv_role":"{role}"}}"#
+    ))
+    .unwrap();
+    Scheduler::new(cfg, "engine", "127.0.0.1:7000".parse().unwrap(), 1)
+}
+
+fn remote_prefill(id: &str) -> EngineRequest {
+    EngineRequest {
+        request_id: id.into(),
+        prompt_tokens: 100,
+        params: Some(KvTransferParams {
+            do_remote_decode: false,
+            do_remote_prefill: true,
+            remote_engine_id: "prefill".into(),
+            remote_host: "127.0.0.1".into(),
+            remote_port: 7001,
+            remote_block_ids: vec![1, 2, 3, 4, 5, 6, 7],
+            remote_request_id: format!("p-{id}"),
+            tp_size: 1,
+            remote_ports: vec![],
+        }),
+    }
+}
+
+#[test]
+fn heartbeats_start_when_the_request_arrives() {
+    let mut d = sched("Pull", "kv_consumer");
+    let t0 = Instant::now();
+    assert!(d.on_new_request(&remote_prefill("r1"), t0));
+    assert_eq!(
+        d.heartbeating(),
+        1,
+        "tracked from arrival, before any scheduling"
+    );
+    // the first heartbeat for P goes with the next metadata, though r1 was never scheduled
+    let m = d.build_connector_meta(t0);
+    assert_eq!(m.heartbeats.len(), 1);
+    assert_eq!(m.heartbeats[0].engine, "prefill");
+    // a request without remote prefill is not tracked; neither is anything on a producer
+    let mut plain = remote_prefill("r2");
+    plain.params = None;
+    assert!(!d.on_new_request(&plain, t0));
+    assert!(!sched("Pull", "kv_producer").on_new_request(&remote_prefill("r3"), t0));
+    // the request finishing stops them
+    d.request_finished(&remote_prefill("r1"), &[]);
+    assert_eq!(d.heartbeating(), 0);
+}
+
+#[test]
+fn pending_push_work_keeps_the_engine_stepping() {
+    let t0 = Instant::now();
+    // P: a finished request waits for D until the workers report it sent
+    let mut p = sched("Push", "kv_producer");
+    assert!(!p.has_pending_push_work());
+    let mut req = remote_prefill("r1");
+    if let Some(x) = req.params.as_mut() {
+        x.do_remote_prefill = false;
+        x.do_remote_decode = true;
+    }
+    let (delay, params) = p.request_finished(&req, &[1, 2]);
+    assert!(delay && params.is_some());
+    assert!(p.has_pending_push_work());
+    let _ = p.build_connector_meta(t0);
+    assert!(p.has_pending_push_work(), "still held for D");
+    p.update_connector_output(&Finished {
+        sending: vec!["r1".into()],
+        ..Finished::default()
+    });
+    assert!(!p.has_pending_push_work());
+    // D: a registration waits for its completion
+    let mut d = sched("Push", "kv_consumer");
+    let r = remote_prefill("r2");
+    d.update_state_after_alloc(&r, vec![4, 5], 100, t0);
+    assert!(d.has_pending_push_work());
+    let _ = d.build_connector_meta(t0);
+    assert!(d.has_pending_push_work(), "the watchdog runs");
+    d.update_connector_output(&Finished {
+        recving: vec!["r2".into()],
+        ..Finished::default()
+    });
+    assert!(!d.has_pending_push_work());
+    // pull has no push work
+    let mut pull = sched("Pull", "kv_producer");
+    pull.request_finished(&req, &[1]);
+    assert!(!pull.has_pending_push_work());
+}
