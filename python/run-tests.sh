@@ -1,11 +1,14 @@
 #!/bin/bash
 # python/run-tests.sh — the Python package's tests, the way CI runs them:
 #   1. `pip install ./python` into a venv (target/py; maturin builds the native module),
-#      then pytest python/tests (the agent, kvrail.nixl, the NIXL-API program on kvrail);
+#      then pytest python/tests (the agent, kvrail.nixl, the NIXL-API program on kvrail,
+#      kvrail.vllm through the engine harness in every mode, the fake model against
+#      kvrail-demo's);
 #   2. the same NIXL-API program against the real NIXL from PyPI (nixl-cu12, its UCX
 #      backend over TCP on loopback), in its own venv (target/nixl-venv; numpy only, no
 #      torch or CUDA wheels);
-#   3. with LAB=1 (inside the Soft-RoCE lab): the program against kvrail.nixl on verbs.
+#   3. with LAB=1 (inside the Soft-RoCE lab): the program against kvrail.nixl on verbs, and
+#      the engine harness (kvrail.vllm, P and D processes) in pull, push and push_stream.
 # Needs python3 with venv (Debian: python3-venv) and PyPI. ~1 min warm, ~4 min fresh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -22,6 +25,13 @@ if [ "${LAB:-0}" = 1 ]; then
     echo "$out" | grep -q "kvrail backend verbs" || { echo "not on verbs"; exit 1; }
     echo "$out" | grep -q "payload bytes copied 0$" || { echo "kvrail copied payload on verbs"; exit 1; }
     echo "=== NIXL-API program on kvrail.nixl over verbs: passed"
+    for m in "pull --memory host" "push --memory host" "push_stream --memory npu"; do
+        out=$(KVRAIL_AGENT_CONFIG='{"backend":"verbs"}' "$VENV/bin/python" python/tests/engine_harness.py --mode $m --requests 4 2>&1) || {
+            echo "$out"; echo "engine harness ($m) on verbs: FAILED"; exit 1; }
+        echo "$out" | head -1
+        echo "$out" | grep -q "on verbs, D on verbs" || { echo "$out"; echo "not on verbs"; exit 1; }
+        echo "$out" | tail -1
+    done
     exit 0
 fi
 

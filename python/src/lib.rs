@@ -6,6 +6,7 @@
 //! Unsafe code here is PyO3 glue only: registering memory at an address Python hands over.
 
 mod agent;
+mod connector;
 mod errors;
 mod raw;
 
@@ -17,5 +18,7 @@ fn _kvrail(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::add(m)?;
     m.add_class::<agent::Agent>()?;
+    m.add_class::<connector::Scheduler>()?;
+    m.add_class::<connector::Worker>()?;
     Ok(())
 }

@@ -79,6 +79,7 @@ const EXTRA: &[&str] = &[
     "chunk_mode",
     "chunk_tokens",
     "max_num_batched_tokens",
+    "kvrail_agent_config",
     "swa_window_mode",
     "push_stream",
     "stripe_width",
@@ -231,6 +232,16 @@ impl KvTransferConfig {
         .unwrap_or(ttl);
         let chunk_mode = boolean(extra, "chunk_mode", &x("chunk_mode"), false)?;
         let chunk_tokens = count(extra, "chunk_tokens", &x("chunk_tokens"), true)?;
+        // the Python connector's agent settings (listen, backend, devices, …): an object,
+        // read by the package, which checks its keys
+        if let Some(v) = extra.get("kvrail_agent_config") {
+            if !v.is_object() {
+                return Err(err(
+                    &x("kvrail_agent_config"),
+                    format!("{v} is not a JSON object of agent keys"),
+                ));
+            }
+        }
         let step = count(
             extra,
             "max_num_batched_tokens",

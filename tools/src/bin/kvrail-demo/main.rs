@@ -108,6 +108,21 @@ enum Sub {
         #[arg(long)]
         devices: String,
     },
+    /// Write the fake model's KV of one prompt to a file: for every layer, plane (K, V) and
+    /// block of the prompt, the block's bytes in the HND layout (8 KV heads x 128, fp16),
+    /// zeros after the prompt's end. Other implementations of the model (the Python engine
+    /// harness) compare theirs with it byte for byte.
+    FakeKv {
+        /// The prompt's seed (its token ids are `tokens(seed, n)`).
+        #[arg(long)]
+        seed: u64,
+        /// Prompt length in tokens.
+        #[arg(long)]
+        tokens: u64,
+        /// Where to write the bytes.
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
 }
 
 fn shape(a: &Args) -> model::Shape {
@@ -437,6 +452,24 @@ fn kill_p(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
 
 fn main() {
     let a = Args::parse();
+    if let Some(Sub::FakeKv { seed, tokens, out }) = &a.instance {
+        let s = shape(&a);
+        let toks = model::tokens(*seed, *tokens);
+        let blocks = (*tokens as usize).div_ceil(s.block_size);
+        let mut bytes = Vec::new();
+        for layer in 0..s.layers {
+            for plane in 0..2 {
+                for bi in 0..blocks {
+                    bytes.extend(model::block(&s, &toks, layer, plane, bi));
+                }
+            }
+        }
+        if let Err(e) = std::fs::write(out, &bytes) {
+            eprintln!("{}: {e}", out.display());
+            std::process::exit(1);
+        }
+        return;
+    }
     if let Some(Sub::Instance {
         name,
         kv_config,

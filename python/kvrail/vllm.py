@@ -1,0 +1,511 @@
+"""A vLLM KV connector (``KVConnectorBase_V1``) on kvrail: prefill (P) and decode (D)
+instances move KV-cache blocks over RDMA verbs or TCP, pull (D READs) or push (P WRITEs),
+with leases P renews on D's heartbeats.
+
+vLLM loads it by module path::
+
+    --kv-transfer-config '{"kv_connector": "KvrailConnector",
+                           "kv_connector_module_path": "kvrail.vllm",
+                           "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+                           "kv_connector_extra_config": {"kv_lease_duration": 30}}'
+
+``kv_connector`` names the direction: ``KvrailConnector`` or ``KvrailPullConnector`` (pull),
+``KvrailPushConnector`` (push). vLLM's own ``kv_transfer_config`` keys are accepted; an
+unknown key raises :class:`kvrail.ConfigError` naming it. ``kv_connector_extra_config`` takes
+kvrail's keys (``kv_lease_duration``, ``decoder_kv_blocks_ttl``,
+``push_registration_timeout``, ``chunk_mode``, ``chunk_tokens``, ``swa_window_mode``,
+``push_stream``, ``stripe_width``, ``link_down_exit_s``, ``enforce_handshake_compat``) and
+``kvrail_agent_config``: the worker agent's keys (``listen``, ``side_channel_host``,
+``backend``, ``devices``, …; see :func:`kvrail.Agent`).
+
+When ``vllm`` is importable the class subclasses vLLM's ``KVConnectorBase_V1``. Otherwise it
+works against the structural protocol below, so an engine (or a test harness) drives it
+without vLLM:
+
+* ``vllm_config`` has ``kv_transfer_config`` (a dict or an object with the keys as
+  attributes) and optionally ``parallel_config.tensor_parallel_size``,
+  ``scheduler_config.max_num_batched_tokens``, ``cache_config.block_size`` and
+  ``model_config.model``/``dtype``; a worker's TP rank is ``vllm_config.tp_rank`` (else
+  vLLM's, else 0).
+* a request has ``request_id``, ``num_prompt_tokens`` (or ``prompt_token_ids``) and
+  ``kv_transfer_params`` (a dict or None);
+* ``blocks`` in ``update_state_after_alloc`` is a list of block ids, or has
+  ``get_block_ids()`` returning one list per KV-cache group (vLLM's ``KVCacheBlocks``);
+* ``scheduler_output`` may have ``scheduled_new_reqs`` (``req_id``, ``block_ids``,
+  ``num_computed_tokens``) and ``scheduled_cached_reqs`` (``req_ids``, ``new_block_ids``,
+  ``num_computed_tokens``) — used only by ``push_stream``;
+* ``connector_output`` has ``finished_sending`` and ``finished_recving`` (sets or None);
+* ``kv_caches`` maps layer names to tensors (``data_ptr()``) or numpy arrays shaped
+  ``[2, num_blocks, kv_heads, block_size, head_size]`` (the HND layout this connector asks
+  for). Layers laid out back to back in one allocation are registered as one pooled region.
+  The memory is registered in place — kvrail never copies it on RDMA.
+
+The call order per engine step follows vLLM: scheduler ``on_new_request`` →
+``get_num_new_matched_tokens`` → ``update_state_after_alloc`` → ``build_connector_meta``;
+worker ``bind_connector_metadata`` → ``start_load_kv`` → (``wait_for_layer_load`` /
+``save_kv_layer`` per layer) → ``wait_for_save`` → ``get_finished`` →
+``clear_connector_metadata``; scheduler ``update_connector_output``, and
+``request_finished`` when a request ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from . import _kvrail
+from ._memory import buffer_span
+
+logger = logging.getLogger("kvrail.vllm")
+
+try:  # vLLM's base classes when vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        KVConnectorBase_V1 as _Base,
+        KVConnectorHandshakeMetadata as _HandshakeBase,
+        KVConnectorMetadata as _MetaBase,
+        KVConnectorRole,
+    )
+
+    HAVE_VLLM = True
+except Exception:  # pragma: no cover - exercised where vLLM is absent
+    HAVE_VLLM = False
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        """Where a connector instance runs (vLLM's enum, when vLLM is absent)."""
+
+        SCHEDULER = 0
+        WORKER = 1
+
+    class _MetaBase:  # type: ignore[no-redef]
+        """Scheduler -> worker metadata (vLLM's ``KVConnectorMetadata``)."""
+
+    class _HandshakeBase:  # type: ignore[no-redef]
+        """Worker handshake metadata (vLLM's ``KVConnectorHandshakeMetadata``)."""
+
+    class _Base:  # type: ignore[no-redef]
+        """The structural protocol of vLLM's ``KVConnectorBase_V1`` (see the module doc)."""
+
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self):
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self):
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+
+@dataclass
+class KvrailConnectorMetadata(_MetaBase):
+    """This step's instructions for the workers (kvrail's msgpack, opaque)."""
+
+    data: bytes = b""
+
+
+@dataclass
+class KvrailHandshakeMetadata(_HandshakeBase):
+    """A worker's side channel: where D (or P's writer) finds this TP rank."""
+
+    tp_rank: int = 0
+    agent: str = ""
+    host: str = ""
+    port: int = 0
+
+
+@dataclass
+class KvrailConnectorStats:
+    """Counters since the last call (vLLM's ``KVConnectorStats`` shape: ``data``)."""
+
+    data: Dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def aggregate(self, other: "KvrailConnectorStats") -> "KvrailConnectorStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> Dict[str, Any]:
+        return dict(self.data)
+
+
+# vLLM's own kv_transfer_config keys (accepted, passed on; kvrail reads what it needs)
+_VLLM_KEYS = (
+    "kv_connector",
+    "engine_id",
+    "kv_buffer_device",
+    "kv_buffer_size",
+    "kv_role",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_connector_extra_config",
+    "kv_connector_module_path",
+    "kv_load_failure_policy",
+    "enable_permute_local_kv",
+)
+
+
+def _config_dict(kv_transfer_config: Any) -> Dict[str, Any]:
+    """``kv_transfer_config`` as a dict: a dict as is, else the attributes vLLM sets."""
+    if kv_transfer_config is None:
+        raise _kvrail.ConfigError("kv_transfer_config: required by a KV connector")
+    if isinstance(kv_transfer_config, dict):
+        d = dict(kv_transfer_config)
+    else:
+        d = {k: getattr(kv_transfer_config, k) for k in _VLLM_KEYS if getattr(kv_transfer_config, k, None) is not None}
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _attr(obj: Any, path: str, default: Any = None) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return default
+    return obj
+
+
+def _prompt_tokens(request: Any) -> int:
+    n = getattr(request, "num_prompt_tokens", None)
+    if n is None:
+        n = len(getattr(request, "prompt_token_ids", None) or [])
+    return int(n)
+
+
+def _params(request: Any) -> Optional[str]:
+    p = getattr(request, "kv_transfer_params", None)
+    return json.dumps(p) if p else None
+
+
+def _block_list(blocks: Any) -> List[int]:
+    if blocks is None:
+        return []
+    if hasattr(blocks, "get_block_ids"):
+        groups = blocks.get_block_ids()
+        return [int(b) for b in (groups[0] if groups else [])]
+    if blocks and isinstance(blocks, tuple) and isinstance(blocks[0], (list, tuple)):
+        return [int(b) for b in blocks[0]]
+    return [int(b) for b in blocks]
+
+
+class KvrailConnector(_Base):
+    """kvrail's KV connector for vLLM (both roles; see the module doc)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        self._vllm_config = vllm_config
+        cfg = _config_dict(getattr(vllm_config, "kv_transfer_config", None))
+        cfg.setdefault("kv_connector", type(self).__name__)
+        extra = dict(cfg.get("kv_connector_extra_config") or {})
+        step = _attr(vllm_config, "scheduler_config.max_num_batched_tokens")
+        if step and "max_num_batched_tokens" not in extra:
+            extra["max_num_batched_tokens"] = int(step)
+        cfg["kv_connector_extra_config"] = extra
+        self._cfg_json = json.dumps(cfg)
+        # parsed now: a bad key fails the engine's start, naming the key
+        _kvrail.Scheduler(self._cfg_json, "check", "127.0.0.1:1", 1)
+        self._agent_cfg: Dict[str, Any] = dict(extra.get("kvrail_agent_config") or {})
+        if HAVE_VLLM:
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:
+            _Base.__init__(self, vllm_config, role, kv_cache_config)
+        model = _attr(vllm_config, "model_config.model")
+        dtype = _attr(vllm_config, "model_config.dtype")
+        if model is not None:
+            self._agent_cfg.setdefault("model", str(model))
+        if dtype is not None:
+            self._agent_cfg.setdefault("dtype", str(dtype))
+        self._engine_id = str(cfg.get("engine_id") or os.environ.get("KVRAIL_ENGINE_ID") or "kvrail-engine")
+        self._tp_size = int(_attr(vllm_config, "parallel_config.tensor_parallel_size", 1) or 1)
+        self._role_name = getattr(role, "name", str(role))
+        self._sched: Optional[_kvrail.Scheduler] = None
+        self._worker: Optional[_kvrail.Worker] = None
+        self._reqs: Dict[str, Tuple[int, Optional[str], List[int], int]] = {}
+        self._recv_blocks: Dict[str, List[int]] = {}
+        self._load_errors: Set[int] = set()
+        self._stats_prev: Dict[str, int] = {}
+        self._tp_rank = int(getattr(vllm_config, "tp_rank", -1))
+        if self._tp_rank < 0:
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore
+
+                self._tp_rank = int(get_tensor_model_parallel_rank())
+            except Exception:
+                self._tp_rank = 0
+        logger.info("kvrail connector %s (%s) for engine %s", type(self).__name__, self._role_name, self._engine_id)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
+        """kvrail moves blocks laid out ``[head][token][head bytes]``."""
+        return "HND"
+
+    # ==== scheduler side ================================================================
+
+    def set_xfer_handshake_metadata(self, metadata: Dict[int, KvrailHandshakeMetadata]) -> None:
+        """The workers' side channels: rank 0's goes to D in the transfer parameters, every
+        rank's port for TP above 1."""
+        if not metadata:
+            return
+        r0 = metadata.get(0) or metadata[min(metadata)]
+        self._sched = _kvrail.Scheduler(self._cfg_json, self._engine_id, f"{r0.host}:{r0.port}", self._tp_size)
+        if len(metadata) > 1:
+            self._sched.set_rank_ports([int(metadata[k].port) for k in sorted(metadata)])
+
+    def _scheduler(self) -> Optional[_kvrail.Scheduler]:
+        if self._sched is None:
+            addr = os.environ.get("KVRAIL_SIDE_CHANNEL")
+            if addr:
+                self._sched = _kvrail.Scheduler(self._cfg_json, self._engine_id, addr, self._tp_size)
+        return self._sched
+
+    def on_new_request(self, request: Any) -> None:
+        """A request entered the scheduler: a remote prefill's heartbeats start now."""
+        s = self._scheduler()
+        rid, n, p = request.request_id, _prompt_tokens(request), _params(request)
+        self._reqs[rid] = (n, p, [], 0)
+        if s is not None:
+            s.on_new_request(rid, n, p)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """(tokens to load from P beyond ``num_computed_tokens``, asynchronously). None until
+        the workers' side channels are known (vLLM asks again later)."""
+        s = self._scheduler()
+        if s is None:
+            return (None, False) if _params(request) else (0, False)
+        n, a = s.get_num_new_matched_tokens(request.request_id, _prompt_tokens(request), _params(request), int(num_computed_tokens))
+        return int(n), bool(a) and n > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        s = self._scheduler()
+        rid, n, p = request.request_id, _prompt_tokens(request), _params(request)
+        ids = _block_list(blocks)
+        old = self._reqs.get(rid, (n, p, [], 0))
+        self._reqs[rid] = (n, p, old[2] + [b for b in ids if b not in old[2]], old[3])
+        if s is not None:
+            s.update_state_after_alloc(rid, n, p, ids, int(num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output: Any = None) -> KvrailConnectorMetadata:
+        s = self._scheduler()
+        if s is None:
+            return KvrailConnectorMetadata(b"")
+        self._stream_progress(s, scheduler_output)
+        return KvrailConnectorMetadata(bytes(s.build_connector_meta()))
+
+    def _stream_progress(self, s: _kvrail.Scheduler, out: Any) -> None:
+        """push_stream: the prompt tokens whose KV earlier steps computed (best effort from
+        vLLM's scheduler output)."""
+        if out is None:
+            return
+        for r in getattr(out, "scheduled_new_reqs", None) or []:
+            self._progress(s, r.req_id, _block_list(getattr(r, "block_ids", None)), int(getattr(r, "num_computed_tokens", 0)))
+        c = getattr(out, "scheduled_cached_reqs", None)
+        if c is not None:
+            for i, rid in enumerate(getattr(c, "req_ids", []) or []):
+                new = getattr(c, "new_block_ids", None)
+                ids = _block_list(new[i]) if new and new[i] is not None else []
+                self._progress(s, rid, ids, int(c.num_computed_tokens[i]))
+
+    def _progress(self, s: _kvrail.Scheduler, rid: str, new_ids: List[int], computed: int) -> None:
+        if rid not in self._reqs:
+            return
+        n, p, ids, _ = self._reqs[rid]
+        ids = ids + [b for b in new_ids if b not in ids]
+        self._reqs[rid] = (n, p, ids, computed)
+        if computed > 0:
+            s.prefill_progress(rid, n, p, ids, computed)
+
+    def prefill_progress(self, request: Any, block_ids: Sequence[int], computed_tokens: int) -> None:
+        """(kvrail) P with push_stream: ``computed_tokens`` of the prompt are in the cache."""
+        s = self._scheduler()
+        if s is not None:
+            s.prefill_progress(request.request_id, _prompt_tokens(request), _params(request), [int(b) for b in block_ids], int(computed_tokens))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        s = self._scheduler()
+        if s is None:
+            return
+        sending = sorted(getattr(connector_output, "finished_sending", None) or [])
+        recving = sorted(getattr(connector_output, "finished_recving", None) or [])
+        s.update_connector_output(list(sending), list(recving), [])
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """P: the blocks stay allocated (True) under a lease until D has them; the returned
+        parameters go to D through the proxy."""
+        self._reqs.pop(request.request_id, None)
+        s = self._scheduler()
+        if s is None:
+            return False, None
+        delay, p = s.request_finished(request.request_id, _prompt_tokens(request), _params(request), [int(b) for b in block_ids])
+        return bool(delay), (json.loads(p) if p else None)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Tuple[List[int], ...]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """The hybrid allocator's form: every group's blocks; kvrail's layers share the first
+        group's block ids."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def has_pending_push_work(self) -> bool:
+        s = self._scheduler()
+        return bool(s is not None and s.has_pending_push_work())
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def get_finished_count(self) -> Optional[int]:
+        return None
+
+    # ==== worker side ===================================================================
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        """The engine's own KV caches, registered in place (no copy); layers back to back in
+        one allocation become one pooled region."""
+        if not kv_caches:
+            raise _kvrail.MisuseError("kv_caches: empty")
+        names = list(kv_caches)
+        first = kv_caches[names[0]]
+        shape = tuple(int(x) for x in first.shape)
+        if len(shape) < 3 or shape[0] != 2:
+            raise _kvrail.MisuseError(f"kv_caches[{names[0]!r}]: shape {shape}; expected [2, num_blocks, kv_heads, block_size, head_size] (HND)")
+        spans = {n: buffer_span(kv_caches[n]) for n in names}
+        layer_len = spans[names[0]][1]
+        for n in names:
+            if tuple(int(x) for x in kv_caches[n].shape) != shape or spans[n][1] != layer_len:
+                raise _kvrail.MisuseError(f"kv_caches[{n!r}]: every layer must have the shape {shape}")
+        elem = layer_len // _prod(shape)
+        block_size = int(shape[3]) if len(shape) >= 5 else int(_attr(self._vllm_config, "cache_config.block_size", 16))
+        layout = {
+            "layers": names,
+            "num_blocks": shape[1],
+            "block_bytes": _prod(shape[2:]) * elem,
+            "planes": 2,
+            "block_size": block_size,
+            "kv_heads": int(shape[2]) if len(shape) >= 5 else 1,
+        }
+        caches = []
+        order = sorted(names, key=lambda n: spans[n][0])
+        run: List[str] = []
+        for n in order + [None]:
+            if n is not None and run and spans[n][0] == spans[run[-1]][0] + layer_len and spans[n][2] == spans[run[0]][2]:
+                run.append(n)
+                continue
+            if run:
+                a, _, kind, dev = spans[run[0]]
+                if len(run) == 1:
+                    caches.append((a, layer_len, kind, dev, run, None, layer_len))
+                else:
+                    caches.append((a, layer_len * len(run), kind, dev, run, [i * layer_len for i in range(len(run))], layer_len))
+            run = [n] if n is not None else []
+        self._kv_caches = dict(kv_caches)  # the engine's tensors stay referenced while registered
+        agent = dict(self._agent_cfg)
+        agent.setdefault("listen", "0.0.0.0:0")
+        self._worker = _kvrail.Worker(
+            self._engine_id, json.dumps(agent), self._cfg_json, json.dumps(layout), self._tp_rank, self._tp_size, caches
+        )
+        logger.info("kvrail worker %s: %d layers in %d registrations on %s", self._worker.name, len(names), len(caches), self._worker.backend)
+
+    def get_handshake_metadata(self) -> Optional[KvrailHandshakeMetadata]:
+        if self._worker is None:
+            return None
+        host, port = self._worker.side_channel_addr.rsplit(":", 1)
+        if host in ("0.0.0.0", "::"):
+            host = str(self._agent_cfg.get("side_channel_host", "127.0.0.1"))
+        return KvrailHandshakeMetadata(self._tp_rank, self._worker.name, host, int(port))
+
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if meta.data:
+            for rid, ids in self._worker.start_load_kv(meta.data):
+                self._recv_blocks[rid] = [int(b) for b in ids]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: Optional[Set[str]] = None) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """(requests P finished sending, requests D finished receiving — failed ones too,
+        whose blocks ``get_block_ids_with_load_errors`` then names)."""
+        if self._worker is None:
+            return None, None
+        sending, recving, failed = self._worker.get_finished()
+        for rid in failed:
+            self._load_errors.update(self._recv_blocks.get(rid, []))
+            logger.warning("kvrail: request %s failed to load its KV", rid)
+        for rid in list(recving) + list(failed):
+            self._recv_blocks.pop(rid, None)
+        done = set(recving) | set(failed)
+        return (set(sending) or None), (done or None)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        e, self._load_errors = self._load_errors, set()
+        return e
+
+    def get_kv_connector_stats(self) -> Optional[KvrailConnectorStats]:
+        if self._worker is None:
+            return None
+        now = {"bytes_posted": self._worker.bytes_posted(), "push_dropped": self._worker.push_dropped(), "malformed": self._worker.malformed()}
+        delta = {k: v - self._stats_prev.get(k, 0) for k, v in now.items()}
+        self._stats_prev = now
+        delta["leased"] = self._worker.leased()
+        return KvrailConnectorStats(delta)
+
+    def shutdown(self) -> None:
+        self._worker = None
+        self._kv_caches = {}
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+class KvrailPullConnector(KvrailConnector):
+    """Pull: D READs P's blocks (``kv_connector: KvrailPullConnector``)."""
+
+
+class KvrailPushConnector(KvrailConnector):
+    """Push: P WRITEs into D's registered blocks (``kv_connector: KvrailPushConnector``)."""
+
+
+__all__ = [
+    "HAVE_VLLM",
+    "KVConnectorRole",
+    "KvrailConnector",
+    "KvrailConnectorMetadata",
+    "KvrailConnectorStats",
+    "KvrailHandshakeMetadata",
+    "KvrailPullConnector",
+    "KvrailPushConnector",
+]
