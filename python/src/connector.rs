@@ -241,6 +241,7 @@ impl Worker {
     /// the engine's caches registered in place (empty: kvrail allocates them).
     #[new]
     #[pyo3(signature = (engine_id, agent_config_json, kv_transfer_config, layout_json, tp_rank, tp_size, caches))]
+    #[allow(clippy::too_many_arguments)] // the constructor's arguments, as in the C ABI
     fn new(
         py: Python<'_>,
         engine_id: &str,
