@@ -506,6 +506,7 @@ impl SilentPeer {
                 block_size: 16,
                 layers: vec![],
                 requires_layers: false,
+                physical_per_logical: 1,
             },
             backend: BackendKind::Tcp,
             side_channel: self.addr.to_string(),

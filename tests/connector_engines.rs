@@ -50,6 +50,7 @@ fn layout(tp: u32, num_blocks: u64, window: Option<u64>) -> KvLayout {
             .map(|w| (layer_name(SWA_LAYER), w))
             .into_iter()
             .collect(),
+        physical_per_logical: 1,
     }
 }
 

@@ -28,6 +28,7 @@ fn producer(exit_s: u64) -> Worker {
         block_size: 16,
         kv_heads: 1,
         sliding_windows: Default::default(),
+        physical_per_logical: 1,
     };
     let ac = agent_config(&cfg, &l, lab::agent_config(true));
     let agent = Arc::new(Agent::new("prefill-links", ac).unwrap());

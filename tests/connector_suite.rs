@@ -29,6 +29,7 @@ fn layout() -> KvLayout {
         block_size: 16,
         kv_heads: 2,
         sliding_windows: Default::default(),
+        physical_per_logical: 1,
     }
 }
 
@@ -111,13 +112,25 @@ impl Engine {
         b
     }
 
+    /// Logical blocks for `tokens` (a logical block is `physical_per_logical` blocks of 16
+    /// tokens), and the physical blocks they are.
+    fn logical(&mut self, tokens: u64) -> (Vec<u64>, Vec<u64>) {
+        let r = self.worker.layout().physical_per_logical;
+        let blocks = self.alloc(tokens.div_ceil(16 * r) as usize);
+        let phys = blocks
+            .iter()
+            .flat_map(|&b| (0..r).map(move |i| b * r + i))
+            .collect();
+        (blocks, phys)
+    }
+
     /// Prefill: compute the KV of `tokens` into fresh blocks; finish the request.
     fn prefill(&mut self, id: &str, seed: u64, tokens: u64) -> KvTransferParams {
         let l = self.worker.layout().clone();
-        let blocks = self.alloc(tokens.div_ceil(16) as usize);
+        let (blocks, phys) = self.logical(tokens);
         for li in 0..l.layers.len() {
             for p in 0..l.planes {
-                for (bi, b) in blocks.iter().enumerate() {
+                for (bi, b) in phys.iter().enumerate() {
                     let data = kv(seed, layer_no(&l.layers[li]), p, bi, l.block_bytes as usize);
                     let own = self.own.as_ref();
                     cache::write(own, &self.worker, li, l.offset(p, *b), &data);
@@ -146,26 +159,33 @@ impl Engine {
         };
         let (n, load_async) = self.sched.get_num_new_matched_tokens(&req, 0, now);
         assert_eq!((n, load_async), (tokens, true));
-        let blocks = self.alloc(tokens.div_ceil(16) as usize);
+        let blocks = self.logical(tokens).0;
         self.sched
             .update_state_after_alloc(&req, blocks.clone(), n, now);
         blocks
     }
 
     fn check(&self, seed: u64, blocks: &[u64]) {
-        self.check_layers(seed, blocks, &self.worker.layout().layers.clone());
+        self.check_layers(seed, blocks, &self.worker.layout().layers.clone(), None);
     }
 
     /// The KV of `layers` is in `blocks`; every other layer's blocks are still zero.
-    fn check_layers(&self, seed: u64, blocks: &[u64], layers: &[String]) {
+    fn check_layers(&self, seed: u64, blocks: &[u64], layers: &[String], tokens: Option<u64>) {
         let l = self.worker.layout().clone();
+        let r = l.physical_per_logical;
+        let phys: Vec<u64> = blocks
+            .iter()
+            .flat_map(|&b| (0..r).map(move |i| b * r + i))
+            .collect();
         for (li, name) in l.layers.iter().enumerate() {
             for p in 0..l.planes {
-                for (bi, b) in blocks.iter().enumerate() {
+                for (bi, b) in phys.iter().enumerate() {
                     let mut got = vec![0u8; l.block_bytes as usize];
                     let own = self.own.as_ref();
                     cache::read(own, &self.worker, li, l.offset(p, *b), &mut got);
-                    let want = if layers.contains(name) {
+                    // a logical block may end past the prompt: those physical blocks stay zero
+                    let in_prompt = tokens.is_none_or(|t| (bi as u64) < t.div_ceil(16));
+                    let want = if layers.contains(name) && in_prompt {
                         kv(seed, layer_no(name), p, bi, got.len())
                     } else {
                         vec![0; got.len()]
@@ -208,7 +228,7 @@ fn move_six_requests(mut p: Engine, mut d: Engine) {
     let mut d_blocks = Vec::new();
     for (id, seed, tokens) in &reqs {
         let params = p.prefill(id, *seed, *tokens);
-        assert_eq!(params.remote_engine_id, "prefill-engine");
+        assert_eq!(params.remote_engine_id, p.worker.agent().name());
         let blocks = d.admit(&format!("{id}-d"), *tokens, params, now);
         d_blocks.push(blocks);
     }
@@ -220,8 +240,9 @@ fn move_six_requests(mut p: Engine, mut d: Engine) {
         recvd.extend(fd.recving.iter().cloned());
         sent.len() == 6 && recvd.len() == 6
     });
-    for ((_, seed, _), blocks) in reqs.iter().zip(&d_blocks) {
-        d.check(*seed, blocks);
+    for ((_, seed, tokens), blocks) in reqs.iter().zip(&d_blocks) {
+        let layers = d.worker.layout().layers.clone();
+        d.check_layers(*seed, blocks, &layers, Some(*tokens));
     }
     assert_eq!(p.sched.held(), 0, "P freed every request on completion");
     assert_eq!(p.worker.leased(), 0);
@@ -490,7 +511,7 @@ fn pipeline_parallel_producer_routes_by_layer_name() {
         got |= fd.recving == vec!["r-d".to_string()];
         got
     });
-    d.check_layers(5, &blocks, &p.worker.layout().layers.clone());
+    d.check_layers(5, &blocks, &p.worker.layout().layers.clone(), None);
 
     // a stage with a layer the decode instance does not have
     let mut p = engine_with(
@@ -686,4 +707,40 @@ fn unmatched_push_registration_expires_after_the_configured_timeout() {
         "dropped early: {after:?}"
     );
     assert_eq!(p.worker.push_dropped(), 1);
+}
+
+/// Engines whose scheduler names logical blocks of two physical ones: each side expands
+/// its own ids, and the peer's by the ratio the peer told in the handshake — P with 2 and D
+/// with 1, then the other way round, pull and push; every KV byte checked on D.
+#[test]
+fn logical_blocks_expand_by_each_sides_ratio() {
+    let ratio = |r: u64| KvLayout {
+        physical_per_logical: r,
+        num_blocks: 200,
+        ..layout()
+    };
+    for dir in ["Pull", "Push"] {
+        for (rp, rd) in [(2, 1), (1, 2)] {
+            let p = engine_with(
+                &format!("prefill-r{rp}"),
+                &cfg(dir, "kv_producer", 30),
+                false,
+                ratio(rp),
+            );
+            let d = engine_with(
+                &format!("decode-r{rd}"),
+                &cfg(dir, "kv_consumer", 30),
+                true,
+                ratio(rd),
+            );
+            let theirs = d
+                .worker
+                .agent()
+                .load_remote(p.worker.agent().side_channel_addr())
+                .unwrap();
+            let told = d.worker.agent().remote_metadata(&theirs).unwrap();
+            assert_eq!(u64::from(told.handshake.physical_per_logical), rp);
+            move_six_requests(p, d);
+        }
+    }
 }

@@ -41,6 +41,8 @@ pub struct AgentConfig {
     /// Refuse a peer that lacks one of `layers` (a pipeline-parallel producer routing by
     /// layer name); false only advertises them (a consumer holding every layer).
     pub require_layers: bool,
+    /// Physical KV blocks per logical block, told to peers in the handshake (1: the same).
+    pub physical_per_logical: u32,
     /// The accelerator's NUMA node for rail selection (-1: any).
     pub numa: i32,
     /// Use only these RDMA devices as rails (empty: every usable one).
@@ -72,6 +74,7 @@ impl Default for AgentConfig {
             block_size: 16,
             layers: Vec::new(),
             require_layers: true,
+            physical_per_logical: 1,
             numa: -1,
             devices: Vec::new(),
             sysfs_root: None,

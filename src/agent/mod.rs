@@ -247,6 +247,7 @@ impl Agent {
             block_size: config.block_size,
             layers: config.layers.clone(),
             requires_layers: config.require_layers && !config.layers.is_empty(),
+            physical_per_logical: config.physical_per_logical.max(1),
         };
         let shared = Arc::new(Shared {
             name: name.to_owned(),

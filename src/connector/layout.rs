@@ -30,6 +30,18 @@ pub struct KvLayout {
     /// window of these layers moves.
     #[serde(default)]
     pub sliding_windows: BTreeMap<String, u64>,
+    /// Physical blocks (of `block_size` tokens, what `num_blocks` counts) per logical block
+    /// (what the engine's scheduler names): logical id `l` is physical `l*r .. l*r + r`.
+    #[serde(default = "one")]
+    pub physical_per_logical: u64,
+}
+
+/// Logical block ids as physical ones, `r` per logical block.
+pub(crate) fn physical(ids: &[u64], r: u64) -> Vec<u64> {
+    let r = r.max(1);
+    ids.iter()
+        .flat_map(|&l| (0..r).map(move |i| l * r + i))
+        .collect()
 }
 
 fn one() -> u64 {
@@ -289,6 +301,7 @@ mod tests {
             block_size: 16,
             kv_heads: heads,
             sliding_windows: [("swa1".to_owned(), 4)].into(),
+            physical_per_logical: 1,
         }
     }
 

@@ -45,6 +45,7 @@ pub fn agent_config(
     a.stripe_width = cfg.stripe_width;
     a.enforce_handshake_compat = cfg.enforce_handshake_compat;
     a.layers = layout.layers.clone();
+    a.physical_per_logical = u32::try_from(layout.physical_per_logical.max(1)).unwrap_or(u32::MAX);
     a.require_layers = cfg.role != config::KvRole::Consumer;
     a
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::caches::KvCaches;
 use super::config::KvTransferConfig;
-use super::layout::{peer_kv, KvLayout, LayerAt, Select};
+use super::layout::{peer_kv, physical, KvLayout, LayerAt, Select};
 use super::linkwatch::{exit_process, LinkDownAction, LinkMonitor};
 use super::meta::{ConnectorMetadata, Finished, RecvReq};
 use super::tp::{head_slices, rank_agent_name, HeadSlice};
@@ -303,18 +303,21 @@ impl Worker {
 
     /// This step's work from the scheduler (call once per step).
     pub fn start_load_kv(&mut self, meta: &ConnectorMetadata, now: Instant) {
+        // the scheduler names logical blocks; the writer WRITEs physical ones
+        let own = self.layout.physical_per_logical;
         if let Some(w) = &self.writer {
             // push_stream: blocks earlier prefill steps closed (their KV is in the cache)
             let bs = u64::from(self.layout.block_size.max(1));
             for s in &meta.reqs_streaming {
-                let closed = ((s.computed.min(s.tokens) / bs) as usize).min(s.block_ids.len());
-                w.stream(&s.request_id, s.block_ids[..closed].to_vec(), s.tokens);
+                let ids = physical(&s.block_ids, own);
+                let closed = ((s.computed.min(s.tokens) / bs) as usize).min(ids.len());
+                w.stream(&s.request_id, ids[..closed].to_vec(), s.tokens);
             }
         }
         for s in &meta.reqs_to_send {
             self.leases.pin(&s.request_id, s.block_ids.clone(), now);
             if let Some(w) = &self.writer {
-                w.finished(&s.request_id, s.block_ids.clone(), s.tokens);
+                w.finished(&s.request_id, physical(&s.block_ids, own), s.tokens);
             }
         }
         for r in &meta.reqs_to_recv {
@@ -489,7 +492,15 @@ impl Worker {
         peer_heads: u64,
     ) -> Result<XferId, String> {
         let p = &r.params;
-        let remote_blocks = self.layout.prompt_blocks(&p.remote_block_ids, r.tokens);
+        // both lists are logical: each side's blocks as physical ones, by its own ratio
+        // (P's from its handshake)
+        let p_ratio = self
+            .agent
+            .remote_metadata(peer)
+            .map_or(1, |m| u64::from(m.handshake.physical_per_logical));
+        let remote_ids = physical(&p.remote_block_ids, p_ratio);
+        let local_ids = physical(&r.local_block_ids, self.layout.physical_per_logical);
+        let remote_blocks = self.layout.prompt_blocks(&remote_ids, r.tokens);
         let bs = u64::from(self.layout.block_size.max(1));
         let short = if r.tokens > 0 {
             (remote_blocks.len() as u64) < r.tokens.div_ceil(bs)
@@ -499,13 +510,13 @@ impl Worker {
         if short {
             return Err(format!(
                 "P names {} blocks for a {}-token prompt ({} local blocks)",
-                p.remote_block_ids.len(),
+                remote_ids.len(),
                 r.tokens,
-                r.local_block_ids.len()
+                local_ids.len()
             ));
         }
         // D's blocks past the prompt (for tokens it will generate) take no part
-        let local = &r.local_block_ids[..r.local_block_ids.len().min(remote_blocks.len())];
+        let local = &local_ids[..local_ids.len().min(remote_blocks.len())];
         let pk = peer_kv(&self.agent, peer, &self.layout, peer_heads)?;
         let sel = Select {
             tokens: r.tokens,

@@ -260,6 +260,14 @@ impl Loop {
         }
     }
 
+    /// D engine `engine`'s physical blocks per logical one (from its handshake).
+    fn ratio(&self, engine: &str) -> u32 {
+        self.sh
+            .agent
+            .remote_metadata(engine)
+            .map_or(1, |m| m.handshake.physical_per_logical)
+    }
+
     fn event(&self, e: WriterEvent) {
         lock(&self.sh.events).push_back(e);
     }
@@ -358,9 +366,10 @@ impl Loop {
                     Ok(()) => i += 1,
                 }
             }
-            // P: WRITEs that waited for this D (the ratio: one physical block per logical)
+            // P: WRITEs that waited for this D, with its physical blocks per logical one
             if ok {
-                self.matcher.handshake_done(&engine, Ok(1));
+                let ratio = self.ratio(&engine);
+                self.matcher.handshake_done(&engine, Ok(ratio));
             } else {
                 let before = self.matcher.dropped;
                 self.matcher
@@ -441,7 +450,8 @@ impl Loop {
             match a {
                 PushAction::Handshake { engine, host, port } => {
                     if self.conns.get(&engine) == Some(&Conn::Up) {
-                        self.matcher.handshake_done(&engine, Ok(1));
+                        let ratio = self.ratio(&engine);
+                        self.matcher.handshake_done(&engine, Ok(ratio));
                     } else {
                         self.handshake(&engine, format!("{host}:{port}"));
                     }

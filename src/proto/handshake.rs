@@ -106,6 +106,14 @@ pub struct HandshakeInfo {
     /// be on the peer. A consumer advertises its layers without requiring the producer's.
     #[serde(default)]
     pub requires_layers: bool,
+    /// Physical KV blocks per logical block (the engine's scheduler names logical blocks;
+    /// a peer expands them: id `l` is physical blocks `l*r .. l*r + r`). 1 when absent.
+    #[serde(default = "one_block")]
+    pub physical_per_logical: u32,
+}
+
+fn one_block() -> u32 {
+    1
 }
 
 /// A refused handshake.
@@ -231,6 +239,7 @@ mod tests {
     fn info(c: &CompatInfo) -> HandshakeInfo {
         HandshakeInfo {
             requires_layers: true,
+            physical_per_logical: 1,
             agent: "prefill-0".into(),
             compat_hash: c.hash(),
             kv_layout: "HND".into(),

@@ -13,6 +13,7 @@ fn sample() -> AgentMetadata {
             block_size: 16,
             layers: vec!["model.layers.0".into()],
             requires_layers: true,
+            physical_per_logical: 1,
         },
         backend: BackendKind::Verbs,
         side_channel: "10.0.0.1:18515".into(),
@@ -58,6 +59,20 @@ fn golden_bytes() {
         .map(|b| format!("{b:02x}"))
         .collect();
     assert_eq!(hex, include_str!("golden_metadata.hex").trim());
+}
+
+/// Metadata from a build before the handshake told the physical blocks per logical one
+/// still loads, as a ratio of 1.
+#[test]
+fn metadata_without_the_block_ratio_reads_as_one() {
+    let hex = include_str!("golden_metadata_no_ratio.hex").trim();
+    let bytes: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    let m = AgentMetadata::decode(&bytes).unwrap();
+    assert_eq!(m.handshake.physical_per_logical, 1);
+    assert_eq!(m, sample());
 }
 
 #[test]

@@ -43,6 +43,7 @@ fn meta(regions: &[(u32, u64)]) -> AgentMetadata {
             block_size: 16,
             layers: vec![],
             requires_layers: false,
+            physical_per_logical: 1,
         },
         backend: BackendKind::Tcp,
         side_channel: "127.0.0.1:1".into(),
