@@ -681,6 +681,10 @@ fn unmatched_push_registration_expires_after_the_configured_timeout() {
         .agent()
         .send_notif(&peer, reg(vec![]).encode())
         .unwrap();
+    // one for another P engine (D's proxy mixed them up): refused, not matched
+    let mut other = reg(vec![1, 2]);
+    other.remote_engine_id = "prefill-elsewhere".into();
+    d.worker.agent().send_notif(&peer, other.encode()).unwrap();
     d.worker
         .agent()
         .send_notif(&peer, reg(vec![1, 2]).encode())
@@ -689,14 +693,17 @@ fn unmatched_push_registration_expires_after_the_configured_timeout() {
     let mut seen = (false, None);
     while t0.elapsed() < Duration::from_secs(30) {
         p.step(Instant::now());
-        seen.0 |= p.worker.malformed > 0;
+        seen.0 |= p.worker.malformed >= 2;
         if p.worker.push_dropped() > 0 {
             seen.1 = Some(t0.elapsed());
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(seen.0, "the registration without blocks was not refused");
+    assert!(
+        seen.0,
+        "the registrations without blocks and for another engine were not both refused"
+    );
     let after = seen.1.expect("the unmatched registration never expired");
     println!(
         "    unmatched registration dropped after {:.2} s (timeout 1 s)",
@@ -743,4 +750,17 @@ fn logical_blocks_expand_by_each_sides_ratio() {
             move_six_requests(p, d);
         }
     }
+}
+
+/// `engine_id` in the config is what peers look the engine's ranks up by: a worker whose
+/// agent carries another name is refused, naming the key.
+#[test]
+fn engine_id_must_name_the_workers_agent() {
+    let json =
+        r#"{"kv_connector":"KvrailPullConnector","kv_role":"kv_producer","engine_id":"prefill-a"}"#;
+    let Err(e) = engine_cache("prefill-b", json, false, layout(), Cache::Agent) else {
+        panic!("a worker named prefill-b under engine_id prefill-a was accepted")
+    };
+    assert!(e.to_string().starts_with("engine_id: "), "{e}");
+    assert!(engine_cache("prefill-a", json, false, layout(), Cache::Agent).is_ok());
 }

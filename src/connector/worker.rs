@@ -80,7 +80,7 @@ pub struct Worker {
     read_bytes: u64,
     /// `link_down_exit_s`: the monitor of this worker's local links.
     links: Option<LinkMonitor>,
-    /// Notifications that did not parse (dropped).
+    /// Notifications dropped: they did not parse, or a `PUSH_REG` named another engine.
     pub malformed: u64,
 }
 
@@ -137,6 +137,17 @@ impl Worker {
             return Err(AgentError::Unsupported(format!(
                 "tp rank {tp_rank} is not below tp size {tp_size}"
             )));
+        }
+        // peers find this rank by the engine id: the agent must carry it
+        if let Some(id) = &cfg.engine_id {
+            let want = rank_agent_name(id, tp_rank);
+            if agent.name() != want {
+                return Err(AgentError::Unsupported(format!(
+                    "engine_id: kv_transfer_config says {id:?}, so TP rank {tp_rank}'s agent \
+                     must be named {want:?}, not {:?}",
+                    agent.name()
+                )));
+            }
         }
         let access = match cfg.direction {
             Direction::Pull => RemoteAccess::READ,
@@ -579,6 +590,7 @@ impl Worker {
         for ev in events.into_iter().flatten() {
             match ev {
                 WriterEvent::Unparsed(m) => self.handle_msg(&m, now),
+                WriterEvent::Refused => self.malformed += 1,
                 WriterEvent::Pushed(id, d_tp) => {
                     // a WRITE and its completion are done: P frees once every D rank that
                     // takes its heads has been written

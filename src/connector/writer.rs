@@ -30,6 +30,8 @@ pub(crate) enum WriterEvent {
     Pushed(String, u32),
     /// D: the handshake with P or the `PUSH_REG` send failed.
     RegistrationFailed(String, String),
+    /// P: a well-formed `PUSH_REG` that is not for this engine (dropped; counted malformed).
+    Refused,
 }
 
 #[derive(Default)]
@@ -435,9 +437,25 @@ impl Loop {
                 self.settle(&k);
             }
         }
-        for (_, m) in self.sh.regs.get_new() {
+        for (from, m) in self.sh.regs.get_new() {
             match KvMsg::decode(&m) {
-                Ok(KvMsg::PushReg(r)) => self.matcher.on_registration(r, now),
+                // the registration names the P engine it is for: this one, at this rank
+                Ok(KvMsg::PushReg(r))
+                    if rank_agent_name(&r.remote_engine_id, self.sh.tp.0)
+                        == self.sh.agent.name() =>
+                {
+                    self.matcher.on_registration(r, now);
+                }
+                Ok(KvMsg::PushReg(r)) => {
+                    tracing::warn!(
+                        peer = %from,
+                        request = %r.request_id,
+                        "PUSH_REG for engine {:?} reached {}: refused",
+                        r.remote_engine_id,
+                        self.sh.agent.name()
+                    );
+                    self.event(WriterEvent::Refused);
+                }
                 _ => self.event(WriterEvent::Unparsed(m)),
             }
         }

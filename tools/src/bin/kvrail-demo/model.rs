@@ -36,6 +36,7 @@ impl Shape {
                         .collect()
                 })
                 .unwrap_or_default(),
+            physical_per_logical: 1,
         }
     }
 
