@@ -299,7 +299,8 @@ def main():
         t.start()
         bench_initiator(c2, a.impl, sizes, a.inflight, a.secs)
         t.join(30)
-        return 0
+        sys.stdout.flush()
+        os._exit(0)  # NIXL 1.5.1's agent crashes in its destructor at interpreter exit
     t = ctx.Process(target=target, args=(c1, a.impl))
     t.start()
     try:

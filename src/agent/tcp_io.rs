@@ -1,7 +1,8 @@
 //! Bytes between a socket and host memory with no copy of kvrail's own: the kernel reads
 //! from or writes into the registered buffer itself. The buffer's lock (which serializes CPU
 //! access to it) is held only for a non-blocking `send`/`recv` of what the socket can take
-//! or has: never while waiting, so a peer that stalls cannot block the engine's own access,
+//! or has (tried first; `poll` only after the socket said it would block): never while
+//! waiting, so a peer that stalls cannot block the engine's own access,
 //! and a transfer from a buffer into itself over the loopback cannot deadlock.
 
 use std::io;
@@ -43,8 +44,11 @@ pub(crate) fn recv_into(
 ) -> io::Result<()> {
     let fd = sock.as_raw_fd();
     let mut at = 0;
+    let mut ready = true; // try first; wait only when the socket had nothing
     while at < len {
-        wait(sock, PollFlags::POLLIN)?;
+        if !ready {
+            wait(sock, PollFlags::POLLIN)?;
+        }
         let got = dst
             .with_mut(offset + at, len - at, |b| {
                 Ok(recv(fd, b, MsgFlags::MSG_DONTWAIT))
@@ -52,8 +56,12 @@ pub(crate) fn recv_into(
             .map_err(mem)?;
         match got {
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => at += n,
-            Err(Errno::EAGAIN | Errno::EINTR) => {}
+            Ok(n) => {
+                at += n;
+                ready = true;
+            }
+            Err(Errno::EAGAIN) => ready = false,
+            Err(Errno::EINTR) => {}
             Err(e) => return Err(e.into()),
         }
     }
@@ -72,16 +80,23 @@ pub(crate) fn send_from(
 ) -> io::Result<()> {
     let fd = sock.as_raw_fd();
     let mut at = 0;
+    let mut ready = true;
     while at < len {
-        wait(sock, PollFlags::POLLOUT)?;
+        if !ready {
+            wait(sock, PollFlags::POLLOUT)?;
+        }
         let sent = src
             .with_mut(offset + at, len - at, |b| {
                 Ok(send(fd, b, MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL))
             })
             .map_err(mem)?;
         match sent {
-            Ok(n) => at += n,
-            Err(Errno::EAGAIN | Errno::EINTR) => {}
+            Ok(n) => {
+                at += n;
+                ready = true;
+            }
+            Err(Errno::EAGAIN) => ready = false,
+            Err(Errno::EINTR) => {}
             Err(e) => return Err(e.into()),
         }
     }
