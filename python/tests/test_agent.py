@@ -120,3 +120,17 @@ def test_nixl_memory_objects_and_bad_input():
         a.deregister_memory(reg)
     with pytest.raises(kvrail.ConfigError, match="bogus"):
         nixl.nixl_agent("bad", nixl.nixl_agent_config(kvrail_config={"bogus": 1}))
+
+
+def test_stubs_name_every_native_method():
+    import os
+    import re
+
+    stub = open(os.path.join(os.path.dirname(kvrail.__file__), "_kvrail.pyi")).read()
+    for cls in (kvrail._kvrail.Agent, kvrail._kvrail.Scheduler, kvrail._kvrail.Worker):
+        for name in dir(cls):
+            if not name.startswith("_"):
+                assert re.search(rf"def {name}\(", stub), f"{cls.__name__}.{name} is missing from _kvrail.pyi"
+    for exc in ("KvrailError", "MisuseError", "ConfigError", "PeerError", "PeerConnectionError",
+                "RdmaError", "MemoryRegionError", "UnavailableError", "DeadlineError"):
+        assert f"class {exc}(" in stub
