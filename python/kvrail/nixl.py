@@ -306,51 +306,12 @@ class nixl_agent:
     def get_reg_descs(self, descs, mem_type: Optional[str] = None) -> Optional[nixlRegDList]:
         """A registration list from 4-tuples (with ``mem_type``), an Nx3 array, a tensor or
         array or buffer, a list of those, or a nixlRegDList."""
-        if isinstance(descs, nixlRegDList):
-            return descs
-        if isinstance(descs, nixlXferDList):
-            logger.error("XferList type detected for registration, please use RegList")
-            return None
-        if _is_nx3(descs):
-            return nixlRegDList(_mem(mem_type), [(int(r[0]), int(r[1]), int(r[2]), "") for r in descs])
-        if isinstance(descs, (list, tuple)) and descs and isinstance(descs[0], tuple):
-            if mem_type is None:
-                logger.error("Please specify a mem type if not using Tensors")
-                return None
-            if len(descs[0]) != 4:
-                logger.error("4-tuple list needed for registration")
-                return None
-            return nixlRegDList(_mem(mem_type), descs)
-        objs = descs if isinstance(descs, (list, tuple)) else [descs]
-        spans = [buffer_span(o) for o in objs]
-        kinds = {s[2] for s in spans}
-        if len(kinds) != 1:
-            raise nixlInvalidParamError("descs: objects of different memory types")
-        return nixlRegDList(
-            _mem(mem_type, kinds.pop()), [(a, n, d, "") for a, n, _, d in spans], owners=objs
-        )
+        return _dlist(descs, mem_type, nixlRegDList, nixlXferDList)
 
     def get_xfer_descs(self, descs, mem_type: Optional[str] = None) -> Optional[nixlXferDList]:
         """A transfer list from 3-tuples (with ``mem_type``), an Nx3 array, a tensor or array
         or buffer, a list of those, or a nixlXferDList."""
-        if isinstance(descs, nixlXferDList):
-            return descs
-        if isinstance(descs, nixlRegDList):
-            logger.error("RegList type detected for transfer, please use XferList")
-            return None
-        if _is_nx3(descs):
-            return nixlXferDList(_mem(mem_type), [(int(r[0]), int(r[1]), int(r[2])) for r in descs])
-        if isinstance(descs, (list, tuple)) and descs and isinstance(descs[0], tuple):
-            if mem_type is None:
-                logger.error("Please specify a mem type if not using Tensors")
-                return None
-            if len(descs[0]) != 3:
-                logger.error("3-tuple list needed for transfer")
-                return None
-            return nixlXferDList(_mem(mem_type), descs)
-        objs = descs if isinstance(descs, (list, tuple)) else [descs]
-        spans = [buffer_span(o) for o in objs]
-        return nixlXferDList(_mem(mem_type, spans[0][2]), [(a, n, d) for a, n, _, d in spans])
+        return _dlist(descs, mem_type, nixlXferDList, nixlRegDList)
 
     def register_memory(self, reg_list, mem_type: Optional[str] = None, backends: Sequence[str] = ()) -> nixlRegDList:
         """Register memory in place (kvrail never copies it on RDMA); returns the list for
@@ -595,6 +556,38 @@ class nixl_agent:
 
     def deserialize_descs(self, serialized_descs: bytes):
         return pickle.loads(serialized_descs)
+
+
+def _dlist(descs, mem_type, cls, other):
+    """``descs`` as a ``cls`` list (nixlRegDList: 4-tuples, nixlXferDList: 3-tuples), or None
+    with NIXL's log line for what NIXL also refuses that way."""
+    reg = cls is nixlRegDList
+    if isinstance(descs, cls):
+        return descs
+    if isinstance(descs, other):
+        logger.error("%s type detected, please use %s", other.__name__, cls.__name__)
+        return None
+    if _is_nx3(descs):
+        rows = [(int(r[0]), int(r[1]), int(r[2])) for r in descs]
+        return cls(_mem(mem_type), [r + ("",) for r in rows] if reg else rows)
+    if isinstance(descs, (list, tuple)) and descs and isinstance(descs[0], tuple):
+        width = 4 if reg else 3
+        if mem_type is None:
+            logger.error("Please specify a mem type if not using Tensors")
+            return None
+        if len(descs[0]) != width:
+            logger.error("%d-tuple list needed for %s", width, "registration" if reg else "transfer")
+            return None
+        return cls(_mem(mem_type), descs)
+    objs = descs if isinstance(descs, (list, tuple)) else [descs]
+    spans = [buffer_span(o) for o in objs]
+    kinds = {s[2] for s in spans}
+    if len(kinds) != 1:
+        raise nixlInvalidParamError("descs: objects of different memory types")
+    kind = _mem(mem_type, kinds.pop())
+    if reg:
+        return nixlRegDList(kind, [(a, n, d, "") for a, n, _, d in spans], owners=objs)
+    return nixlXferDList(kind, [(a, n, d) for a, n, _, d in spans])
 
 
 def _is_nx3(descs: Any) -> bool:

@@ -31,6 +31,39 @@ fn mem(e: MemError) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, e.to_string())
 }
 
+/// Move `len` bytes between `sock` and `buf` at `offset` with `io` (a non-blocking `send` or
+/// `recv` on the bytes left), waiting for `ready_for` only after the socket said it would
+/// block; `io` moving nothing is `zero`.
+fn pump(
+    sock: &TcpStream,
+    buf: &HostBuffer,
+    (offset, len): (usize, usize),
+    (ready_for, zero): (PollFlags, io::ErrorKind),
+    mut io: impl FnMut(&mut [u8]) -> nix::Result<usize>,
+) -> io::Result<()> {
+    let mut at = 0;
+    let mut ready = true; // try first; wait only when the socket could not
+    while at < len {
+        if !ready {
+            wait(sock, ready_for)?;
+        }
+        let moved = buf
+            .with_mut(offset + at, len - at, |b| Ok(io(b)))
+            .map_err(mem)?;
+        match moved {
+            Ok(0) => return Err(zero.into()),
+            Ok(n) => {
+                at += n;
+                ready = true;
+            }
+            Err(Errno::EAGAIN) => ready = false,
+            Err(Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 /// Receive exactly `len` bytes from `sock` into `dst` at `offset`.
 ///
 /// # Errors
@@ -43,29 +76,10 @@ pub(crate) fn recv_into(
     len: usize,
 ) -> io::Result<()> {
     let fd = sock.as_raw_fd();
-    let mut at = 0;
-    let mut ready = true; // try first; wait only when the socket had nothing
-    while at < len {
-        if !ready {
-            wait(sock, PollFlags::POLLIN)?;
-        }
-        let got = dst
-            .with_mut(offset + at, len - at, |b| {
-                Ok(recv(fd, b, MsgFlags::MSG_DONTWAIT))
-            })
-            .map_err(mem)?;
-        match got {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => {
-                at += n;
-                ready = true;
-            }
-            Err(Errno::EAGAIN) => ready = false,
-            Err(Errno::EINTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
+    let ready = (PollFlags::POLLIN, io::ErrorKind::UnexpectedEof);
+    pump(sock, dst, (offset, len), ready, |b| {
+        recv(fd, b, MsgFlags::MSG_DONTWAIT)
+    })
 }
 
 /// Send `len` bytes of `src` at `offset` on `sock`.
@@ -79,28 +93,10 @@ pub(crate) fn send_from(
     len: usize,
 ) -> io::Result<()> {
     let fd = sock.as_raw_fd();
-    let mut at = 0;
-    let mut ready = true;
-    while at < len {
-        if !ready {
-            wait(sock, PollFlags::POLLOUT)?;
-        }
-        let sent = src
-            .with_mut(offset + at, len - at, |b| {
-                Ok(send(fd, b, MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL))
-            })
-            .map_err(mem)?;
-        match sent {
-            Ok(n) => {
-                at += n;
-                ready = true;
-            }
-            Err(Errno::EAGAIN) => ready = false,
-            Err(Errno::EINTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
+    let ready = (PollFlags::POLLOUT, io::ErrorKind::WriteZero);
+    pump(sock, src, (offset, len), ready, |b| {
+        send(fd, b, MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL)
+    })
 }
 
 #[cfg(test)]
