@@ -3,8 +3,11 @@
 processes, each driving the connector in both roles the way vLLM's scheduler and model
 runner do (seed 002's call order), with numpy arrays as the paged KV caches (one pooled
 allocation per engine, a view per layer) and kvrail-demo's fake model computing the KV.
-The parent is the proxy: it sends each request to P, hands P's ``kv_transfer_params`` to
-D, and D checks every KV byte attention reads against the model.
+The parent is the proxy: in pull mode it sends each request to P and hands P's
+``kv_transfer_params`` to D; in push modes it sends both legs at once (D registers while P
+prefills, so push_stream's blocks go to D as prefill steps close them — the harness reports
+the bytes written before each prompt ended). D checks every KV byte attention reads against
+the model.
 
     engine_harness.py --mode pull|push|push_stream [--memory host|npu] [--requests N] [--kill-d]
 
@@ -252,7 +255,8 @@ def _compute(e, r, upto):
 
 def prefill_main(conn, mode, lease, memory):
     e = Engine("prefill-py", "kv_producer", mode, lease, memory)
-    conn.send(("ready", e.worker._worker.backend))
+    hs = e.worker.get_handshake_metadata()
+    conn.send(("ready", e.worker._worker.backend, hs.host, hs.port))
     held = {}  # request id -> (blocks, finished at)
     pending = []
     while True:
@@ -267,7 +271,8 @@ def prefill_main(conn, mode, lease, memory):
             e.sched.get_num_new_matched_tokens(req, 0)
             blocks = e.alloc(n)
             e.sched.update_state_after_alloc(req, blocks, 0)
-            e.reqs[rid] = {"req": req, "blocks": blocks, "computed": 0, "seed": seed, "new": True}
+            e.reqs[rid] = {"req": req, "blocks": blocks, "computed": 0, "seed": seed, "new": True,
+                           "posted": e.worker._worker.bytes_posted()}
             pending.append(rid)
         # the scheduler output of this step (what earlier steps computed), then the forward
         new, cached = [], SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
@@ -285,24 +290,28 @@ def prefill_main(conn, mode, lease, memory):
             _compute(e, r, min(r["computed"] + STEP_TOKENS, r["req"].num_prompt_tokens))
             if r["computed"] == r["req"].num_prompt_tokens:
                 pending.remove(rid)
+                # push_stream: what P already WROTE to D while the prompt was being computed
+                streamed = e.worker._worker.bytes_posted() - r["posted"]
                 delay, params = e.sched.request_finished(r["req"], r["blocks"])
                 if not delay or not params:
                     conn.send(("error", rid, f"P did not hold the blocks ({delay}, {params})"))
                 held[rid] = (r["blocks"], time.time())
-                conn.send(("prefilled", rid, params))
+                conn.send(("prefilled", rid, params, streamed))
         for rid in sending:
             blocks, t = held.pop(rid)
             e.free.extend(blocks)
             conn.send(("freed", rid, time.time() - t))
         if not e.sched.has_pending_push_work() and not pending and not held:
             time.sleep(0.002)
+        elif pending and mode == "push_stream":
+            time.sleep(0.01)  # a forward takes time: D's registration arrives mid-prefill
         else:
             time.sleep(0.0005)
 
 
 def decode_main(conn, mode, lease, memory):
     e = Engine("decode-py", "kv_consumer", mode, lease, memory)
-    conn.send(("ready", e.worker._worker.backend))
+    conn.send(("ready", e.worker._worker.backend, None, None))
     waiting = {}
     while True:
         while conn.poll():
@@ -367,14 +376,14 @@ def run(mode, requests, kill_d, lease, memory):
     D.start()
     failures = 0
     try:
-        pb = _expect(pp, ["ready"])[1]
+        _, pb, p_host, p_port = _expect(pp, ["ready"])
         db = _expect(dp, ["ready"])[1]
         print(f"harness: {mode}, {memory} memory, P on {pb}, D on {db}; {LAYERS} layers x {KV_HEADS} KV heads x {HEAD_SIZE}, fp16, block size {BLOCK_SIZE}, prefill step {STEP_TOKENS} tokens", flush=True)
         rng = np.random.default_rng(11)
         if kill_d:
             n = 100
             pp.send(("prefill", "req-killed", 99, n))
-            _, rid, params = _expect(pp, ["prefilled"])
+            _, rid, params, _ = _expect(pp, ["prefilled"])
             dp.send(("decode", rid, 99, n, params))
             _expect(dp, ["admitted"])
             os.kill(D.pid, signal.SIGKILL)
@@ -386,23 +395,39 @@ def run(mode, requests, kill_d, lease, memory):
             ok = free == NUM_BLOCKS - 1 and held >= lease * 0.5
             print(f"P holds no blocks: {free == NUM_BLOCKS - 1}", flush=True)
             return 0 if ok else 1
+        streamed_total = 0
         for k in range(requests):
             n = int(rng.integers(20, 400))
             rid = f"req-{k}"
             pp.send(("prefill", rid, k + 1, n))
-            _, rid, params = _expect(pp, ["prefilled"])
-            dp.send(("decode", rid, k + 1, n, params))
-            _expect(dp, ["admitted"])
+            if mode == "pull":
+                # D needs P's blocks: the proxy waits for P's parameters
+                _, rid, params, streamed = _expect(pp, ["prefilled"])
+                dp.send(("decode", rid, k + 1, n, params))
+                _expect(dp, ["admitted"])
+            else:
+                # push: both legs at once, D registers while P prefills
+                early = {"do_remote_prefill": True, "remote_engine_id": "prefill-py", "remote_host": p_host,
+                         "remote_port": p_port, "remote_block_ids": [], "remote_request_id": rid, "tp_size": 1}
+                dp.send(("decode", rid, k + 1, n, early))
+                _expect(dp, ["admitted"])
+                _, rid, params, streamed = _expect(pp, ["prefilled"])
+            streamed_total += streamed
             _, rid, bad, dt = _expect(dp, ["received"])
             freed = _expect(pp, ["freed"])
             status = "byte-exact" if bad == 0 else f"{bad} WRONG bytes" if bad > 0 else "load error"
-            print(f"  {rid}: {n} tokens, {status}, received {dt * 1000:.1f} ms after admission; P freed it", flush=True)
+            also = f"; {streamed} bytes WRITTEN before the prompt ended" if mode == "push_stream" else ""
+            print(f"  {rid}: {n} tokens, {status}, received {dt * 1000:.1f} ms after admission; P freed it{also}", flush=True)
             failures += bad != 0
         pp.send(("quit",))
         dp.send(("quit",))
         pfree, dfree = _expect(pp, ["bye"])[1], _expect(dp, ["bye"])[1]
         leak = (NUM_BLOCKS - 1 - pfree) + (NUM_BLOCKS - 1 - dfree)
         print(f"harness {mode}: {requests - failures} of {requests} requests byte-exact; blocks leaked {leak}", flush=True)
+        if mode == "push_stream":
+            print(f"push_stream: {streamed_total} bytes went to D before their prompts ended", flush=True)
+            if streamed_total == 0:
+                return 1
         return 0 if failures == 0 and leak == 0 else 1
     finally:
         for proc in (P, D):
