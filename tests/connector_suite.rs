@@ -764,3 +764,115 @@ fn engine_id_must_name_the_workers_agent() {
     assert!(e.to_string().starts_with("engine_id: "), "{e}");
     assert!(engine_cache("prefill-a", json, false, layout(), Cache::Agent).is_ok());
 }
+
+/// Push: D aborts a request while its registration is out. P drops the registration and
+/// confirms; only then does D report the request (its blocks may be freed). P's prefill,
+/// finished afterwards, writes nothing into D's blocks. With no P to confirm, D gives the
+/// blocks back after `push_registration_timeout`.
+#[test]
+fn an_aborted_push_registration_is_withdrawn_before_d_frees_its_blocks() {
+    let json = |role: &str| {
+        format!(
+            r#"{{"kv_connector":"KvrailPushConnector","kv_role":"{role}","kv_buffer_device":"rbln",
+            "kv_connector_extra_config":{{"kv_lease_duration":2,"push_registration_timeout":3}}}}"#
+        )
+    };
+    let mut p = engine("prefill-abort", &json("kv_producer"), false);
+    let mut d = engine("decode-abort", &json("kv_consumer"), true);
+    let addr = p.worker.agent().side_channel_addr();
+    let params = KvTransferParams {
+        do_remote_prefill: true,
+        remote_engine_id: "prefill-abort".into(),
+        remote_host: addr.ip().to_string(),
+        remote_port: addr.port(),
+        remote_request_id: "cmpl-abort-0".into(),
+        tp_size: 1,
+        ..KvTransferParams::default()
+    };
+    let t0 = Instant::now();
+    let blocks = d.admit("cmpl-abort-0-d", 40, params.clone(), t0);
+    // the registration reaches P (P has not prefilled: it waits there, unmatched)
+    run(&mut p, &mut d, |_, _| {
+        t0.elapsed() > Duration::from_millis(300)
+    });
+    // the engine aborts the request: D keeps its blocks until P confirmed
+    let req = EngineRequest {
+        request_id: "cmpl-abort-0-d".into(),
+        prompt_tokens: 40,
+        params: Some(params),
+    };
+    let (delay, none) = d.sched.request_finished(&req, &blocks);
+    assert!(
+        delay && none.is_none(),
+        "D must hold the blocks until P confirmed"
+    );
+    assert!(d.sched.has_pending_push_work());
+    let mut freed = false;
+    run(&mut p, &mut d, |_, fd| {
+        assert!(
+            fd.recving.is_empty() && fd.failed_recving.is_empty(),
+            "{fd:?}"
+        );
+        freed |= fd.sending.contains(&"cmpl-abort-0-d".to_string());
+        freed
+    });
+    let confirmed = t0.elapsed();
+    println!(
+        "    withdrawal confirmed by P after {:.2} s",
+        confirmed.as_secs_f64()
+    );
+    // P's confirmation, not D's 3 s timeout, gave the blocks back
+    assert!(confirmed < Duration::from_secs(3), "{confirmed:?}");
+    assert!(!d.sched.has_pending_push_work());
+    // P's prefill of the same request now finishes: nothing may land in D's blocks
+    let _ = p.prefill("cmpl-abort-0", 7, 40);
+    let t1 = Instant::now();
+    run(&mut p, &mut d, |fp, fd| {
+        assert!(
+            fd.recving.is_empty(),
+            "D received a withdrawn request: {fd:?}"
+        );
+        // P gives its blocks back when the lease ends (no D will ever read them)
+        fp.sending.contains(&"cmpl-abort-0".to_string()) || t1.elapsed() > Duration::from_secs(20)
+    });
+    d.check_layers(7, &blocks, &[], None); // still all zeros
+                                           // a P that never got the registration (unreachable): nothing was sent, nothing can be
+                                           // written, the blocks come back at once
+    let mut d2 = engine("decode-abort-2", &json("kv_consumer"), true);
+    let dead = KvTransferParams {
+        do_remote_prefill: true,
+        remote_engine_id: "prefill-gone".into(),
+        remote_host: "127.0.0.1".into(),
+        remote_port: 1,
+        remote_request_id: "cmpl-gone-0".into(),
+        tp_size: 1,
+        ..KvTransferParams::default()
+    };
+    let t2 = Instant::now();
+    let b2 = d2.admit("cmpl-gone-0-d", 40, dead.clone(), t2);
+    let _ = d2.step(Instant::now());
+    let req2 = EngineRequest {
+        request_id: "cmpl-gone-0-d".into(),
+        prompt_tokens: 40,
+        params: Some(dead),
+    };
+    assert!(d2.sched.request_finished(&req2, &b2).0);
+    let mut back = None;
+    while t2.elapsed() < Duration::from_secs(30) {
+        let f = d2.step(Instant::now());
+        if f.sending.contains(&"cmpl-gone-0-d".to_string()) {
+            back = Some(t2.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let back = back.expect("the blocks never came back");
+    println!(
+        "    registration never sent: blocks back after {:.2} s",
+        back.as_secs_f64()
+    );
+    assert!(
+        back < Duration::from_secs(2),
+        "waited for a confirmation nobody owes"
+    );
+}

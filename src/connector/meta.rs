@@ -124,8 +124,13 @@ pub struct ConnectorMetadata {
     pub reqs_streaming: Vec<StreamReq>,
     /// D: heartbeats due.
     pub heartbeats: Vec<HeartbeatOut>,
-    /// D: registrations the watchdog dropped (stop re-sending them).
+    /// D: registrations the watchdog dropped (stop re-sending them; P is told to drop them).
     pub expired_registrations: Vec<String>,
+    /// D, push: requests the engine aborted while their registration was out: P is told to
+    /// drop it, and the workers report the request in `sending` once every P rank confirmed
+    /// (its blocks may be freed then).
+    #[serde(default)]
+    pub cancel_registrations: Vec<String>,
 }
 
 impl ConnectorMetadata {
@@ -149,13 +154,15 @@ impl ConnectorMetadata {
             && self.reqs_streaming.is_empty()
             && self.heartbeats.is_empty()
             && self.expired_registrations.is_empty()
+            && self.cancel_registrations.is_empty()
     }
 }
 
 /// What a worker's `get_finished` reports.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Finished {
-    /// P: requests whose blocks may be freed (completed or lease expired).
+    /// P: requests whose blocks may be freed (completed or lease expired). D (push):
+    /// aborted requests whose registration every P rank has dropped.
     pub sending: Vec<String>,
     /// D: requests whose KV arrived, every byte.
     pub recving: Vec<String>,

@@ -35,6 +35,10 @@ pub struct Scheduler {
     expired: Vec<String>,
     /// P: requests whose blocks wait for D (freed by `update_connector_output`).
     sending: HashSet<String>,
+    /// D, push: aborted requests whose registration is being withdrawn (their blocks wait
+    /// for every P rank's confirmation), and those to tell the workers about.
+    cancelling: HashSet<String>,
+    cancels: Vec<String>,
 }
 
 impl Scheduler {
@@ -60,6 +64,8 @@ impl Scheduler {
             watchdog: HashMap::new(),
             expired: Vec::new(),
             sending: HashSet::new(),
+            cancelling: HashSet::new(),
+            cancels: Vec::new(),
         }
     }
 
@@ -127,7 +133,8 @@ impl Scheduler {
                 || !self.pending_stream.is_empty()
                 || !self.pending_recv.is_empty()
                 || !self.watchdog.is_empty()
-                || !self.expired.is_empty())
+                || !self.expired.is_empty()
+                || !self.cancelling.is_empty())
     }
 
     /// Blocks were allocated for `req`; with external tokens to load, the workers receive
@@ -225,16 +232,33 @@ impl Scheduler {
             reqs_streaming: std::mem::take(&mut self.pending_stream),
             heartbeats,
             expired_registrations: std::mem::take(&mut self.expired),
+            cancel_registrations: std::mem::take(&mut self.cancels),
         }
     }
 
     /// `req` finished on this engine. On P (`do_remote_decode`) its blocks stay allocated
-    /// (`true`) under a lease for D, and the returned parameters go to the proxy for D.
+    /// (`true`) under a lease for D, and the returned parameters go to the proxy for D. On D
+    /// in push mode, a request aborted while its registration is out keeps its blocks too
+    /// (`true`): P is told to drop the registration, and the workers report the request in
+    /// `sending` once every P rank confirmed that nothing of it will be written any more.
     pub fn request_finished(
         &mut self,
         req: &EngineRequest,
         block_ids: &[u64],
     ) -> (bool, Option<KvTransferParams>) {
+        if self.cfg.direction == Direction::Push && self.consumes() {
+            let id = &req.request_id;
+            if let Some(i) = self.pending_recv.iter().position(|r| &r.request_id == id) {
+                // never reached the workers: nothing was registered
+                self.pending_recv.remove(i);
+                self.watchdog.remove(id);
+            } else if self.watchdog.remove(id).is_some() {
+                self.hb.untrack(id);
+                self.cancelling.insert(id.clone());
+                self.cancels.push(id.clone());
+                return (true, None);
+            }
+        }
         self.hb.untrack(&req.request_id);
         self.watchdog.remove(&req.request_id);
         self.streamed.remove(&req.request_id);
@@ -267,6 +291,7 @@ impl Scheduler {
     pub fn update_connector_output(&mut self, f: &Finished) {
         for id in &f.sending {
             self.sending.remove(id);
+            self.cancelling.remove(id);
         }
         for id in f.recving.iter().chain(&f.failed_recving) {
             self.hb.untrack(id);

@@ -80,6 +80,9 @@ pub struct Worker {
     read_bytes: u64,
     /// `link_down_exit_s`: the monitor of this worker's local links.
     links: Option<LinkMonitor>,
+    /// D, push: aborted requests whose registration is being withdrawn, with the time after
+    /// which their blocks are given back unconfirmed (P unreachable).
+    cancels: HashMap<String, Instant>,
     /// Notifications dropped: they did not parse, or a `PUSH_REG` named another engine.
     pub malformed: u64,
 }
@@ -196,6 +199,7 @@ impl Worker {
             chunk,
             read_bytes: 0,
             links: None,
+            cancels: HashMap::new(),
             malformed: 0,
         };
         w.watch_links(SysfsRoot::system(), Duration::from_secs(1), exit_process());
@@ -365,10 +369,22 @@ impl Worker {
             }
         }
         for id in &meta.expired_registrations {
-            // the scheduler's watchdog gave up: no longer watched, no longer re-sent
+            // the scheduler's watchdog gave up: no longer watched, no longer re-sent, and P
+            // is told to drop it
             self.receiver.forget(id);
             if let Some(w) = &self.writer {
-                w.forget_registration(id);
+                w.cancel(id, false);
+            }
+        }
+        for id in &meta.cancel_registrations {
+            // the engine aborted it: its blocks are given back once P confirmed
+            self.receiver.cancel(id);
+            if let Some(w) = &self.writer {
+                w.cancel(id, true);
+                let t = Duration::from_secs(self.cfg.push_registration_timeout_s);
+                self.cancels.insert(id.clone(), now + t);
+            } else {
+                self.done.sending.push(id.clone());
             }
         }
         for hb in &meta.heartbeats {
@@ -569,7 +585,8 @@ impl Worker {
                 }
                 Direction::Push => self.receiver.handle_completion(&c),
             },
-            Ok(KvMsg::PushReg(_)) => {} // the writer's
+            // the writer's
+            Ok(KvMsg::PushReg(_) | KvMsg::PushCancel(_) | KvMsg::PushCancelled(_)) => {}
             Err(e) => {
                 self.malformed += 1;
                 tracing::warn!("dropped a malformed notification: {e}");
@@ -591,6 +608,11 @@ impl Worker {
             match ev {
                 WriterEvent::Unparsed(m) => self.handle_msg(&m, now),
                 WriterEvent::Refused => self.malformed += 1,
+                WriterEvent::Cancelled(id) => {
+                    if self.cancels.remove(&id).is_some() {
+                        self.done.sending.push(id);
+                    }
+                }
                 WriterEvent::Pushed(id, d_tp) => {
                     // a WRITE and its completion are done: P frees once every D rank that
                     // takes its heads has been written
@@ -644,6 +666,16 @@ impl Worker {
                     }
                 }
             }
+        }
+        // withdrawals no P rank confirmed in time: the blocks go back (P is unreachable)
+        let late: Vec<String> = (self.cancels.iter())
+            .filter(|(_, t)| **t <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for id in late {
+            tracing::warn!(request = %id, "no P rank confirmed the withdrawn registration in time; blocks given back");
+            self.cancels.remove(&id);
+            self.done.sending.push(id);
         }
         // push receives
         let (ok, failed) = self.receiver.get_finished();

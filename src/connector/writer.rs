@@ -17,7 +17,7 @@ use super::layout::{peer_kv, KvLayout, LayerAt, Select};
 use super::meta::RecvReq;
 use super::tp::{head_slices, rank_agent_name};
 use crate::agent::{Agent, AgentError, XferId, XferOp, XferStatus};
-use crate::proto::kvmsg::{Completion, KvMsg, PushReg};
+use crate::proto::kvmsg::{Completion, KvMsg, PushCancel, PushCancelled, PushReg};
 use crate::proto::push::{PushAction, PushMatcher};
 
 /// What the writer reports to its worker.
@@ -32,6 +32,8 @@ pub(crate) enum WriterEvent {
     RegistrationFailed(String, String),
     /// P: a well-formed `PUSH_REG` that is not for this engine (dropped; counted malformed).
     Refused,
+    /// D: every P rank confirmed the withdrawal of this aborted request's registration.
+    Cancelled(String),
 }
 
 #[derive(Default)]
@@ -41,7 +43,8 @@ struct Inbox {
     finished: VecDeque<(String, Vec<u64>, u64)>,
     stream: VecDeque<(String, Vec<u64>, u64)>,
     evict: VecDeque<String>,
-    forget: VecDeque<String>,
+    /// D: registrations to withdraw (request id, report the confirmation).
+    cancel: VecDeque<(String, bool)>,
     handshakes: VecDeque<(String, Result<(), String>)>,
 }
 
@@ -50,7 +53,8 @@ struct Shared {
     /// once no WRITE reads them, and no new WRITE starts.
     writing: Mutex<HashMap<String, (u32, bool)>>,
     agent: Arc<Agent>,
-    /// The `PUSH_REG:` notifications: routed here by the agent, never to the worker.
+    /// The push protocol's notifications (`PUSH_REG:`, `PUSH_CANCEL:`, `PUSH_CANCELLED:`):
+    /// routed here by the agent, in order, never to the worker.
     regs: crate::agent::NotifRoute,
     layout: KvLayout,
     regions: Vec<LayerAt>,
@@ -88,7 +92,7 @@ impl Writer {
     ) -> Result<Self, AgentError> {
         let shared = Arc::new(Shared {
             writing: Mutex::new(HashMap::new()),
-            regs: agent.notif_route(crate::proto::kvmsg::PUSH_REG_PREFIX),
+            regs: agent.notif_route(crate::proto::kvmsg::PUSH_PREFIX),
             agent,
             layout,
             regions,
@@ -141,8 +145,10 @@ impl Writer {
         self.push(|i| i.evict.push_back(id.to_owned()));
     }
 
-    pub(crate) fn forget_registration(&self, id: &str) {
-        self.push(|i| i.forget.push_back(id.to_owned()));
+    /// D: withdraw registration `id` from every P rank it went to (`PUSH_CANCEL`); with
+    /// `report`, [`WriterEvent::Cancelled`] once all of them confirmed.
+    pub(crate) fn cancel(&self, id: &str, report: bool) {
+        self.push(|i| i.cancel.push_back((id.to_owned(), report)));
     }
 
     pub(crate) fn wake(&self) {
@@ -214,6 +220,10 @@ fn pair_key(id: &str, reg: &PushReg) -> PairKey {
     (id.to_owned(), reg.request_id.clone(), reg.tp_rank)
 }
 
+/// A WRITE in flight: its transfer, P's request id, D's TP size, the streamed match it is
+/// part of, and the registration it writes into (D rank agent, D request id).
+type Inflight = (XferId, String, u32, Option<PairKey>, (String, String));
+
 /// Which part of a match a WRITE is.
 #[derive(Clone, Copy)]
 struct Part {
@@ -240,7 +250,14 @@ struct Loop {
     waiting: Vec<Waiting>,
     /// P: WRITEs in flight (xfer, P request id, D's TP size, the streamed match it is part
     /// of).
-    inflight: Vec<(XferId, String, u32, Option<PairKey>)>,
+    inflight: Vec<Inflight>,
+    /// D: where each sent registration went (its P rank agents).
+    sent_to: HashMap<String, Vec<String>>,
+    /// D: withdrawals waiting for P ranks' confirmations (ranks left, report when done).
+    withdrawing: HashMap<String, (Vec<String>, bool)>,
+    /// P: withdrawals to confirm once no WRITE into them is in flight (D rank agent, D
+    /// request id, D's side channel).
+    cancelling: Vec<(String, String, String)>,
     /// P: streamed matches (more than one WRITE): D is told once all of them landed.
     streamed: HashMap<PairKey, Streamed>,
     /// P: each finished request's prompt tokens.
@@ -257,6 +274,9 @@ impl Loop {
             conns: HashMap::new(),
             waiting: Vec::new(),
             inflight: Vec::new(),
+            sent_to: HashMap::new(),
+            withdrawing: HashMap::new(),
+            cancelling: Vec::new(),
             streamed: HashMap::new(),
             tokens: HashMap::new(),
         }
@@ -343,6 +363,9 @@ impl Loop {
                 Err(e) => {
                     tracing::warn!(%engine, "push handshake failed: {e}");
                     self.conns.remove(&engine);
+                    // P: withdrawals of this D cannot be confirmed (D gives its blocks back
+                    // after its timeout)
+                    self.cancelling.retain(|(d, ..)| d != &engine);
                 }
             }
             // D: registrations that waited for this P rank go once every rank they go to is
@@ -381,8 +404,8 @@ impl Loop {
                     .fetch_add(self.matcher.dropped - before, Ordering::Relaxed);
             }
         }
-        for id in w.forget.drain(..) {
-            self.waiting.retain(|w| w.reg.request_id != id);
+        for (id, report) in w.cancel.drain(..) {
+            self.withdraw(&id, report);
         }
         for reg in w.regs.drain(..) {
             // one registration to each P rank whose heads this worker takes
@@ -456,6 +479,24 @@ impl Loop {
                     );
                     self.event(WriterEvent::Refused);
                 }
+                Ok(KvMsg::PushCancel(c)) => {
+                    // P: drop it wherever it is; streamed parts never tell D they are done
+                    self.matcher.cancel(&c.engine_id, &c.request_id);
+                    let keys: Vec<PairKey> = (self.streamed.keys())
+                        .filter(|k| k.1 == c.request_id && self.streamed[*k].engine == c.engine_id)
+                        .cloned()
+                        .collect();
+                    for k in keys {
+                        if let Some(s) = self.streamed.get_mut(&k) {
+                            s.failed = true;
+                        }
+                        self.settle(&k);
+                    }
+                    tracing::info!(peer = %from, request = %c.request_id, "push registration withdrawn");
+                    let addr = format!("{}:{}", c.host, c.port);
+                    self.cancelling.push((c.engine_id, c.request_id, addr));
+                }
+                Ok(KvMsg::PushCancelled(c)) => self.withdrawn(&from, &c.request_id),
                 _ => self.event(WriterEvent::Unparsed(m)),
             }
         }
@@ -504,7 +545,7 @@ impl Loop {
         }
         let mut i = 0;
         while i < self.inflight.len() {
-            let (x, id, d_tp, key) = self.inflight[i].clone();
+            let (x, id, d_tp, key, _) = self.inflight[i].clone();
             match self.sh.agent.status(x) {
                 Ok(XferStatus::InProgress) => i += 1,
                 Ok(XferStatus::Done) => {
@@ -532,6 +573,7 @@ impl Loop {
                 }
             }
         }
+        self.confirm_cancels();
     }
 
     /// A WRITE for `id` is over (done or failed).
@@ -550,9 +592,81 @@ impl Loop {
     }
 
     /// Send the registration to every P rank it goes to.
-    fn send_regs(&self, peers: &[String], r: &RecvReq) {
+    fn send_regs(&mut self, peers: &[String], r: &RecvReq) {
         for p in peers {
             self.send_reg(p, r.clone());
+        }
+        self.sent_to.insert(r.request_id.clone(), peers.to_vec());
+    }
+
+    /// D: withdraw registration `id` (the engine aborted the request, or the watchdog gave
+    /// up): not sent yet — dropped here; sent — `PUSH_CANCEL` to each P rank, confirmed by
+    /// each (a rank that cannot be reached any more counts as confirmed).
+    fn withdraw(&mut self, id: &str, report: bool) {
+        self.waiting.retain(|w| w.reg.request_id != id);
+        let mut left = Vec::new();
+        let addr = self.sh.agent.side_channel_addr();
+        let msg = PushCancel {
+            request_id: id.to_owned(),
+            engine_id: self.sh.agent.name().to_owned(),
+            host: addr.ip().to_string(),
+            port: addr.port(),
+        }
+        .encode();
+        for peer in self.sent_to.remove(id).unwrap_or_default() {
+            match self.sh.agent.send_notif(&peer, msg.clone()) {
+                Ok(()) => left.push(peer),
+                Err(e) => tracing::warn!(request = %id, %peer, "PUSH_CANCEL not sent: {e}"),
+            }
+        }
+        if left.is_empty() {
+            if report {
+                self.event(WriterEvent::Cancelled(id.to_owned()));
+            }
+        } else {
+            self.withdrawing.insert(id.to_owned(), (left, report));
+        }
+    }
+
+    /// D: P rank `from` confirmed the withdrawal of `id`.
+    fn withdrawn(&mut self, from: &str, id: &str) {
+        let Some((left, report)) = self.withdrawing.get_mut(id) else {
+            return;
+        };
+        left.retain(|p| p != from);
+        if left.is_empty() {
+            let report = *report;
+            self.withdrawing.remove(id);
+            if report {
+                self.event(WriterEvent::Cancelled(id.to_owned()));
+            }
+        }
+    }
+
+    /// P: confirm the withdrawals no WRITE in flight writes into any more (connecting to a
+    /// D this P never wrote to first; without a connection D gives the blocks back on its own
+    /// after `push_registration_timeout`).
+    fn confirm_cancels(&mut self) {
+        let inflight = &self.inflight;
+        let (done, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut self.cancelling)
+            .into_iter()
+            .partition(|(d, id, _)| !inflight.iter().any(|f| &f.4 .0 == d && &f.4 .1 == id));
+        self.cancelling = wait;
+        for (d, id, addr) in done {
+            if self.conns.get(&d) != Some(&Conn::Up) {
+                self.handshake(&d, addr.clone()); // once; a failure forgets the connection
+                if self.conns.contains_key(&d) {
+                    self.cancelling.push((d, id, addr)); // answered once connected
+                }
+                continue;
+            }
+            let ack = PushCancelled {
+                request_id: id.clone(),
+                tp_size: self.sh.tp.1,
+            };
+            if let Err(e) = self.sh.agent.send_notif(&d, ack.encode()) {
+                tracing::warn!(request = %id, peer = %d, "PUSH_CANCELLED not sent: {e}");
+            }
         }
     }
 
@@ -682,8 +796,9 @@ impl Loop {
             .and_then(|x| self.sh.agent.post(x).map(|()| x));
         match posted {
             Ok(x) => {
+                let target = (reg.engine_id.clone(), reg.request_id.clone());
                 self.inflight
-                    .push((x, id.to_owned(), reg.tp_size.max(1), key));
+                    .push((x, id.to_owned(), reg.tp_size.max(1), key, target));
                 self.sh.bytes.fetch_add(bytes, Ordering::Relaxed);
                 Ok(())
             }

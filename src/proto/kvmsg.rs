@@ -2,7 +2,9 @@
 //! - completion `<request_id>:<tp_size>` (D → P in pull mode after its READs; P → D in push
 //!   mode after the WRITEs, with D's own request id);
 //! - heartbeat `HB:<msgpack array of request ids>`, one per P engine per interval;
-//! - push registration `PUSH_REG:<msgpack map>`.
+//! - push registration `PUSH_REG:<msgpack map>`;
+//! - its withdrawal `PUSH_CANCEL:<msgpack map>` (D → P, D aborted the request) and P's answer
+//!   `PUSH_CANCELLED:<msgpack map>` (no WRITE of it is in flight, none will start).
 //!
 //! Decoding never panics: malformed input is a [`KvMsgError`] naming what is wrong.
 
@@ -12,6 +14,12 @@ use serde::{Deserialize, Serialize};
 pub const HB_PREFIX: &[u8] = b"HB:";
 /// Prefix of a push registration.
 pub const PUSH_REG_PREFIX: &[u8] = b"PUSH_REG:";
+/// Prefix of a registration's withdrawal.
+pub const PUSH_CANCEL_PREFIX: &[u8] = b"PUSH_CANCEL:";
+/// Prefix of P's answer to a withdrawal.
+pub const PUSH_CANCELLED_PREFIX: &[u8] = b"PUSH_CANCELLED:";
+/// What every push-protocol message starts with (they travel to the push writer, in order).
+pub const PUSH_PREFIX: &[u8] = b"PUSH_";
 
 /// A malformed P/D notification.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -158,6 +166,77 @@ impl PushReg {
     }
 }
 
+/// D withdraws its registration of `request_id` (D's id) from engine `engine_id` (D's): P
+/// drops it, pending or matched, and answers with [`PushCancelled`] once no WRITE of it is
+/// in flight.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushCancel {
+    /// D's request id.
+    pub request_id: String,
+    /// D's engine id.
+    pub engine_id: String,
+    /// D's side-channel host (P answers there, connecting first if it never wrote to D).
+    pub host: String,
+    /// D's side-channel port.
+    pub port: u16,
+}
+
+/// P's answer to a [`PushCancel`]: nothing of `request_id` (D's id) will be written any more.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushCancelled {
+    /// D's request id.
+    pub request_id: String,
+    /// P's TP size (D waits for every P rank that writes to it).
+    pub tp_size: u32,
+}
+
+fn encode_named<T: Serialize>(prefix: &[u8], v: &T) -> Vec<u8> {
+    let mut out = prefix.to_vec();
+    out.extend(rmp_serde::to_vec_named(v).unwrap_or_default());
+    out
+}
+
+fn decode_named<T: serde::de::DeserializeOwned>(
+    b: &[u8],
+    prefix: &[u8],
+    kind: &'static str,
+) -> Result<T, KvMsgError> {
+    let body = b
+        .strip_prefix(prefix)
+        .ok_or_else(|| bad(kind, format!("no {kind}: prefix")))?;
+    rmp_serde::from_slice(body).map_err(|e| bad(kind, e.to_string()))
+}
+
+impl PushCancel {
+    /// `PUSH_CANCEL:` + msgpack map.
+    pub fn encode(&self) -> Vec<u8> {
+        encode_named(PUSH_CANCEL_PREFIX, self)
+    }
+
+    /// Parse one (`b` includes the prefix).
+    ///
+    /// # Errors
+    /// [`KvMsgError`] for a missing prefix, bad msgpack or missing fields.
+    pub fn decode(b: &[u8]) -> Result<Self, KvMsgError> {
+        decode_named(b, PUSH_CANCEL_PREFIX, "PUSH_CANCEL")
+    }
+}
+
+impl PushCancelled {
+    /// `PUSH_CANCELLED:` + msgpack map.
+    pub fn encode(&self) -> Vec<u8> {
+        encode_named(PUSH_CANCELLED_PREFIX, self)
+    }
+
+    /// Parse one (`b` includes the prefix).
+    ///
+    /// # Errors
+    /// [`KvMsgError`] for a missing prefix, bad msgpack or missing fields.
+    pub fn decode(b: &[u8]) -> Result<Self, KvMsgError> {
+        decode_named(b, PUSH_CANCELLED_PREFIX, "PUSH_CANCELLED")
+    }
+}
+
 /// What a notification received by a connector is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvMsg {
@@ -165,6 +244,10 @@ pub enum KvMsg {
     Heartbeat(Vec<String>),
     /// `PUSH_REG:`.
     PushReg(PushReg),
+    /// `PUSH_CANCEL:`.
+    PushCancel(PushCancel),
+    /// `PUSH_CANCELLED:`.
+    PushCancelled(PushCancelled),
     /// `<request_id>:<tp_size>`.
     Completion(Completion),
 }
@@ -179,6 +262,10 @@ impl KvMsg {
             decode_heartbeat(b).map(Self::Heartbeat)
         } else if b.starts_with(PUSH_REG_PREFIX) {
             PushReg::decode(b).map(Self::PushReg)
+        } else if b.starts_with(PUSH_CANCELLED_PREFIX) {
+            PushCancelled::decode(b).map(Self::PushCancelled)
+        } else if b.starts_with(PUSH_CANCEL_PREFIX) {
+            PushCancel::decode(b).map(Self::PushCancel)
         } else {
             Completion::decode(b).map(Self::Completion)
         }

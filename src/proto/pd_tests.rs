@@ -333,7 +333,9 @@ impl Pair {
                 KvMsg::Completion(c) => {
                     self.p.handle_completion(&c);
                 }
-                KvMsg::PushReg(_) => unreachable!(),
+                KvMsg::PushReg(_) | KvMsg::PushCancel(_) | KvMsg::PushCancelled(_) => {
+                    unreachable!()
+                }
             }
         }
         self.p.handle_timeout(self.now);
@@ -729,4 +731,59 @@ fn push_end_to_end_in_virtual_time() {
     assert!(p_lease.abort("p-1-bbbbbbbb"));
     p_match.evict("p-1-bbbbbbbb");
     assert!(!p_match.has_unmatched_blocks());
+}
+
+#[test]
+fn withdrawals_round_trip_and_drop_a_registration_wherever_it_is() {
+    use super::kvmsg::{PushCancel, PushCancelled};
+    let c = PushCancel {
+        request_id: "d1".into(),
+        engine_id: "decode-0".into(),
+        host: "10.0.0.2".into(),
+        port: 5600,
+    };
+    assert_eq!(
+        KvMsg::decode(&c.encode()).unwrap(),
+        KvMsg::PushCancel(c.clone())
+    );
+    let a = PushCancelled {
+        request_id: "d1".into(),
+        tp_size: 2,
+    };
+    assert_eq!(KvMsg::decode(&a.encode()).unwrap(), KvMsg::PushCancelled(a));
+    assert!(KvMsg::decode(b"PUSH_CANCEL:\x80").is_err());
+    let t0 = Instant::now();
+    // pending (no prefill yet): dropped, the prefill then finds nothing to write
+    let mut m = PushMatcher::new(Duration::from_secs(60));
+    let mut r = reg("d1", "p1", vec![5, 6]);
+    r.engine_id = "decode-0".into();
+    m.on_registration(r.clone(), t0);
+    assert!(
+        !m.cancel("other-engine", "d1"),
+        "another D's withdrawal touches nothing"
+    );
+    assert!(m.cancel("decode-0", "d1"));
+    m.on_finished("p1", vec![1, 2]);
+    assert_eq!(m.poll_action(), None, "nothing matched, nothing written");
+    // matched and waiting for its handshake: dropped, the handshake replays nothing
+    let mut m = PushMatcher::new(Duration::from_secs(60));
+    m.on_finished("p1", vec![1, 2]);
+    m.on_registration(r.clone(), t0);
+    assert!(matches!(
+        m.poll_action(),
+        Some(PushAction::Handshake { .. })
+    ));
+    assert!(m.cancel("decode-0", "d1"));
+    m.handshake_done("decode-0", Ok(1));
+    assert_eq!(m.poll_action(), None);
+    // streaming: the WRITE not yet taken and the rest are dropped
+    let mut m = PushMatcher::new(Duration::from_secs(60));
+    m.handshake_done("decode-0", Ok(1));
+    m.on_stream("p1", vec![1], 3);
+    m.on_registration(r, t0);
+    assert!(m.cancel("decode-0", "d1"));
+    m.on_stream("p1", vec![1, 2], 3);
+    m.on_finished("p1", vec![1, 2, 3]);
+    assert_eq!(m.poll_action(), None);
+    assert!(!m.cancel("decode-0", "d1"), "twice: nothing left");
 }

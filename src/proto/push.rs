@@ -306,6 +306,24 @@ impl PushMatcher {
         }
     }
 
+    /// D withdrew registration `d_request_id` of D agent `engine` (the request was aborted):
+    /// drop it wherever it is — waiting for its prefill, for a handshake, matched and being
+    /// written, or as a WRITE not yet taken. Returns whether anything was dropped; WRITEs
+    /// already submitted are the caller's to wait for.
+    pub fn cancel(&mut self, engine: &str, d_request_id: &str) -> bool {
+        let is = |r: &PushReg| r.engine_id == engine && r.request_id == d_request_id;
+        let before = self.regs.len() + self.deferred.len() + self.active.len() + self.actions.len();
+        self.regs.retain(|r| !is(r));
+        if !self.regs.iter().any(|r| r.request_id == d_request_id) {
+            self.arrived.remove(d_request_id);
+        }
+        self.deferred.retain(|(_, r)| !is(r));
+        self.active.retain(|a| !is(&a.reg));
+        self.actions
+            .retain(|a| !matches!(a, PushAction::Write { reg, .. } if is(reg)));
+        before != self.regs.len() + self.deferred.len() + self.active.len() + self.actions.len()
+    }
+
     /// A WRITE could not be submitted or failed: dropped and counted (no retry).
     pub fn write_failed(&mut self) {
         self.dropped += 1;
@@ -394,6 +412,12 @@ impl PushReceiver {
         if self.pending.remove(d_request_id).is_some() {
             self.expired.push(d_request_id.to_owned());
         }
+    }
+
+    /// The engine aborted `d_request_id`: no longer watched, neither finished nor failed
+    /// (a completion that still comes is ignored).
+    pub fn cancel(&mut self, d_request_id: &str) {
+        self.pending.remove(d_request_id);
     }
 
     /// The handshake with P or the `PUSH_REG` send failed: the receive failed.
