@@ -384,6 +384,30 @@ fn burst_of_100k_notifications_in_order() {
     }
 }
 
+/// Notifications queued when the sending agent is dropped still arrive, every one, in order
+/// (the agent gives its writers a bounded time to put them on the wire).
+#[test]
+fn notifications_queued_when_the_agent_drops_still_arrive() {
+    let (p, d, _) = pair();
+    let dname = load(&p, &d);
+    const N: u32 = 20_000;
+    for i in 0..N {
+        p.send_notif(&dname, format!("last-words:{i}").into_bytes())
+            .unwrap();
+    }
+    drop(p);
+    let mut next = 0;
+    let t = Instant::now();
+    while next < N && t.elapsed() < Duration::from_secs(60) {
+        for (from, b) in d.wait_notifs(Duration::from_millis(100)) {
+            assert_eq!(from, "prefill-0");
+            assert_eq!(b, format!("last-words:{next}").into_bytes(), "out of order");
+            next += 1;
+        }
+    }
+    assert_eq!(next, N, "notifications lost when the sender was dropped");
+}
+
 #[test]
 fn bad_descriptors_are_rejected_naming_the_index() {
     let (p, d, peer) = pair();

@@ -42,7 +42,12 @@ pub(crate) enum Work {
     /// Verbs: ask the peer for queue pairs (rebuilding a rail).
     #[cfg(feature = "verbs")]
     QpOpen(crate::agent::verbs::QpRequest),
+    /// Everything queued before this is on the wire: say so.
+    Flush(mpsc::SyncSender<()>),
 }
+
+/// How long a dropped agent waits for its queued messages to reach the sockets.
+const FLUSH_ON_DROP: Duration = Duration::from_secs(2);
 
 pub(crate) fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToString) -> AgentError {
     AgentError::Connection {
@@ -215,6 +220,10 @@ pub(crate) fn expect_reply<T>(
 fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &str) {
     for work in rx {
         let res = match work {
+            Work::Flush(done) => {
+                let _ = done.send(());
+                Ok(())
+            }
             Work::Notif(b) => send(&mut w, &Msg::Notif(b)),
             Work::SeqNotif(seq, bytes) => send(&mut w, &Msg::SeqNotif { seq, bytes }),
             #[cfg(feature = "verbs")]
@@ -294,6 +303,25 @@ pub(crate) struct Shutdown {
 
 impl Drop for Shutdown {
     fn drop(&mut self) {
+        // what was queued for peers (notifications, WRITE data) goes out first, bounded:
+        // the notification channels deliver theirs, the TCP writers send theirs
+        let deadline = std::time::Instant::now() + FLUSH_ON_DROP;
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            while v.notifs_in_flight() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        let writers: Vec<mpsc::Sender<Work>> = (lock(&self.shared.peers).values())
+            .map(|p| p.conn.sender())
+            .collect();
+        for w in writers {
+            let (tx, rx) = mpsc::sync_channel(1);
+            if w.send(Work::Flush(tx)).is_ok() {
+                let _ =
+                    rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()));
+            }
+        }
         self.shared.shutdown.store(true, Ordering::Release);
         let _ = TcpStream::connect_timeout(&self.wake, Duration::from_secs(1));
         for c in lock(&self.conns).drain(..) {

@@ -147,6 +147,11 @@ impl Verbs {
         e.chan_qpn.retain(|_, k| *k != ChanKey::In(conn));
     }
 
+    /// Whether any notification channel still has messages on their way.
+    pub(crate) fn notifs_in_flight(&self) -> bool {
+        lock(&self.engine).outs.values().any(OutChan::busy)
+    }
+
     /// Send a notification to `peer`: on its channel, or over TCP (with its sequence number)
     /// once the channel failed, or plainly over TCP when there is no channel.
     pub(crate) fn notify(&self, shared: &Shared, peer: &str, bytes: Vec<u8>) {
