@@ -163,3 +163,31 @@ def test_imports_and_runs_on_tcp_where_libibverbs_is_absent():
         pytest.skip(f"cannot make a mount namespace here: {out}")
     assert r.returncode == 0, out
     assert "libibverbs hidden" in out and "backend tcp" in out, out
+
+
+def test_nixl_listen_thread_and_fetch_remote_metadata():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    tcp = {"backend": "tcp", "side_channel_host": "127.0.0.1"}
+    target = nixl.nixl_agent("listener", nixl.nixl_agent_config(enable_listen_thread=True, listen_port=port, kvrail_config=tcp))
+    other = nixl.nixl_agent("fetcher", nixl.nixl_agent_config(kvrail_config=dict(tcp, listen="127.0.0.1:0")))
+    assert not other.check_remote_metadata("listener")
+    other.fetch_remote_metadata("listener", "127.0.0.1", port)
+    assert other.check_remote_metadata(b"listener")
+    buf = np.zeros(4096, np.uint8)
+    target.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    other.send_notif("listener", b"hello")
+    t0 = time.time()
+    got = {}
+    while not got and time.time() - t0 < 10:
+        got = target.get_new_notifs()
+    assert got == {"fetcher": [b"hello"]}
+    with pytest.raises(nixl.nixlNotSupportedError):
+        other.send_local_metadata("127.0.0.1", port)
+    other.remove_remote_agent("listener")
+    assert not other.check_remote_metadata("listener")
+    other.remove_remote_agent("listener")  # unknown now: ignored, as NIXL does
