@@ -11,6 +11,9 @@ Errors are :class:`KvrailError` and its subclasses, one per fault group: what to
 (:class:`PeerError`, :class:`PeerConnectionError`, :class:`RdmaError`,
 :class:`MemoryRegionError`), what this host lacks (:class:`UnavailableError`), or silence
 (:class:`DeadlineError`).
+
+Logs go to Python's ``logging`` under the ``kvrail`` logger (``kvrail.agent``, …); set its
+level before importing kvrail, or call :func:`set_log_level` after changing it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ from ._kvrail import (
     UnavailableError,
     __version__,
 )
+from ._logging import set_log_level, start as _start_logs
 from ._memory import buffer_span
+
+_start_logs()
 
 __all__ = [
     "Agent",
@@ -46,6 +52,7 @@ __all__ = [
     "UnavailableError",
     "__version__",
     "buffer_span",
+    "set_log_level",
 ]
 
 

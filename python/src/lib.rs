@@ -8,6 +8,7 @@
 mod agent;
 mod connector;
 mod errors;
+mod logs;
 mod raw;
 
 use pyo3::prelude::*;
@@ -17,6 +18,9 @@ use pyo3::prelude::*;
 fn _kvrail(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::add(m)?;
+    logs::install();
+    m.add_function(wrap_pyfunction!(logs::set_log_level, m)?)?;
+    m.add_function(wrap_pyfunction!(logs::take_logs, m)?)?;
     m.add_class::<agent::Agent>()?;
     m.add_class::<connector::Scheduler>()?;
     m.add_class::<connector::Worker>()?;

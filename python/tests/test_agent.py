@@ -191,3 +191,37 @@ def test_nixl_listen_thread_and_fetch_remote_metadata():
     other.remove_remote_agent("listener")
     assert not other.check_remote_metadata("listener")
     other.remove_remote_agent("listener")  # unknown now: ignored, as NIXL does
+
+
+def test_kvrail_logs_reach_python_logging():
+    import logging
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append((record.name, record.levelno, record.getMessage()))
+
+    h = Catch()
+    log = logging.getLogger("kvrail")
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    kvrail.set_log_level()
+    try:
+        a = tcp_agent("logged")
+        t0 = time.time()
+        while not any("backend" in m for _, _, m in seen) and time.time() - t0 < 10:
+            time.sleep(0.01)
+        assert any(n.startswith("kvrail.agent") and lvl == logging.INFO and "tcp" in m for n, lvl, m in seen), seen
+        # below the level: not made at all
+        seen.clear()
+        log.setLevel(logging.ERROR)
+        kvrail.set_log_level()
+        b = tcp_agent("quiet")
+        a.load_remote(b.metadata())
+        time.sleep(0.3)
+        assert not any(lvl < logging.ERROR for _, lvl, _ in seen), seen
+    finally:
+        log.removeHandler(h)
+        log.setLevel(logging.NOTSET)
+        kvrail.set_log_level(logging.WARNING)
