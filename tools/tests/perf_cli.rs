@@ -245,3 +245,39 @@ fn server_and_client_in_two_processes() {
     // the server exits once the client said bye
     assert!(server.wait().unwrap().success(), "server failed");
 }
+
+/// kvrail's log events on stderr: none below warnings by default, info with `-v`, JSON
+/// objects with `--log-json`, and `RUST_LOG` over the flags; stdout keeps only the table.
+#[test]
+fn log_output_follows_the_flags_and_rust_log() {
+    let base = ["--loopback", "--transport", "tcp", "-s", "4K", "-n", "10"];
+    let run = |extra: &[&str], env: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvrail-perf"));
+        c.args(base).args(extra).env_remove("RUST_LOG");
+        if let Some(f) = env {
+            c.env("RUST_LOG", f);
+        }
+        let o = c.output().expect("run kvrail-perf");
+        assert!(o.status.success(), "{:?}", text(&o));
+        text(&o)
+    };
+    let (out, err) = run(&[], None);
+    assert!(!err.contains("INFO"), "info logged by default: {err}");
+    assert!(!out.contains("kvrail backend"), "logs on stdout: {out}");
+    let (_, err) = run(&["-v"], None);
+    assert!(
+        err.contains("INFO") && err.contains("kvrail backend: tcp (configured)"),
+        "{err}"
+    );
+    assert!(!err.contains('\u{1b}'), "colour codes into a pipe: {err}");
+    let (_, err) = run(&["-v", "--log-json"], None);
+    let lines: Vec<serde_json::Value> = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    assert!(lines
+        .iter()
+        .any(|j| j["level"] == "INFO" && j["fields"]["agent"] == "kvrail-perf-server"));
+    let (_, err) = run(&["-q"], Some("kvrail=debug"));
+    assert!(err.contains("DEBUG"), "RUST_LOG should win over -q: {err}");
+}

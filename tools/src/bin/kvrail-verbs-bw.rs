@@ -6,6 +6,9 @@
 //! lab they are the two ends of one rail, so every byte crosses the veth wire. After the
 //! timed loop every byte of the target buffers is checked.
 
+#[path = "../logging.rs"]
+mod logging;
+
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -26,6 +29,8 @@ enum Op {
     about = "RDMA WRITE/READ bandwidth between two local RDMA devices (perftest columns)"
 )]
 struct Args {
+    #[command(flatten)]
+    log: logging::LogArgs,
     /// Initiator device (default: the lab's host A device of --rail).
     #[arg(long)]
     dev_a: Option<String>,
@@ -217,6 +222,7 @@ fn run(a: &Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let a = Args::parse();
+    logging::init(&a.log);
     match run(&a) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -7,6 +7,8 @@
 //! expiry; `--kill p` kills P and shows D failing those requests cleanly.
 
 mod engine;
+#[path = "../../logging.rs"]
+mod logging;
 mod model;
 
 use std::io::{BufRead, BufReader, Write};
@@ -42,6 +44,8 @@ enum Backend {
     about = "P/D disaggregation end to end over kvrail: a proxy, a prefill and a decode process"
 )]
 struct Args {
+    #[command(flatten)]
+    log: logging::LogArgs,
     #[command(subcommand)]
     instance: Option<Sub>,
     /// Pull (D READs from P) or push (P WRITEs into D).
@@ -452,6 +456,7 @@ fn kill_p(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
 
 fn main() {
     let a = Args::parse();
+    logging::init(&a.log);
     if let Some(Sub::FakeKv { seed, tokens, out }) = &a.instance {
         let s = shape(&a);
         let toks = model::tokens(*seed, *tokens);

@@ -39,6 +39,8 @@ pub(crate) enum Transport {
 #[derive(Parser, Debug, Clone)]
 #[command(version, about)]
 pub(crate) struct Args {
+    #[command(flatten)]
+    pub(crate) log: crate::logging::LogArgs,
     /// Serve one client, then exit.
     #[arg(long, conflicts_with_all = ["client", "loopback"])]
     pub(crate) server: bool,

@@ -14,6 +14,8 @@
 
 mod args;
 mod bench;
+#[path = "../../logging.rs"]
+mod logging;
 mod mem;
 mod peer;
 mod report;
@@ -38,6 +40,7 @@ const ANSWER: Duration = Duration::from_secs(120);
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    logging::init(&args.log);
     if let Err(e) = args.validate() {
         eprintln!("kvrail-perf: {e}");
         return ExitCode::from(2);

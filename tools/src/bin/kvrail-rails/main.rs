@@ -11,6 +11,8 @@
 
 mod explain;
 mod list;
+#[path = "../../logging.rs"]
+mod logging;
 mod probe;
 mod serve;
 mod wire;
@@ -26,6 +28,8 @@ use kvrail::rails::{discover, judge_all, pci_numa_node, AddrSource, SysfsRoot, V
     about = "kvrail's rail diagnostics: list, explain, serve, probe"
 )]
 struct Cli {
+    #[command(flatten)]
+    log: logging::LogArgs,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -127,6 +131,7 @@ impl HostArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    logging::init(&cli.log);
     let res = match cli.cmd {
         Cmd::List { host, json } => list::run(&host, json),
         Cmd::Explain { target, host } => explain::run(&host, &target),
