@@ -26,8 +26,30 @@ static void expect(const char *what, kvrail_result got, kvrail_result want, cons
     }
 }
 
+static int log_calls, log_backend;
+static void on_log(uint32_t level, const char *target, const char *message, void *userdata) {
+    (void)userdata;
+    log_calls++;
+    if (level == KVRAIL_LOG_INFO && strstr(target, "kvrail::agent") && strstr(message, "kvrail backend: tcp"))
+        log_backend++;
+}
+
 int main(void) {
     const char *tcp = "{\"backend\":\"tcp\",\"listen\":\"127.0.0.1:0\"}";
+    /* kvrail's log records reach the callback at the level asked for, and none at 0 */
+    kvrail_set_log_level(0);
+    kvrail_set_log_callback(on_log, NULL);
+    kvrail_agent *silent = NULL;
+    expect("agent, logging off", kvrail_agent_new("silent", tcp, &silent), KVRAIL_RESULT_OK, NULL);
+    kvrail_agent_free(silent);
+    if (log_calls != 0) { fprintf(stderr, "FAIL %d log records at level 0\n", log_calls); failures++; }
+    kvrail_set_log_level(KVRAIL_LOG_INFO);
+    kvrail_agent *chatty = NULL;
+    expect("agent, logging info", kvrail_agent_new("chatty", tcp, &chatty), KVRAIL_RESULT_OK, NULL);
+    kvrail_agent_free(chatty);
+    if (log_backend != 1) { fprintf(stderr, "FAIL the backend choice was logged %d times\n", log_backend); failures++; }
+    else printf("ok   log callback: the backend choice at INFO from kvrail::agent\n");
+    kvrail_set_log_level(KVRAIL_LOG_WARN);
     kvrail_agent *a = (kvrail_agent *)0x1;
     expect("NULL name", kvrail_agent_new(NULL, tcp, &a), KVRAIL_RESULT_NULL_PARAMETER, "name");
     if (a != (kvrail_agent *)0x1) { fprintf(stderr, "FAIL out written on failure\n"); failures++; }

@@ -38,6 +38,31 @@
 #define KVRAIL_BACKEND_VERBS 1
 
 /**
+ * Log levels (`level` in [`kvrail_log_callback`], and [`kvrail_set_log_level`]).
+ */
+#define KVRAIL_LOG_ERROR 1
+
+/**
+ * Warnings (the default level).
+ */
+#define KVRAIL_LOG_WARN 2
+
+/**
+ * Information: the backend chosen and why, peers connected.
+ */
+#define KVRAIL_LOG_INFO 3
+
+/**
+ * Debugging detail.
+ */
+#define KVRAIL_LOG_DEBUG 4
+
+/**
+ * Everything.
+ */
+#define KVRAIL_LOG_TRACE 5
+
+/**
  * Memory kind: host DRAM (`addr` is a host pointer).
  */
 #define KVRAIL_MEM_HOST 0
@@ -283,6 +308,18 @@ typedef struct {
    */
   uint64_t layer_len;
 } kvrail_kv_cache;
+
+/**
+ * A log record for the caller: `level` (`KVRAIL_LOG_*`), `target` (the Rust module, e.g.
+ * `kvrail::agent`) and `message`, both NUL-terminated and valid only during the call, and
+ * the `userdata` given to [`kvrail_set_log_callback`]. It is called from kvrail's own
+ * threads as well as the caller's: it must be thread-safe, return quickly, and not call
+ * into kvrail.
+ */
+typedef void (*kvrail_log_callback)(uint32_t level,
+                                    const char *target,
+                                    const char *message,
+                                    void *userdata);
 
 /**
  * `len` bytes at `offset` of region `region` (local, or the peer's as its metadata says).
@@ -738,6 +775,22 @@ kvrail_result kvrail_worker_get_finished(const kvrail_worker *w,
                                          uint8_t *buf,
                                          size_t len,
                                          size_t *out_len);
+
+/**
+ * Install `cb` to receive kvrail's log records (NULL: none; the default), with `userdata`
+ * handed back on every call. Records below the level of [`kvrail_set_log_level`] (default
+ * `KVRAIL_LOG_WARN`) are not made.
+ *
+ * # Safety
+ * `cb` is NULL or a function that can be called as [`kvrail_log_callback`] says, from any
+ * thread, until it is replaced; `userdata` is whatever it needs.
+ */
+void kvrail_set_log_callback(kvrail_log_callback cb, void *userdata);
+
+/**
+ * Make records at `level` (`KVRAIL_LOG_*`) and more severe; 0 makes none.
+ */
+void kvrail_set_log_level(uint32_t level);
 
 /**
  * Register memory the caller owns, in place (NIXL's `registerMem`): `desc` says where it

@@ -19,6 +19,7 @@
 
 mod agent;
 mod connector;
+mod logs;
 mod memory;
 mod result;
 mod util;
@@ -26,6 +27,7 @@ mod xfer;
 
 pub use agent::*;
 pub use connector::*;
+pub use logs::*;
 pub use memory::*;
 pub use result::*;
 pub use xfer::*;
