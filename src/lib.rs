@@ -2,14 +2,25 @@
 //! disaggregated LLM serving deployment, directly on raw ibverbs RC queue pairs: NIXL's
 //! semantics without libnixl and without UCX.
 //!
-//! What is here so far: [`transport::verbs`], a safe layer over ibverbs (devices, GID
-//! choice, protection domains, memory regions that stay alive while work uses them,
-//! completion queues with event-driven waits, RC queue pairs, batched posting), and
-//! [`rails`], which finds the RDMA ports of a host, judges each one usable as a data-plane
-//! rail or not (with every reason), and selects the rails for an accelerator's NUMA node.
+//! What is here:
+//! - [`agent`]: NIXL's semantics — registration of the engine's own memory (host, NPU),
+//!   metadata exchanged over a side channel with handshake checks, one-sided READ/WRITE of
+//!   descriptor lists with notifications after the data — on RDMA verbs (one rail per
+//!   transfer or striped, rail failover) or TCP;
+//! - [`connector`]: the P/D connector's scheduler and worker roles (pull, push, leases,
+//!   heterogeneous TP), configured by `kv_transfer_config`, on the sans-IO rules of [`proto`];
+//! - [`transport::verbs`], a safe layer over ibverbs (devices, GID choice, protection
+//!   domains, memory regions that stay alive while work uses them, completion queues with
+//!   event-driven waits, RC queue pairs, batched posting); [`rails`], which finds the RDMA
+//!   ports of a host, judges each one usable as a data-plane rail or not (with every reason),
+//!   and selects the rails for an accelerator's NUMA node; [`mem`] and [`bounce`] for
+//!   accelerator memory.
 //!
-//! What kvrail does not do: it runs no engine and owns no scheduler; the protocol core will
-//! own no threads and read no clock.
+//! The C ABI is the `kvrail-ffi` crate; the Python package (`kvrail`, `kvrail.nixl`,
+//! `kvrail.vllm`) is `python/`.
+//!
+//! What kvrail does not do: it runs no engine and owns no scheduler; the protocol rules in
+//! [`proto`] own no threads and read no clock.
 //!
 //! # Cargo features
 //! - `verbs` (default): the RDMA backend. It dlopens `libibverbs.so.1` at run time, so

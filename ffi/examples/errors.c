@@ -50,6 +50,8 @@ int main(void) {
     if (log_backend != 1) { fprintf(stderr, "FAIL the backend choice was logged %d times\n", log_backend); failures++; }
     else printf("ok   log callback: the backend choice at INFO from kvrail::agent\n");
     kvrail_set_log_level(KVRAIL_LOG_WARN);
+    if (!kvrail_version() || !strchr(kvrail_version(), '.')) { fprintf(stderr, "FAIL kvrail_version %s\n", kvrail_version()); failures++; }
+    else printf("ok   kvrail_version: %s\n", kvrail_version());
     kvrail_agent *a = (kvrail_agent *)0x1;
     expect("NULL name", kvrail_agent_new(NULL, tcp, &a), KVRAIL_RESULT_NULL_PARAMETER, "name");
     if (a != (kvrail_agent *)0x1) { fprintf(stderr, "FAIL out written on failure\n"); failures++; }

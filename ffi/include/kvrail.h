@@ -810,6 +810,11 @@ kvrail_result kvrail_agent_register_memory(const kvrail_agent *agent,
                                            uint32_t *out_region);
 
 /**
+ * The library's version, "MAJOR.MINOR.PATCH" (a static NUL-terminated string).
+ */
+const char *kvrail_version(void);
+
+/**
  * A static, NUL-terminated name for a `kvrail_result` value (never NULL; unknown values
  * get "unknown result code"). Takes the raw value, so any integer is safe to pass.
  */

@@ -128,6 +128,12 @@ impl kvrail_result {
     ];
 }
 
+/// The library's version, "MAJOR.MINOR.PATCH" (a static NUL-terminated string).
+#[no_mangle]
+pub extern "C" fn kvrail_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
 /// A static, NUL-terminated name for a `kvrail_result` value (never NULL; unknown values
 /// get "unknown result code"). Takes the raw value, so any integer is safe to pass.
 #[no_mangle]

@@ -183,8 +183,10 @@ impl Agent {
     /// Create an agent called `name`, listening for its side channel on `config.listen`.
     ///
     /// # Errors
-    /// [`AgentError::Unsupported`] for `BackendChoice::Verbs` (not built yet) or an invalid
-    /// `stripe_width`; [`AgentError::Connection`] when it cannot listen.
+    /// [`AgentError::Unsupported`] for an invalid `stripe_width` or agent name, or
+    /// `BackendChoice::Verbs` where no usable rail exists (the error says why); a build
+    /// without the `verbs` feature treats `Auto` as TCP. [`AgentError::Connection`] when it
+    /// cannot listen.
     pub fn new(name: &str, config: AgentConfig) -> Result<Self, AgentError> {
         crate::transport::stripe::StripeMode::from_stripe_width(config.stripe_width)
             .map_err(|e| AgentError::Unsupported(format!("stripe_width: {e}")))?;

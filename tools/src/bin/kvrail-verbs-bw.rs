@@ -1,6 +1,7 @@
 //! `kvrail-verbs-bw`: RDMA WRITE / READ bandwidth between two RDMA devices on one host,
-//! through kvrail's verbs layer, in perftest's output format — the lab's smoke run and the
-//! figure to put next to `ib_write_bw` / `ib_read_bw` until `kvrail-perf` exists.
+//! through kvrail's verbs layer alone (no agent), in perftest's output format — the lab's
+//! smoke run: what the verbs layer reaches next to `ib_write_bw` / `ib_read_bw`
+//! (`kvrail-perf` measures the agent API on top of it).
 //!
 //! Both queue pairs live in this process (device A posts, device B is the target); in the
 //! lab they are the two ends of one rail, so every byte crosses the veth wire. After the

@@ -54,9 +54,10 @@ struct Args {
     /// Requests to run.
     #[arg(long, default_value_t = 8)]
     requests: u64,
-    /// Prompt lengths are drawn between these (tokens).
+    /// Shortest prompt, in tokens (lengths are drawn between this and --max-tokens).
     #[arg(long, default_value_t = 40)]
     min_tokens: u64,
+    /// Longest prompt, in tokens.
     #[arg(long, default_value_t = 300)]
     max_tokens: u64,
     /// Requests in flight at once.
@@ -74,6 +75,7 @@ struct Args {
     /// `kv_lease_duration` in seconds.
     #[arg(long, default_value_t = 30)]
     lease: u64,
+    /// The data path: verbs where a usable RDMA rail exists (auto), or forced.
     #[arg(long, value_enum, default_value = "auto")]
     backend: Backend,
     /// RDMA devices of P (comma separated).
