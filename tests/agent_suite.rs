@@ -385,7 +385,8 @@ fn burst_of_100k_notifications_in_order() {
 }
 
 /// Notifications queued when the sending agent is dropped still arrive, every one, in order
-/// (the agent gives its writers a bounded time to put them on the wire).
+/// (the agent drains its channels while the peer keeps taking them, its TCP writers within a
+/// bound, before the connections close).
 #[test]
 fn notifications_queued_when_the_agent_drops_still_arrive() {
     let (p, d, _) = pair();

@@ -46,7 +46,8 @@ pub(crate) enum Work {
     Flush(mpsc::SyncSender<()>),
 }
 
-/// How long a dropped agent waits for its queued messages to reach the sockets.
+/// How long a dropped agent waits for its queued messages without progress (notification
+/// channels), or for its TCP writers.
 const FLUSH_ON_DROP: Duration = Duration::from_secs(2);
 
 pub(crate) fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToString) -> AgentError {
@@ -304,14 +305,23 @@ pub(crate) struct Shutdown {
 impl Drop for Shutdown {
     fn drop(&mut self) {
         // what was queued for peers (notifications, WRITE data) goes out first, bounded:
-        // the notification channels deliver theirs, the TCP writers send theirs
-        let deadline = std::time::Instant::now() + FLUSH_ON_DROP;
+        // the notification channels deliver theirs while the peers keep taking them (until
+        // FLUSH_ON_DROP passes without progress), then the TCP writers send theirs
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
-            while v.notifs_in_flight() && std::time::Instant::now() < deadline {
+            let (mut left, mut stall) = (usize::MAX, std::time::Instant::now());
+            loop {
+                let n = v.notifs_in_flight();
+                if n == 0 || stall.elapsed() > FLUSH_ON_DROP {
+                    break;
+                }
+                if n < left {
+                    (left, stall) = (n, std::time::Instant::now());
+                }
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
+        let deadline = std::time::Instant::now() + FLUSH_ON_DROP;
         let writers: Vec<mpsc::Sender<Work>> = (lock(&self.shared.peers).values())
             .map(|p| p.conn.sender())
             .collect();

@@ -147,9 +147,12 @@ impl Verbs {
         e.chan_qpn.retain(|_, k| *k != ChanKey::In(conn));
     }
 
-    /// Whether any notification channel still has messages on their way.
-    pub(crate) fn notifs_in_flight(&self) -> bool {
-        lock(&self.engine).outs.values().any(OutChan::busy)
+    /// Messages the notification channels still have on their way.
+    pub(crate) fn notifs_in_flight(&self) -> usize {
+        (lock(&self.engine).outs.values())
+            .filter(|o| o.busy())
+            .map(|o| o.unacked.len())
+            .sum()
     }
 
     /// Send a notification to `peer`: on its channel, or over TCP (with its sequence number)
