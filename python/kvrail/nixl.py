@@ -86,16 +86,10 @@ def _mem(mem_type: Optional[str], default: str = "DRAM") -> str:
         ) from None
 
 
-class nixlRegDList:
-    """A registration descriptor list: ``(address, length, device id, meta)`` entries of one
-    memory type."""
+class _DList:
+    """What both descriptor lists answer: their length and entries."""
 
-    def __init__(self, mem_type: str, descs: Iterable[Tuple[int, int, int, str]], owners=()):
-        self.mem_type = mem_type
-        self.descs: List[Tuple[int, int, int, str]] = [
-            (int(a), int(n), int(d), str(m)) for a, n, d, m in descs
-        ]
-        self._owners = list(owners)  # objects whose memory this is: kept alive
+    descs: list
 
     def descCount(self) -> int:
         return len(self.descs)
@@ -105,6 +99,18 @@ class nixlRegDList:
 
     def __getitem__(self, i):
         return self.descs[i]
+
+
+class nixlRegDList(_DList):
+    """A registration descriptor list: ``(address, length, device id, meta)`` entries of one
+    memory type."""
+
+    def __init__(self, mem_type: str, descs: Iterable[Tuple[int, int, int, str]], owners=()):
+        self.mem_type = mem_type
+        self.descs: List[Tuple[int, int, int, str]] = [
+            (int(a), int(n), int(d), str(m)) for a, n, d, m in descs
+        ]
+        self._owners = list(owners)  # objects whose memory this is: kept alive
 
     def __getstate__(self):
         return {"mem_type": self.mem_type, "descs": self.descs}
@@ -120,21 +126,12 @@ class nixlRegDList:
         return f"nixlRegDList({self.mem_type}, {len(self.descs)} descriptors)"
 
 
-class nixlXferDList:
+class nixlXferDList(_DList):
     """A transfer descriptor list: ``(address, length, device id)`` entries."""
 
     def __init__(self, mem_type: str, descs: Iterable[Tuple[int, int, int]]):
         self.mem_type = mem_type
         self.descs: List[Tuple[int, int, int]] = [(int(a), int(n), int(d)) for a, n, d in descs]
-
-    def descCount(self) -> int:
-        return len(self.descs)
-
-    def __len__(self) -> int:
-        return len(self.descs)
-
-    def __getitem__(self, i):
-        return self.descs[i]
 
     def __repr__(self) -> str:
         return f"nixlXferDList({self.mem_type}, {len(self.descs)} descriptors)"

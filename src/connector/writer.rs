@@ -447,18 +447,7 @@ impl Loop {
             self.tokens.remove(&id);
             self.matcher.evict(&id);
             // streamed matches of an evicted request never complete
-            let keys: Vec<PairKey> = self
-                .streamed
-                .keys()
-                .filter(|k| k.0 == id)
-                .cloned()
-                .collect();
-            for k in keys {
-                if let Some(s) = self.streamed.get_mut(&k) {
-                    s.failed = true;
-                }
-                self.settle(&k);
-            }
+            self.fail_streamed(|k, _| k.0 == id);
         }
         for (from, m) in self.sh.regs.get_new() {
             match KvMsg::decode(&m) {
@@ -482,16 +471,7 @@ impl Loop {
                 Ok(KvMsg::PushCancel(c)) => {
                     // P: drop it wherever it is; streamed parts never tell D they are done
                     self.matcher.cancel(&c.engine_id, &c.request_id);
-                    let keys: Vec<PairKey> = (self.streamed.keys())
-                        .filter(|k| k.1 == c.request_id && self.streamed[*k].engine == c.engine_id)
-                        .cloned()
-                        .collect();
-                    for k in keys {
-                        if let Some(s) = self.streamed.get_mut(&k) {
-                            s.failed = true;
-                        }
-                        self.settle(&k);
-                    }
+                    self.fail_streamed(|k, s| k.1 == c.request_id && s.engine == c.engine_id);
                     tracing::info!(peer = %from, request = %c.request_id, "push registration withdrawn");
                     let addr = format!("{}:{}", c.host, c.port);
                     self.cancelling.push((c.engine_id, c.request_id, addr));
@@ -574,6 +554,21 @@ impl Loop {
             }
         }
         self.confirm_cancels();
+    }
+
+    /// Streamed matches that will never complete (their request evicted, their registration
+    /// withdrawn): failed, so D is never told they are done.
+    fn fail_streamed(&mut self, which: impl Fn(&PairKey, &Streamed) -> bool) {
+        let keys: Vec<PairKey> = (self.streamed.iter())
+            .filter(|(k, s)| which(k, s))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in keys {
+            if let Some(s) = self.streamed.get_mut(&k) {
+                s.failed = true;
+            }
+            self.settle(&k);
+        }
     }
 
     /// A WRITE for `id` is over (done or failed).
