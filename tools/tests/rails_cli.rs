@@ -99,7 +99,7 @@ fn list_json_parses_back() {
 #[test]
 fn list_says_why_nothing_is_usable() {
     let o = rails(&["list", "--sysfs-root", &fixture("no-rdma"), "--numa", "0"]);
-    assert!(o.status.success());
+    assert_eq!(o.status.code(), Some(1), "nothing usable is exit status 1");
     let out = stdout(&o);
     assert!(
         out.contains("# no usable data-plane RoCE NIC on numa=0; no RDMA devices under "),
@@ -126,6 +126,16 @@ fn explain_gives_reasons_and_checks() {
          \x20 - netdev eno1 carries the default route (management interface, not data plane)\n\
          \x20   check: ip route show default\n"
     );
+    // rdma(8)'s DEV/PORT names the same port
+    let o2 = rails(&[
+        "explain",
+        "mlx5_8/1",
+        "--sysfs-root",
+        &fixture("two-socket-8nic"),
+        "--numa",
+        "1",
+    ]);
+    assert_eq!(stdout(&o2), stdout(&o));
     let o = rails(&["explain", "mlx5_0", "--sysfs-root", &fixture("no-ipv4")]);
     let out = stdout(&o);
     assert!(out.contains("check: ip -4 addr show dev ens1f0"), "{out}");

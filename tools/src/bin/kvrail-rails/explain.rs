@@ -5,7 +5,8 @@ use std::process::ExitCode;
 use super::HostArgs;
 
 pub(crate) fn run(host: &HostArgs, target: &str) -> Result<ExitCode, String> {
-    let (dev, port) = match target.split_once(':') {
+    // DEV/PORT as rdma(8) writes it, or DEV:PORT
+    let (dev, port) = match target.split_once(['/', ':']) {
         Some((d, p)) => (
             d,
             Some(

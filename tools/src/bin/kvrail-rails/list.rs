@@ -21,8 +21,14 @@ struct Listing<'a> {
     ports: Vec<Row<'a>>,
 }
 
+/// Exit status: 0 when some port is usable, 1 when none is (the listing says why).
 pub(crate) fn run(host: &HostArgs, json: bool) -> Result<ExitCode, String> {
     let (numa, verdicts, searched) = host.verdicts_in()?;
+    let status = if verdicts.iter().any(|v| v.usable()) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    };
     if json {
         let l = Listing {
             numa,
@@ -38,7 +44,7 @@ pub(crate) fn run(host: &HostArgs, json: bool) -> Result<ExitCode, String> {
             "{}",
             serde_json::to_string_pretty(&l).map_err(|e| e.to_string())?
         );
-        return Ok(ExitCode::SUCCESS);
+        return Ok(status);
     }
     print!("{}", table(numa, &verdicts));
     if !verdicts.iter().any(|v| v.usable()) {
@@ -49,7 +55,7 @@ pub(crate) fn run(host: &HostArgs, json: bool) -> Result<ExitCode, String> {
         };
         println!("# {}", e.to_string().replace('\n', "\n#"));
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(status)
 }
 
 /// The text table (also used by tests through the binary).
