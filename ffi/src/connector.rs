@@ -6,7 +6,7 @@ use std::ffi::c_char;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kvrail::agent::{Agent, MemRegion};
+use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::placement;
 use kvrail::connector::tp::rank_agent_name;
@@ -556,17 +556,14 @@ pub unsafe extern "C" fn kvrail_worker_new_caches(
         let cfg = config(cfg)?;
         let layout: KvLayout = serde_json::from_str(layout)
             .map_err(|e| Failure::new(kvrail_result::InvalidConfig, format!("layout_json: {e}")))?;
-        let mut ac = agent_config(&cfg, &layout, parse_config(agent_json)?);
+        let ac = agent_config(&cfg, &layout, parse_config(agent_json)?);
         let caches = match n_caches {
             0 => KvCaches::Allocate,
             // SAFETY: the caller's promise (n_caches entries; memory alive while registered).
             n => KvCaches::Engine(unsafe { kv_caches(caches, n) }?),
         };
         // the rails of the NPU's NUMA node (runtime, else rbln-smi and sysfs)
-        if let Some(dev) = npu_device(&caches) {
-            let lib = crate::memory::runtime().ok();
-            ac = placement::on_accelerator(ac, dev, lib.as_deref(), None);
-        }
+        let ac = placement::for_caches(ac, &caches);
         let agent = Arc::new(Agent::new(&rank_agent_name(engine, tp_rank), ac)?);
         let w = Worker::with_caches(agent, cfg, layout, (tp_rank, tp_size.max(1)), caches)?;
         let h = Box::new(WorkerHandle {
@@ -576,17 +573,6 @@ pub unsafe extern "C" fn kvrail_worker_new_caches(
         // SAFETY: checked non-NULL; writable by the caller's promise.
         unsafe { put(out, Box::into_raw(h).cast::<kvrail_worker>(), "out") }
     })
-}
-
-/// The device of the first NPU cache.
-fn npu_device(caches: &KvCaches) -> Option<i32> {
-    match caches {
-        KvCaches::Engine(rs) => rs
-            .iter()
-            .find(|m| m.kind() == kvrail::agent::metadata::MemKind::Npu)
-            .map(MemRegion::device_id),
-        KvCaches::Allocate => None,
-    }
 }
 
 /// Free a worker (NULL is ignored).

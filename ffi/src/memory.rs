@@ -5,7 +5,7 @@
 //! checked and then refused until the agent registers dma-bufs.
 
 use std::ffi::c_char;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use kvrail::agent::{MemRegion, RemoteAccess};
 use kvrail::mem::{HostBuffer, NpuMemory};
@@ -79,9 +79,7 @@ pub(crate) fn access(access: u32) -> Result<RemoteAccess, Failure> {
 
 /// The RBLN runtime, loaded once (for NPU memory).
 pub(crate) fn runtime() -> Result<Arc<RblnLib>, Failure> {
-    static LIB: OnceLock<Result<Arc<RblnLib>, String>> = OnceLock::new();
-    LIB.get_or_init(|| RblnLib::load().map_err(|e| e.to_string()))
-        .clone()
+    RblnLib::shared()
         .map_err(|e| Failure::new(kvrail_result::Unsupported, format!("NPU memory: {e}")))
 }
 

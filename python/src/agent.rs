@@ -30,6 +30,24 @@ fn find(spans: &[Span], addr: u64, len: u64) -> Option<Desc> {
     (end <= s.addr + s.len).then(|| Desc::new(s.region, addr - s.addr, len))
 }
 
+/// `list` as descriptors in `spans` (the memory `owner` registered), or the first that is
+/// not inside it, named by `side` and index.
+fn place(spans: &[Span], list: &[(u64, u64)], side: &str, owner: &str) -> PyResult<Vec<Desc>> {
+    list.iter()
+        .enumerate()
+        .map(|(i, &(a, n))| {
+            find(spans, a, n).ok_or_else(|| {
+                errors::misuse(
+                    side,
+                    format!(
+                        "descriptor #{i} [{a:#x}, +{n}) is not inside memory {owner} registered"
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
 fn op(s: &str) -> PyResult<XferOp> {
     match s {
         "WRITE" => Ok(XferOp::Write),
@@ -61,20 +79,7 @@ impl Agent {
         local: &[(u64, u64)],
         remote: &[(u64, u64)],
     ) -> PyResult<(Vec<Desc>, Vec<Desc>)> {
-        let spans = self.spans();
-        let l = local
-            .iter()
-            .enumerate()
-            .map(|(i, &(a, n))| {
-                find(&spans, a, n).ok_or_else(|| {
-                    errors::misuse(
-                        "local",
-                        format!("descriptor #{i} [{a:#x}, +{n}) is not inside memory registered with this agent"),
-                    )
-                })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        drop(spans);
+        let l = place(&self.spans(), local, "local", "this agent")?;
         let meta = self
             .core
             .remote_metadata(peer)
@@ -89,20 +94,7 @@ impl Agent {
             })
             .collect();
         theirs.sort_unstable_by_key(|s| s.addr);
-        let r = remote
-            .iter()
-            .enumerate()
-            .map(|(i, &(a, n))| {
-                find(&theirs, a, n).ok_or_else(|| {
-                    errors::misuse(
-                        "remote",
-                        format!(
-                            "descriptor #{i} [{a:#x}, +{n}) is not inside memory {peer} registered"
-                        ),
-                    )
-                })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let r = place(&theirs, remote, "remote", peer)?;
         Ok((l, r))
     }
 }

@@ -5,8 +5,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use kvrail::agent::metadata::MemKind;
-use kvrail::agent::{Agent as Core, AgentConfig, MemRegion};
+use kvrail::agent::{Agent as Core, AgentConfig};
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::tp::rank_agent_name;
 use kvrail::connector::{
@@ -257,18 +256,9 @@ impl Worker {
             .map_err(|e| errors::ConfigError::new_err(format!("layout: {e}")))?;
         let base =
             AgentConfig::from_json(agent_config_json.unwrap_or("")).map_err(errors::config)?;
-        let mut ac = agent_config(&cfg, &layout, base);
         let caches = Self::caches(caches)?;
-        if let KvCaches::Engine(rs) = &caches {
-            if let Some(dev) = rs
-                .iter()
-                .find(|m| m.kind() == MemKind::Npu)
-                .map(MemRegion::device_id)
-            {
-                let lib = rbln_sys::RblnLib::load().ok();
-                ac = placement::on_accelerator(ac, dev, lib.as_deref(), None);
-            }
-        }
+        // the rails of the NPU's NUMA node (runtime, else rbln-smi and sysfs)
+        let ac = placement::for_caches(agent_config(&cfg, &layout, base), &caches);
         let name = rank_agent_name(engine_id, tp_rank);
         let (w, agent) = py
             .allow_threads(move || -> Result<_, kvrail::agent::AgentError> {

@@ -2,7 +2,7 @@
 //! region (host memory in place, or NPU memory through the RBLN runtime).
 #![allow(unsafe_code)]
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use kvrail::agent::MemRegion;
 use kvrail::mem::{HostBuffer, NpuMemory};
@@ -12,14 +12,11 @@ use crate::errors;
 
 /// The RBLN runtime, loaded once, for NPU ("VRAM") registrations.
 fn runtime() -> PyResult<Arc<rbln_sys::RblnLib>> {
-    static LIB: OnceLock<Result<Arc<rbln_sys::RblnLib>, String>> = OnceLock::new();
-    LIB.get_or_init(|| rbln_sys::RblnLib::load().map_err(|e| e.to_string()))
-        .clone()
-        .map_err(|e| {
-            errors::UnavailableError::new_err(format!(
-                "mem_type VRAM: NPU memory needs the RBLN runtime: {e}"
-            ))
-        })
+    rbln_sys::RblnLib::shared().map_err(|e| {
+        errors::UnavailableError::new_err(format!(
+            "mem_type VRAM: NPU memory needs the RBLN runtime: {e}"
+        ))
+    })
 }
 
 /// `length` bytes at `addr` as a region: `mem_type` "DRAM" (host) or "VRAM" (NPU `dev_id`).

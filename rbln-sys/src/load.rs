@@ -142,6 +142,17 @@ impl RblnLib {
         Err(LoadError::NotFound { tried })
     }
 
+    /// The process's runtime: [`RblnLib::load`] once, the same handle (or the same error)
+    /// for every caller afterwards.
+    ///
+    /// # Errors
+    /// As [`RblnLib::load`], from its first call.
+    pub fn shared() -> Result<Arc<Self>, LoadError> {
+        static LIB: std::sync::OnceLock<Result<Arc<RblnLib>, LoadError>> =
+            std::sync::OnceLock::new();
+        LIB.get_or_init(Self::load).clone()
+    }
+
     /// Load the runtime from `path` (a path, or a file name the dynamic loader searches for).
     ///
     /// # Errors

@@ -96,18 +96,17 @@ pub(crate) fn on_read_data(
     r: &mut Reader<TcpStream>,
 ) -> Result<(), String> {
     let n = u64::from(len);
-    let target = shared.read_target(xfer, idx).filter(|(region, _, dlen)| {
-        region.host().is_some() && at.checked_add(n).is_some_and(|e| e <= *dlen)
-    });
-    let Some((region, off, _)) = target else {
+    let in_place = shared
+        .read_target(xfer, idx)
+        .filter(|(_, _, dlen)| at.checked_add(n).is_some_and(|e| e <= *dlen))
+        .and_then(|(region, off, _)| Some((region.host()?.clone(), off)));
+    let Some((host, off)) = in_place else {
+        // device memory, a transfer gone, or bytes outside the descriptor (said there)
         let data = r.payload(len)?;
         on_read_resp(shared, tx, peer, (xfer, idx, at), data);
         return Ok(());
     };
-    let Some(host) = region.host() else {
-        return Ok(());
-    };
-    let copied = r.payload_into(len, host, (off + at) as usize)?;
+    let copied = r.payload_into(len, &host, (off + at) as usize)?;
     shared.count_copy(copied);
     read_arrived(shared, tx, xfer, n);
     Ok(())

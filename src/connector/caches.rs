@@ -24,6 +24,19 @@ pub enum KvCaches {
     Engine(Vec<MemRegion>),
 }
 
+impl KvCaches {
+    /// The device of the first NPU cache (None: host memory, or kvrail allocates).
+    pub fn npu_device(&self) -> Option<i32> {
+        match self {
+            Self::Engine(rs) => rs
+                .iter()
+                .find(|m| m.kind() == crate::agent::metadata::MemKind::Npu)
+                .map(MemRegion::device_id),
+            Self::Allocate => None,
+        }
+    }
+}
+
 fn bad(key: &str, why: String) -> AgentError {
     AgentError::InvalidMemory(format!("{key}: {why}"))
 }

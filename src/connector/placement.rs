@@ -79,6 +79,19 @@ pub fn on_accelerator(
     base
 }
 
+/// `base` placed for a worker over `caches`: on the NUMA node of their NPU (the process's
+/// RBLN runtime, then `rbln-smi` and sysfs, as [`on_accelerator`]); unchanged for host
+/// caches.
+pub fn for_caches(base: AgentConfig, caches: &super::KvCaches) -> AgentConfig {
+    match caches.npu_device() {
+        Some(dev) => {
+            let lib = rbln_sys::RblnLib::shared().ok();
+            on_accelerator(base, dev, lib.as_deref(), None)
+        }
+        None => base,
+    }
+}
+
 /// The RDMA devices an agent made with `config` would use as rails (the same discovery
 /// and selection the verbs backend runs at start), or why none is usable — for checking a
 /// placement before starting, and for tests on fixture trees.

@@ -136,9 +136,7 @@ pub struct PushReg {
 impl PushReg {
     /// `PUSH_REG:` + msgpack map with named fields.
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = PUSH_REG_PREFIX.to_vec();
-        v.extend(rmp_serde::to_vec_named(self).unwrap_or_default());
-        v
+        encode_named(PUSH_REG_PREFIX, self)
     }
 
     /// Parse a registration (`b` includes the prefix).
@@ -146,10 +144,7 @@ impl PushReg {
     /// # Errors
     /// [`KvMsgError`] for a missing prefix, bad msgpack, missing fields, or no blocks.
     pub fn decode(b: &[u8]) -> Result<Self, KvMsgError> {
-        let body = b
-            .strip_prefix(PUSH_REG_PREFIX)
-            .ok_or_else(|| bad("PUSH_REG", "no PUSH_REG: prefix"))?;
-        let r: Self = rmp_serde::from_slice(body).map_err(|e| bad("PUSH_REG", e.to_string()))?;
+        let r: Self = decode_named(b, PUSH_REG_PREFIX, "PUSH_REG")?;
         if r.tp_size == 0 || r.tp_rank >= r.tp_size {
             return Err(bad(
                 "PUSH_REG",

@@ -2,7 +2,7 @@
 //! runtime `RBLN_RUNTIME_LIB` names (kvrail's test runtime in the lab), which the agent
 //! stages through its host bounce on verbs.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use kvrail::agent::{Agent, MemRegion, RegionId, RemoteAccess};
 use kvrail::mem::NpuMemory;
@@ -11,9 +11,7 @@ use rbln_sys::RblnLib;
 use crate::args::Mem;
 
 fn runtime() -> Result<Arc<RblnLib>, String> {
-    static LIB: OnceLock<Result<Arc<RblnLib>, String>> = OnceLock::new();
-    LIB.get_or_init(|| RblnLib::load().map_err(|e| format!("--mem npu: {e}")))
-        .clone()
+    RblnLib::shared().map_err(|e| format!("--mem npu: {e}"))
 }
 
 /// Register `len` bytes of `mem` (NPU memory on device `dev`) with `access`.
