@@ -912,3 +912,49 @@ fn notifications_are_routed_by_kind() {
         [b"PUSH_REG:c".to_vec()]
     );
 }
+
+/// Defect: a notification over the frame limit was accepted, and the receiver stopped
+/// reading the connection: every later transfer and notification to that peer was lost.
+#[test]
+fn oversize_notifications_are_refused_and_the_largest_arrives() {
+    let (p, d, peer) = pair();
+    let max = kvrail::agent::MAX_NOTIF_LEN;
+    let e = d.send_notif(&peer, vec![1; max + 1]).unwrap_err();
+    assert!(matches!(e, AgentError::NotifTooLarge { .. }), "{e}");
+    assert_eq!(e.fault(), kvrail::agent::Fault::Misuse);
+    let src = p.register(4096, RemoteAccess::READ, vec![]).unwrap();
+    let dst = d.register(4096, RemoteAccess::NONE, vec![]).unwrap();
+    let peer = load(&d, &p);
+    let e = d
+        .create_xfer(
+            XferOp::Read,
+            vec![Desc::new(dst, 0, 4096)],
+            &peer,
+            vec![Desc::new(src, 0, 4096)],
+            Some(vec![2; max + 1]),
+        )
+        .unwrap_err();
+    assert!(matches!(e, AgentError::NotifTooLarge { .. }), "{e}");
+    let x = d
+        .create_xfer(
+            XferOp::Read,
+            vec![Desc::new(dst, 0, 4096)],
+            &peer,
+            vec![Desc::new(src, 0, 4096)],
+            None,
+        )
+        .unwrap();
+    assert!(matches!(
+        d.set_notif(x, Some(vec![3; max + 1])),
+        Err(AgentError::NotifTooLarge { .. })
+    ));
+    // the largest allowed one, then a small one: both arrive, intact and in order
+    let big = pattern(5, max);
+    d.send_notif(&peer, big.clone()).unwrap();
+    d.send_notif(&peer, b"after".to_vec()).unwrap();
+    let got = collect_notifs(&p, 2, Duration::from_secs(120));
+    assert!(got[0] == big, "the largest notification came back changed");
+    assert_eq!(got[1], b"after");
+    d.post(x).unwrap();
+    assert_eq!(wait(&d, x), XferStatus::Done);
+}

@@ -1,7 +1,9 @@
 /* The C ABI's error handling: NULL handles and pointers, descriptors outside registered
  * memory, bad configuration keys, unknown peers and regions, small buffers; out-parameters
  * untouched on failure; messages for every code. */
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvrail.h"
@@ -78,6 +80,9 @@ int main(void) {
     uint8_t byte = 1;
     expect("write outside", kvrail_agent_write_region(d, dst, 4096, &byte, 1), KVRAIL_RESULT_OUT_OF_RANGE, "4096");
     expect("no region", kvrail_agent_deregister(d, 999), KVRAIL_RESULT_NO_REGION, "999");
+    /* a huge length is out of range, checked before anything is allocated (it aborted) */
+    expect("read huge", kvrail_agent_read_region(d, dst, 0, &byte, SIZE_MAX), KVRAIL_RESULT_OUT_OF_RANGE, "outside region");
+    expect("read past the end", kvrail_agent_read_region(d, dst, 4000, &byte, 97), KVRAIL_RESULT_OUT_OF_RANGE, "4000");
 
     /* the caller's own memory */
     static uint8_t mine[8192];
@@ -145,6 +150,11 @@ int main(void) {
     expect("NULL descriptors", kvrail_xfer_new(d, KVRAIL_OP_READ, NULL, 2, peer, r, 2, NULL, 0, &x), KVRAIL_RESULT_NULL_PARAMETER, "local");
     expect("unknown peer", kvrail_xfer_new(d, KVRAIL_OP_READ, l, 1, "nobody", r, 1, NULL, 0, &x), KVRAIL_RESULT_UNKNOWN_PEER, "nobody");
     expect("send to unknown peer", kvrail_agent_send_notif(d, "nobody", &byte, 1), KVRAIL_RESULT_UNKNOWN_PEER, NULL);
+    /* a notification over the limit is refused (it was accepted, and the peer stopped reading) */
+    size_t huge_len = ((size_t)4 << 20) + 1;
+    uint8_t *huge = calloc(1, huge_len);
+    expect("oversize notification", kvrail_agent_send_notif(d, peer, huge, huge_len), KVRAIL_RESULT_INVALID_ARGUMENT, "over the limit");
+    free(huge);
 
     /* a good transfer; freeing it while in progress is refused, after completion accepted */
     expect("xfer", kvrail_xfer_new(d, KVRAIL_OP_READ, l, 1, peer, r, 1, NULL, 0, &x), KVRAIL_RESULT_OK, NULL);
@@ -168,6 +178,11 @@ int main(void) {
     expect("NULL scheduler", kvrail_scheduler_get_num_new_matched_tokens(NULL, "r", 10, NULL, 0, &toks, &as), KVRAIL_RESULT_NULL_PARAMETER, "scheduler");
     expect("bad finished JSON", kvrail_scheduler_update_connector_output(s, "[]"), KVRAIL_RESULT_INVALID_ARGUMENT, "finished_json");
     expect("layout: unknown key", kvrail_worker_new("w", tcp, pull, "{\"layerz\":[]}", 1, &w), KVRAIL_RESULT_INVALID_CONFIG, "layout_json");
+    /* layouts that cannot describe memory (they were accepted) */
+    expect("layout: no layers", kvrail_worker_new("w", tcp, pull, "{\"layers\":[],\"num_blocks\":4,\"block_bytes\":64,\"planes\":2,\"block_size\":16}", 1, &w), KVRAIL_RESULT_INVALID_CONFIG, "layers: no layers");
+    expect("layout: block_size 0", kvrail_worker_new("w", tcp, pull, "{\"layers\":[\"l0\"],\"num_blocks\":4,\"block_bytes\":64,\"planes\":2,\"block_size\":0}", 1, &w), KVRAIL_RESULT_INVALID_CONFIG, "block_size");
+    expect("layout: kv_heads 0", kvrail_worker_new("w", tcp, pull, "{\"layers\":[\"l0\"],\"num_blocks\":4,\"block_bytes\":64,\"planes\":2,\"block_size\":16,\"kv_heads\":0}", 1, &w), KVRAIL_RESULT_INVALID_CONFIG, "kv_heads");
+    expect("layout: overflow", kvrail_worker_new("w", tcp, pull, "{\"layers\":[\"l0\"],\"num_blocks\":9223372036854775807,\"block_bytes\":64,\"planes\":2,\"block_size\":16}", 1, &w), KVRAIL_RESULT_INVALID_CONFIG, "overflows");
     expect("worker: rank past the size", kvrail_worker_new_rank("w", tcp, pull, layout, 2, 2, &w), KVRAIL_RESULT_UNSUPPORTED, "tp rank 2");
     expect("rank ports: NULL with a count", kvrail_scheduler_set_rank_ports(s, NULL, 2), KVRAIL_RESULT_NULL_PARAMETER, "ports");
     uint16_t ports[2] = {5600, 5601};

@@ -5,7 +5,7 @@ use std::ffi::c_char;
 use std::sync::{Arc, Mutex};
 
 use kvrail::agent::metadata::BackendKind;
-use kvrail::agent::{Agent, AgentConfig, RegionId};
+use kvrail::agent::{Agent, AgentConfig, AgentError, RegionId};
 
 use crate::result::{kvrail_result, Failure};
 use crate::util::{boundary, bytes_arg, null, put, str_arg, write_bytes};
@@ -218,6 +218,17 @@ pub unsafe extern "C" fn kvrail_agent_read_region(
         }
         if out.is_null() {
             return Err(null("out"));
+        }
+        // the range is checked before anything is allocated: a huge `len` is "out of range"
+        let size = h.agent.region_len(RegionId(region))?;
+        if offset.checked_add(len as u64).is_none_or(|end| end > size) {
+            return Err(AgentError::OutOfRange {
+                region,
+                offset,
+                len: len as u64,
+                size,
+            }
+            .into());
         }
         let mut tmp = vec![0u8; len];
         h.agent.read_region(RegionId(region), offset, &mut tmp)?;

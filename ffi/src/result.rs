@@ -72,6 +72,7 @@ impl From<&AgentError> for kvrail_result {
             AgentError::Metadata(_) => Self::Metadata,
             AgentError::Connection { .. } => Self::Connection,
             AgentError::InvalidMemory(_) => Self::InvalidMemory,
+            AgentError::NotifTooLarge { .. } => Self::InvalidArgument,
             _ => Self::Unsupported,
         }
     }

@@ -72,6 +72,14 @@ pub enum AgentError {
         /// Remote count.
         remote: usize,
     },
+    /// A notification over [`crate::agent::MAX_NOTIF_LEN`] bytes; nothing was queued.
+    #[error("a notification of {len} bytes is over the limit of {max} bytes")]
+    NotifTooLarge {
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// No such peer (load its metadata first).
     #[error("unknown peer {0:?}: load its metadata first")]
     UnknownPeer(String),
@@ -117,7 +125,8 @@ impl AgentError {
             | Self::LengthMismatch { .. }
             | Self::UnknownPeer(_)
             | Self::NoXfer(_)
-            | Self::Active(_) => Fault::Misuse,
+            | Self::Active(_)
+            | Self::NotifTooLarge { .. } => Fault::Misuse,
             Self::Handshake(_) | Self::Metadata(_) => Fault::Peer,
             Self::Connection { .. } => Fault::Connection,
             Self::InvalidMemory(_) => Fault::Memory,

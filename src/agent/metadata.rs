@@ -12,7 +12,8 @@ use crate::proto::handshake::HandshakeInfo;
 pub const VERSION: u32 = 2;
 /// Largest encoded metadata accepted.
 pub const MAX_BYTES: usize = 64 << 20;
-const MAX_NAME: usize = 256;
+/// Longest agent name, in bytes.
+pub const MAX_NAME: usize = 256;
 const MAX_RAILS: usize = 64;
 const MAX_REGIONS: usize = 1 << 20;
 const MAX_LAYERS: usize = 1 << 16;
@@ -150,6 +151,26 @@ pub enum MetadataError {
     },
 }
 
+/// The rule for agent names: 1..=[`MAX_NAME`] bytes, no control characters (a name
+/// becomes a thread name, a log field and a C string; a NUL inside would cut or break it).
+///
+/// # Errors
+/// What is wrong, in words.
+pub fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > MAX_NAME {
+        return Err(format!(
+            "agent name must be 1..={MAX_NAME} bytes, is {}",
+            name.len()
+        ));
+    }
+    if let Some(c) = name.chars().find(|c| c.is_control()) {
+        return Err(format!(
+            "agent name {name:?} contains the control character {c:?}"
+        ));
+    }
+    Ok(())
+}
+
 impl AgentMetadata {
     /// msgpack with named fields.
     ///
@@ -195,12 +216,8 @@ impl AgentMetadata {
                 reason,
             })
         };
-        let name = self.name();
-        if name.is_empty() || name.len() > MAX_NAME {
-            return bad(format!(
-                "agent name must be 1..={MAX_NAME} bytes, is {}",
-                name.len()
-            ));
+        if let Err(reason) = check_name(self.name()) {
+            return bad(reason);
         }
         if self.handshake.block_size == 0 {
             return bad("block_size is 0".into());

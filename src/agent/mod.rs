@@ -183,18 +183,15 @@ impl Agent {
     /// Create an agent called `name`, listening for its side channel on `config.listen`.
     ///
     /// # Errors
-    /// [`AgentError::Unsupported`] for an invalid `stripe_width` or agent name, or
-    /// `BackendChoice::Verbs` where no usable rail exists (the error says why); a build
+    /// [`AgentError::Unsupported`] for an invalid `stripe_width` or agent name, for
+    /// `BackendChoice::Verbs` where no usable rail exists (the error says why), or for
+    /// `devices` none of which is a usable rail (auto too: named devices are meant); a build
     /// without the `verbs` feature treats `Auto` as TCP. [`AgentError::Connection`] when it
     /// cannot listen.
     pub fn new(name: &str, config: AgentConfig) -> Result<Self, AgentError> {
         crate::transport::stripe::StripeMode::from_stripe_width(config.stripe_width)
             .map_err(|e| AgentError::Unsupported(format!("stripe_width: {e}")))?;
-        if name.is_empty() || name.len() > 256 {
-            return Err(AgentError::Unsupported(
-                "the agent name must be 1..=256 bytes".into(),
-            ));
-        }
+        metadata::check_name(name).map_err(AgentError::Unsupported)?;
         #[cfg(feature = "verbs")]
         let verbs = match config.backend {
             BackendChoice::Tcp => {
@@ -206,6 +203,15 @@ impl Agent {
                     let names: Vec<&str> = v.rails.iter().map(|r| r.name.as_str()).collect();
                     tracing::info!(agent = name, rails = ?names, "kvrail backend: verbs");
                     Some(Arc::new(v))
+                }
+                // devices named by the operator are meant: none of them usable is an
+                // error even in auto (it fell back to TCP without a word)
+                Err(why) if !config.devices.is_empty() => {
+                    let why = why.to_string().lines().next().unwrap_or("").to_owned();
+                    return Err(AgentError::Unsupported(format!(
+                        "devices {:?}: {why} (remove `devices` to let auto use TCP)",
+                        config.devices
+                    )));
                 }
                 Err(verbs::OpenError::NoRdma(why)) if choice == BackendChoice::Auto => {
                     tracing::info!(agent = name, "kvrail backend: tcp (no RDMA here: {why})");
@@ -357,6 +363,14 @@ impl Agent {
         self.shared.region(id.0)?.read(offset, out)
     }
 
+    /// The length of local region `id`.
+    ///
+    /// # Errors
+    /// [`AgentError::NoRegion`].
+    pub fn region_len(&self, id: RegionId) -> Result<u64, AgentError> {
+        Ok(self.shared.region(id.0)?.len())
+    }
+
     /// This agent's metadata.
     pub fn metadata(&self) -> AgentMetadata {
         self.shared.metadata()
@@ -469,7 +483,7 @@ impl Agent {
     ///
     /// # Errors
     /// [`AgentError::LengthMismatch`], [`AgentError::InvalidDesc`] naming the index,
-    /// [`AgentError::UnknownPeer`].
+    /// [`AgentError::UnknownPeer`], [`AgentError::NotifTooLarge`].
     pub fn create_xfer(
         &self,
         op: XferOp,
@@ -478,6 +492,7 @@ impl Agent {
         remote: Vec<Desc>,
         notif: Option<Vec<u8>>,
     ) -> Result<XferId, AgentError> {
+        check_notif_len(notif.as_deref())?;
         {
             let peers = lock(&self.shared.peers);
             let p = peers
@@ -592,8 +607,9 @@ impl Agent {
     /// transfer posted again with another message (NIXL's `transfer(handle, notif_msg)`).
     ///
     /// # Errors
-    /// [`AgentError::NoXfer`], [`AgentError::Active`].
+    /// [`AgentError::NoXfer`], [`AgentError::Active`], [`AgentError::NotifTooLarge`].
     pub fn set_notif(&self, id: XferId, notif: Option<Vec<u8>>) -> Result<(), AgentError> {
+        check_notif_len(notif.as_deref())?;
         lock(&self.shared.xfers).set_notif(id, notif)
     }
 
@@ -644,8 +660,9 @@ impl Agent {
     /// Send a notification to a peer; peers receive them in the order they were sent.
     ///
     /// # Errors
-    /// [`AgentError::UnknownPeer`].
+    /// [`AgentError::UnknownPeer`], [`AgentError::NotifTooLarge`].
     pub fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), AgentError> {
+        check_notif_len(Some(&bytes))?;
         if !lock(&self.shared.peers).contains_key(peer) {
             return Err(AgentError::UnknownPeer(peer.into()));
         }
@@ -747,11 +764,33 @@ impl Agent {
         lock(&self.shared.peers).get(peer).map(|p| p.meta.clone())
     }
 
+    /// True while `peer` is loaded and its connection is up (false once the peer closed
+    /// it, died, or was invalidated): a waiting caller can stop waiting for its answer.
+    pub fn peer_connected(&self, peer: &str) -> bool {
+        lock(&self.shared.peers)
+            .get(peer)
+            .is_some_and(|p| p.conn.is_open())
+    }
+
     /// Names of the loaded peers.
     pub fn peers(&self) -> Vec<String> {
         let mut v: Vec<String> = lock(&self.shared.peers).keys().cloned().collect();
         v.sort();
         v
+    }
+}
+
+/// The largest notification, in bytes: one fits a control frame with room for its header
+/// (larger ones are refused when handed in, before anything is queued).
+pub const MAX_NOTIF_LEN: usize = control::msg::CHUNK;
+
+fn check_notif_len(n: Option<&[u8]>) -> Result<(), AgentError> {
+    match n {
+        Some(b) if b.len() > MAX_NOTIF_LEN => Err(AgentError::NotifTooLarge {
+            len: b.len(),
+            max: MAX_NOTIF_LEN,
+        }),
+        _ => Ok(()),
     }
 }
 

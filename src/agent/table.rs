@@ -285,6 +285,12 @@ impl<R: Held> XferTable<R> {
         v
     }
 
+    /// True when transfer `id` exists and was posted to a peer other than `peer`: an
+    /// answer about it from `peer` is forged (or confused) and must not touch it.
+    pub(crate) fn belongs_elsewhere(&self, id: u64, peer: &str) -> bool {
+        self.xfers.get(&id).is_some_and(|x| x.peer != peer)
+    }
+
     /// The local descriptor `idx` of READ `id` and the region it lies in, to copy arriving
     /// bytes into.
     pub(crate) fn read_target(&self, id: u64, idx: u32) -> Option<(R, u64, u64)> {

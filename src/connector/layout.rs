@@ -49,6 +49,54 @@ fn one() -> u64 {
 }
 
 impl KvLayout {
+    /// Check that the layout can describe memory: at least one layer, no name twice,
+    /// every count at least 1, whole heads and tokens in a block, and a layer size that
+    /// fits an address space.
+    ///
+    /// # Errors
+    /// The first field that is wrong, named.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.layers.is_empty() {
+            return Err("layers: no layers".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(l) = self.layers.iter().find(|l| !seen.insert(l.as_str())) {
+            return Err(format!("layers: {l:?} appears twice"));
+        }
+        for (field, v) in [
+            ("num_blocks", self.num_blocks),
+            ("block_bytes", self.block_bytes),
+            ("planes", self.planes),
+            ("block_size", u64::from(self.block_size)),
+            ("kv_heads", self.kv_heads),
+            ("physical_per_logical", self.physical_per_logical),
+        ] {
+            if v == 0 {
+                return Err(format!("{field}: must be at least 1"));
+            }
+        }
+        let per_token = self.kv_heads * u64::from(self.block_size);
+        if !self.block_bytes.is_multiple_of(per_token) {
+            return Err(format!(
+                "block_bytes: {} is not a whole number of bytes per head and token \
+                 ({} heads × {} tokens)",
+                self.block_bytes, self.kv_heads, self.block_size
+            ));
+        }
+        let bytes = self
+            .planes
+            .checked_mul(self.num_blocks)
+            .and_then(|n| n.checked_mul(self.block_bytes))
+            .filter(|b| *b <= isize::MAX as u64);
+        if bytes.is_none() {
+            return Err(format!(
+                "num_blocks: {} planes × {} blocks × {} bytes overflows a layer",
+                self.planes, self.num_blocks, self.block_bytes
+            ));
+        }
+        Ok(())
+    }
+
     /// Bytes of one layer's region.
     pub fn layer_bytes(&self) -> u64 {
         self.planes * self.num_blocks * self.block_bytes
@@ -302,6 +350,32 @@ mod tests {
             kv_heads: heads,
             sliding_windows: [("swa1".to_owned(), 4)].into(),
             physical_per_logical: 1,
+        }
+    }
+
+    #[test]
+    fn layouts_that_cannot_describe_memory_are_refused_naming_the_field() {
+        assert_eq!(layout(2, 8).validate(), Ok(()));
+        type Spoil = fn(&mut KvLayout);
+        let cases: [(&str, Spoil); 8] = [
+            ("layers: no layers", |l| l.layers.clear()),
+            ("layers: \"l0\" appears twice", |l| {
+                l.layers[1] = "l0".into()
+            }),
+            ("num_blocks: must be", |l| l.num_blocks = 0),
+            ("block_size: must be", |l| l.block_size = 0),
+            ("kv_heads: must be", |l| l.kv_heads = 0),
+            ("planes: must be", |l| l.planes = 0),
+            ("block_bytes: 129 is not", |l| l.block_bytes = 129),
+            ("num_blocks: 2 planes × 9223372036854775807 blocks", |l| {
+                l.num_blocks = u64::MAX / 2
+            }),
+        ];
+        for (want, spoil) in cases {
+            let mut l = layout(2, 8);
+            spoil(&mut l);
+            let e = l.validate().unwrap_err();
+            assert!(e.starts_with(want), "{want}: {e}");
         }
     }
 

@@ -125,7 +125,8 @@ impl Worker {
     /// holding several (see [`KvCaches`]).
     ///
     /// # Errors
-    /// A rank not below the size; caches that do not match the layout or
+    /// A layout that fails [`KvLayout::validate`]; a rank not below the size; caches that
+    /// do not match the layout or
     /// `kv_buffer_device` (naming the layer or the key); what registration returns.
     pub fn with_caches(
         agent: Arc<Agent>,
@@ -134,6 +135,9 @@ impl Worker {
         tp: (u32, u32),
         caches: KvCaches,
     ) -> Result<Self, AgentError> {
+        layout
+            .validate()
+            .map_err(|e| AgentError::Unsupported(format!("layout: {e}")))?;
         let (tp_rank, tp_size) = tp;
         let tp_size = tp_size.max(1);
         if tp_rank >= tp_size {

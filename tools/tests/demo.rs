@@ -189,3 +189,31 @@ fn block_size_1024() {
     ]);
     assert!(t.contains("3 requests"), "{t}");
 }
+
+/// Defect: `--requests 0` panicked; `--concurrency 0`, `--min-tokens 0 --max-tokens 0` and
+/// `--step-tokens 0` hung. Each is refused at once, naming the flag.
+#[test]
+fn values_that_cannot_run_are_refused_naming_the_flag() {
+    for (args, flag) in [
+        (&["--requests", "0"][..], "--requests"),
+        (&["--concurrency", "0"][..], "--concurrency"),
+        (
+            &["--min-tokens", "0", "--max-tokens", "0"][..],
+            "--min-tokens",
+        ),
+        (&["--step-tokens", "0"][..], "--step-tokens"),
+        (
+            &["--min-tokens", "50", "--max-tokens", "40"][..],
+            "--max-tokens 40",
+        ),
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_kvrail-demo"))
+            .args(["--backend", "tcp"])
+            .args(args)
+            .output()
+            .expect("running kvrail-demo");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}

@@ -200,8 +200,8 @@ fn bad_arguments_are_refused_with_the_flag_named() {
     }
 }
 
-#[test]
-fn server_and_client_in_two_processes() {
+/// A `kvrail-perf --server` on a free loopback port, once it listens: (process, address).
+fn server() -> (std::process::Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -221,6 +221,12 @@ fn server_and_client_in_two_processes() {
     )
     .unwrap();
     assert!(line.contains(&listen), "{line}");
+    (server, listen)
+}
+
+#[test]
+fn server_and_client_in_two_processes() {
+    let (mut server, listen) = server();
     let o = perf(&[
         "--client",
         &listen,
@@ -280,4 +286,87 @@ fn log_output_follows_the_flags_and_rust_log() {
         .any(|j| j["level"] == "INFO" && j["fields"]["agent"] == "kvrail-perf-server"));
     let (_, err) = run(&["-q"], Some("kvrail=debug"));
     assert!(err.contains("DEBUG"), "RUST_LOG should win over -q: {err}");
+}
+
+/// Defects: the server registered whatever a client asked (`-s 2G` aborted it), exited on
+/// a word from an agent that was not its client, and a client took 30-120 s to notice a
+/// dead server.
+#[test]
+fn the_server_survives_strangers_and_a_client_notices_its_death() {
+    use kvrail::agent::{Agent, AgentConfig, BackendChoice};
+    use std::time::{Duration, Instant};
+    let (mut server, listen) = server();
+    let tcp = || AgentConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        backend: BackendChoice::Tcp,
+        ..AgentConfig::default()
+    };
+    let wait_answer = |a: &Agent| {
+        let t = Instant::now();
+        loop {
+            if let Some((_, m)) = a.get_new_notifs().pop() {
+                return String::from_utf8_lossy(&m).into_owned();
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "no answer");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    // a stranger sends garbage and an echo request: dropped, the server stays up
+    let stranger = Agent::new("stranger", tcp()).unwrap();
+    let peer = stranger.load_remote(listen.parse().unwrap()).unwrap();
+    stranger.send_notif(&peer, b"garbage".to_vec()).unwrap();
+    stranger
+        .send_notif(&peer, b"kvrail-perf:check 10 1".to_vec())
+        .unwrap();
+    // a client asking for 2 GiB is refused, in words, and the server stays up
+    let greedy = Agent::new("greedy", tcp()).unwrap();
+    let peer = greedy.load_remote(listen.parse().unwrap()).unwrap();
+    let me = greedy.side_channel_addr();
+    greedy
+        .send_notif(
+            &peer,
+            format!("kvrail-perf:hello {me} {} 7 host", 2u64 << 30).into_bytes(),
+        )
+        .unwrap();
+    let a = wait_answer(&greedy);
+    assert!(
+        a.starts_with("kvrail-perf:error cannot register 2147483648 bytes"),
+        "{a}"
+    );
+    assert!(server.try_wait().unwrap().is_none(), "the server exited");
+    // the client's own -s 2G is refused before it asks
+    let o = perf(&["--client", &listen, "-s", "2G"]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("over 1024 MiB"), "{:?}", text(&o));
+    // a real client still gets served; then the server dies under a latency run, and the
+    // client says so within seconds (it waited out 30 s per message)
+    let mut client = Command::new(env!("CARGO_BIN_EXE_kvrail-perf"))
+        .args(["--client", &listen, "--transport", "tcp", "-o", "lat"])
+        .args(["-s", "64", "-D", "120"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        client.try_wait().unwrap().is_none(),
+        "the client ended early"
+    );
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = client.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "the client did not notice the dead server in 15 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut client.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "{err}");
+    assert!(err.contains("closed"), "{err}");
 }

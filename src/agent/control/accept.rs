@@ -10,14 +10,14 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
 
 use super::msg::Msg;
-use super::{lock, Shared};
+use super::Shared;
 use crate::proto::frame::{self, PREFIX};
 
 /// How long a new connection may take to send its first message.
@@ -52,8 +52,7 @@ enum Step {
 pub(crate) fn run(
     shared: &Arc<Shared>,
     listener: TcpListener,
-    conns: &Arc<Mutex<Vec<TcpStream>>>,
-    attach: impl Fn(Arc<Shared>, TcpStream, Msg),
+    mut attach: impl FnMut(Arc<Shared>, TcpStream, Msg),
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     let mut poll = Poll::new()?;
@@ -100,9 +99,6 @@ pub(crate) fn run(
                     let _ = poll.registry().deregister(&mut SourceFd(&p.s.as_raw_fd()));
                     if p.s.set_nonblocking(false).is_err() {
                         continue;
-                    }
-                    if let Ok(k) = p.s.try_clone() {
-                        lock(conns).push(k);
                     }
                     attach(shared.clone(), p.s, m);
                 }

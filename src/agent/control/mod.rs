@@ -259,7 +259,17 @@ fn initiator_reader(
     peer: &str,
 ) {
     let why = loop {
-        match r.next() {
+        let m = r.next();
+        // answers are taken only about transfers posted on this connection: another peer
+        // must not complete, fail or fill this one's (its ids are guessable)
+        if let Ok(Some(Msg::Ack { xfer } | Msg::Fail { xfer, .. } | Msg::ReadData { xfer, .. })) =
+            &m
+        {
+            if lock(&shared.xfers).belongs_elsewhere(*xfer, peer) {
+                break format!("protocol error: an answer about transfer {xfer}, which was not posted to {peer}");
+            }
+        }
+        match m {
             Ok(Some(Msg::Ack { xfer })) => shared.finish(xfer, Ok(())),
             Ok(Some(Msg::Fail { xfer, message })) => shared.finish(
                 xfer,
@@ -299,8 +309,12 @@ fn initiator_reader(
 pub(crate) struct Shutdown {
     shared: Arc<Shared>,
     wake: SocketAddr,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    conns: Conns,
 }
+
+/// The attached connections being served (a clone of each, to close them at shutdown),
+/// by serial; each leaves when its serving thread ends.
+type Conns = Arc<Mutex<std::collections::HashMap<u64, TcpStream>>>;
 
 impl Drop for Shutdown {
     fn drop(&mut self) {
@@ -334,7 +348,7 @@ impl Drop for Shutdown {
         }
         self.shared.shutdown.store(true, Ordering::Release);
         let _ = TcpStream::connect_timeout(&self.wake, Duration::from_secs(1));
-        for c in lock(&self.conns).drain(..) {
+        for (_, c) in lock(&self.conns).drain() {
             let _ = c.shutdown(NetShutdown::Both);
         }
         for (_, p) in std::mem::take(&mut *lock(&self.shared.peers)) {
@@ -357,21 +371,32 @@ pub(crate) fn serve(
     } else {
         local
     };
-    let conns = Arc::new(Mutex::new(Vec::new()));
+    let conns = Conns::default();
     {
         let shared = shared.clone();
         let conns = conns.clone();
         std::thread::Builder::new()
             .name(format!("kvrail-listen-{}", shared.name))
             .spawn(move || {
-                let res = accept::run(&shared, listener, &conns, |shared, s, first| {
-                    let _ = std::thread::Builder::new()
+                let mut serial = 0u64;
+                let res = accept::run(&shared, listener, |shared, s, first| {
+                    serial += 1;
+                    let key = serial;
+                    if let Ok(k) = s.try_clone() {
+                        lock(&conns).insert(key, k);
+                    }
+                    let mine = conns.clone();
+                    let spawned = std::thread::Builder::new()
                         .name("kvrail-serve".into())
                         .spawn(move || {
                             if let Err(e) = target(&shared, s, first) {
                                 tracing::warn!(agent = %shared.name, "data connection: {e}");
                             }
+                            lock(&mine).remove(&key);
                         });
+                    if spawned.is_err() {
+                        lock(&conns).remove(&key);
+                    }
                 });
                 if let Err(e) = res {
                     tracing::error!(agent = %shared.name, "side channel listener stopped: {e}");
@@ -393,18 +418,22 @@ fn target(shared: &Shared, s: TcpStream, first: Msg) -> Result<(), String> {
     let Msg::Attach { info } = first else {
         return Err(format!("expected Attach, got {first:?}"));
     };
-    if let Err(e) = handshake::check(
-        &shared.handshake,
-        &info,
-        shared.config.enforce_handshake_compat,
-    ) {
+    let checked = crate::agent::metadata::check_name(&info.agent).and_then(|()| {
+        handshake::check(
+            &shared.handshake,
+            &info,
+            shared.config.enforce_handshake_compat,
+        )
+        .map_err(|e| e.to_string())
+    });
+    if let Err(e) = checked {
         let _ = send(
             &mut w,
             &Msg::Refused {
                 message: e.to_string(),
             },
         );
-        return Err(format!("refused {}: {e}", info.agent));
+        return Err(format!("refused {:?}: {e}", info.agent));
     }
     send(&mut w, &Msg::Attached).map_err(|e| e.to_string())?;
     let from = info.agent;

@@ -456,9 +456,41 @@ fn kill_p(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
     Ok(())
 }
 
+impl Args {
+    /// Refuse values that cannot run (they panicked or hung), naming the flag.
+    fn validate(&self) -> Result<(), String> {
+        let at_least_one = [
+            ("--requests", self.requests),
+            ("--concurrency", self.concurrency as u64),
+            ("--min-tokens", self.min_tokens),
+            ("--max-tokens", self.max_tokens),
+            ("--block-size", self.block_size as u64),
+            ("--num-blocks", self.num_blocks),
+            ("--layers", self.layers as u64),
+            ("--step-tokens", self.step_tokens.unwrap_or(1)),
+            ("--chunk-tokens", self.chunk_tokens.unwrap_or(1)),
+            ("--swa-window", self.swa_window.unwrap_or(1) as u64),
+        ];
+        if let Some((flag, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{flag} must be at least 1"));
+        }
+        if self.min_tokens > self.max_tokens {
+            return Err(format!(
+                "--min-tokens {} is over --max-tokens {}",
+                self.min_tokens, self.max_tokens
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn main() {
     let a = Args::parse();
     logging::init(&a.log);
+    if let Err(e) = a.validate() {
+        eprintln!("kvrail-demo: {e}");
+        std::process::exit(2);
+    }
     if let Some(Sub::FakeKv { seed, tokens, out }) = &a.instance {
         let s = shape(&a);
         let toks = model::tokens(*seed, *tokens);

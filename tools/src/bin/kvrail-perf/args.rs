@@ -135,6 +135,12 @@ impl Args {
             }
         }
         for s in self.sizes() {
+            if s > crate::peer::MAX_SERVE_BYTES {
+                return Err(format!(
+                    "size {s} is over {} MiB, the most a server registers",
+                    crate::peer::MAX_SERVE_BYTES >> 20
+                ));
+            }
             if s < self.descs {
                 return Err(format!(
                     "size {s} cannot be split into {} descriptors",

@@ -215,6 +215,11 @@ pub(crate) fn latency(a: &Agent, peer: &str, size: u64, stop: Stop) -> Result<La
             if t0.elapsed() > limit {
                 return Err(format!("no echo of message {i} within 30 s"));
             }
+            if !a.peer_connected(peer) {
+                return Err(format!(
+                    "the connection to the server closed before the echo of message {i}"
+                ));
+            }
             std::hint::spin_loop();
         }
         samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);

@@ -126,7 +126,7 @@ fn client(args: &Args, server: SocketAddr) -> Result<(), String> {
         if a.send_notif(&peer, format!("{CTL}bye").into_bytes())
             .is_ok()
         {
-            let _ = expect(&a, "done", Duration::from_secs(10));
+            let _ = expect(&a, &peer, "done", Duration::from_secs(10));
         }
     }
     res
@@ -150,7 +150,7 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
         format!("{CTL}hello {me} {len} {READ_SEED} {kind}").into_bytes(),
     )
     .map_err(e)?;
-    let id: u32 = expect(a, "ready", ANSWER)?
+    let id: u32 = expect(a, &peer, "ready", ANSWER)?
         .parse()
         .map_err(|_| "bad ready answer".to_string())?;
     a.load_remote(server).map_err(e)?; // the region registered for us
@@ -271,7 +271,7 @@ fn bw_run(
     let wrong = if op == XferOp::Write {
         a.send_notif(peer, format!("{CTL}check {used} {write_seed}").into_bytes())
             .map_err(e)?;
-        expect(a, "checked", ANSWER)?
+        expect(a, peer, "checked", ANSWER)?
             .parse()
             .map_err(|_| "bad check answer".to_string())?
     } else {

@@ -27,10 +27,14 @@ pub(crate) fn pattern(seed: u64, len: u64) -> Vec<u8> {
     (0..len).map(|i| pattern_byte(seed, i)).collect()
 }
 
-/// Serve one client until it says bye (or `idle` passes without a word from it).
+/// The most memory a client may ask the server to register (a larger `hello` is refused).
+pub(crate) const MAX_SERVE_BYTES: u64 = 1 << 30;
+
+/// Serve one client until it says bye (or `idle` passes without a word from it). Words
+/// from anyone else are logged and dropped; a control message that cannot be served is
+/// answered `kvrail-perf:error <why>` and the server goes on.
 pub(crate) fn serve(a: &Agent, idle: Duration) -> Result<(), String> {
-    let mut client: Option<String> = None;
-    let mut region: Option<RegionId> = None;
+    let mut st = Served::default();
     let mut last = Instant::now();
     loop {
         let msgs = a.get_new_notifs();
@@ -52,80 +56,136 @@ pub(crate) fn serve(a: &Agent, idle: Duration) -> Result<(), String> {
         }
         last = Instant::now();
         for (from, m) in msgs {
-            let Some(ctl) = std::str::from_utf8(&m)
+            let ctl = std::str::from_utf8(&m)
                 .ok()
                 .and_then(|s| s.strip_prefix(CTL))
-            else {
+                .map(str::to_owned);
+            let is_hello = ctl.as_deref().is_some_and(|c| c.starts_with("hello "));
+            if !is_hello && st.client.as_deref() != Some(from.as_str()) {
+                tracing::warn!(from = %from, "kvrail-perf server: a message from an agent that is not the client; dropped");
+                continue;
+            }
+            let Some(ctl) = ctl else {
                 // latency: echo
-                a.send_notif(&from, m).map_err(|e| e.to_string())?;
+                if let Err(e) = a.send_notif(&from, m) {
+                    tracing::warn!(to = %from, "kvrail-perf server: echo failed: {e}");
+                }
                 continue;
             };
-            let w: Vec<&str> = ctl.split_whitespace().collect();
-            let reply = match w.as_slice() {
-                ["hello", addr, len, seed, rest @ ..] => {
-                    let mem = match rest {
-                        [] | ["host"] => crate::args::Mem::Host,
-                        ["npu"] => crate::args::Mem::Npu,
-                        other => return Err(format!("unknown memory {other:?}")),
-                    };
-                    let addr = addr.parse().map_err(|_| format!("bad address {addr}"))?;
-                    let len: u64 = len.parse().map_err(|_| format!("bad length {len}"))?;
-                    let seed: u64 = seed.parse().map_err(|_| format!("bad seed {seed}"))?;
-                    let name = a.load_remote(addr).map_err(|e| e.to_string())?;
-                    if let Some(old) = region.take() {
-                        a.deregister(old).map_err(|e| e.to_string())?;
-                    }
-                    let r = crate::mem::register(a, mem, len, RemoteAccess::READ_WRITE, 1)?;
-                    a.write_region(r, 0, &pattern(seed, len))
-                        .map_err(|e| e.to_string())?;
-                    region = Some(r);
-                    client = Some(name);
-                    format!("ready {}", r.0)
+            let reply = match st.control(a, &ctl) {
+                Ok(Some(reply)) => reply,
+                Ok(None) => return Ok(()), // bye (answered)
+                Err(why) => {
+                    tracing::warn!(from = %from, "kvrail-perf server: {why}");
+                    format!("error {why}")
                 }
-                ["check", len, seed] => {
-                    let r = region.ok_or("check before hello")?;
-                    let len: u64 = len.parse().map_err(|_| format!("bad length {len}"))?;
-                    let seed: u64 = seed.parse().map_err(|_| format!("bad seed {seed}"))?;
-                    let mut got = vec![0u8; len as usize];
-                    a.read_region(r, 0, &mut got).map_err(|e| e.to_string())?;
-                    let wrong = got
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, b)| **b != pattern_byte(seed, *i as u64))
-                        .count();
-                    format!("checked {wrong}")
-                }
-                ["bye"] => {
-                    // answer, so the client does not close its agent (and connection)
-                    // before this was read
-                    if let Some(to) = client.as_deref() {
-                        let _ = a.send_notif(to, format!("{CTL}done").into_bytes());
-                    }
-                    return Ok(());
-                }
-                other => return Err(format!("unknown control message {other:?}")),
             };
-            let to = client.as_deref().ok_or("no client")?;
-            a.send_notif(to, format!("{CTL}{reply}").into_bytes())
-                .map_err(|e| e.to_string())?;
+            if let Err(e) = a.send_notif(&from, format!("{CTL}{reply}").into_bytes()) {
+                tracing::warn!(to = %from, "kvrail-perf server: answer failed: {e}");
+            }
         }
     }
 }
 
-/// Wait for the control answer starting with `what` from the server.
-pub(crate) fn expect(a: &Agent, what: &str, limit: Duration) -> Result<String, String> {
+/// What the server holds for its client.
+#[derive(Default)]
+struct Served {
+    client: Option<String>,
+    region: Option<RegionId>,
+}
+
+impl Served {
+    /// Serve control message `ctl`: the answer, or None after `bye`.
+    fn control(&mut self, a: &Agent, ctl: &str) -> Result<Option<String>, String> {
+        let w: Vec<&str> = ctl.split_whitespace().collect();
+        let num = |what: &str, v: &str| -> Result<u64, String> {
+            v.parse().map_err(|_| format!("bad {what} {v:?}"))
+        };
+        Ok(Some(match w.as_slice() {
+            ["hello", addr, len, seed, rest @ ..] => {
+                let mem = match rest {
+                    [] | ["host"] => crate::args::Mem::Host,
+                    ["npu"] => crate::args::Mem::Npu,
+                    other => return Err(format!("unknown memory {other:?}")),
+                };
+                let addr = addr.parse().map_err(|_| format!("bad address {addr:?}"))?;
+                let len = num("length", len)?;
+                let seed = num("seed", seed)?;
+                // loaded first, so that even a refusal can be answered
+                let name = a.load_remote(addr).map_err(|e| e.to_string())?;
+                if len == 0 || len > MAX_SERVE_BYTES {
+                    return Err(format!(
+                        "cannot register {len} bytes (1 byte to {} MiB)",
+                        MAX_SERVE_BYTES >> 20
+                    ));
+                }
+                if let Some(old) = self.region.take() {
+                    a.deregister(old).map_err(|e| e.to_string())?;
+                }
+                let r = crate::mem::register(a, mem, len, RemoteAccess::READ_WRITE, 1)?;
+                a.write_region(r, 0, &pattern(seed, len))
+                    .map_err(|e| e.to_string())?;
+                self.region = Some(r);
+                self.client = Some(name);
+                format!("ready {}", r.0)
+            }
+            ["check", len, seed] => {
+                let r = self.region.ok_or("check before hello")?;
+                let (len, seed) = (num("length", len)?, num("seed", seed)?);
+                if len > a.region_len(r).map_err(|e| e.to_string())? {
+                    return Err(format!("check of {len} bytes: past the region"));
+                }
+                let mut got = vec![0u8; len as usize];
+                a.read_region(r, 0, &mut got).map_err(|e| e.to_string())?;
+                let wrong = got
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, b)| **b != pattern_byte(seed, *i as u64))
+                    .count();
+                format!("checked {wrong}")
+            }
+            ["bye"] => {
+                // answer, so the client does not close its agent (and connection)
+                // before this was read
+                if let Some(to) = self.client.as_deref() {
+                    let _ = a.send_notif(to, format!("{CTL}done").into_bytes());
+                }
+                return Ok(None);
+            }
+            other => return Err(format!("unknown control message {other:?}")),
+        }))
+    }
+}
+
+/// Wait for the control answer starting with `what` from `server`: an error answer, a
+/// connection that went down, or `limit` end the wait.
+pub(crate) fn expect(
+    a: &Agent,
+    server: &str,
+    what: &str,
+    limit: Duration,
+) -> Result<String, String> {
     let t = Instant::now();
     loop {
         let mut found = None;
         for (_, m) in a.get_new_notifs() {
             let s = String::from_utf8_lossy(&m).into_owned();
-            match s.strip_prefix(CTL).and_then(|r| r.strip_prefix(what)) {
+            let answer = s.strip_prefix(CTL);
+            if let Some(why) = answer.and_then(|r| r.strip_prefix("error ")) {
+                return Err(format!("the server refused: {why}"));
+            }
+            match answer.and_then(|r| r.strip_prefix(what)) {
                 Some(rest) if found.is_none() => found = Some(rest.trim().to_owned()),
                 _ => return Err(format!("unexpected message from the server: {s:?}")),
             }
         }
         if let Some(f) = found {
             return Ok(f);
+        }
+        if !a.peer_connected(server) {
+            return Err(format!(
+                "the connection to the server closed while waiting for {what:?}"
+            ));
         }
         if t.elapsed() > limit {
             return Err(format!(
