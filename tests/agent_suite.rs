@@ -958,3 +958,122 @@ fn oversize_notifications_are_refused_and_the_largest_arrives() {
     d.post(x).unwrap();
     assert_eq!(wait(&d, x), XferStatus::Done);
 }
+
+fn with_secret(host: Host, secret: Option<&str>) -> AgentConfig {
+    AgentConfig {
+        cluster_secret: secret.map(|k| kvrail::agent::ClusterSecret::new(k).unwrap()),
+        ..cfg(host)
+    }
+}
+
+/// One length-prefixed frame from `s` (the side channel's framing), None at its end.
+fn raw_frame(s: &mut std::net::TcpStream) -> Option<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).ok()?;
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut body).ok()?;
+    Some([&len[..], &body].concat())
+}
+
+/// With a cluster secret, a side-channel peer proves it before it gets metadata or queue
+/// pairs: the right secret works (byte-exact transfer); a wrong one, none, or one brought
+/// to an agent without a secret gets nothing, and the agent counts the refusal; leaked
+/// metadata does not let a stranger attach; a recorded answer replayed on a new connection
+/// fails.
+#[test]
+fn cluster_secret_right_wrong_missing_and_replayed() {
+    const K: &str = "a cluster secret of the test";
+    let p = Agent::new("prefill-0", with_secret(Host::B, Some(K))).unwrap();
+    let src = p.register(1 << 20, RemoteAccess::READ, vec![]).unwrap();
+    let data = pattern(11, 1 << 20);
+    p.write_region(src, 0, &data).unwrap();
+    let at = p.side_channel_addr();
+    // the right secret
+    let d = Agent::new("decode-0", with_secret(Host::A, Some(K))).unwrap();
+    let peer = d.load_remote(at).unwrap();
+    let dst = d.register(1 << 20, RemoteAccess::NONE, vec![]).unwrap();
+    let x = d
+        .create_xfer(
+            XferOp::Read,
+            vec![Desc::new(dst, 0, 1 << 20)],
+            &peer,
+            vec![Desc::new(src, 0, 1 << 20)],
+            None,
+        )
+        .unwrap();
+    d.post(x).unwrap();
+    assert_eq!(wait(&d, x), XferStatus::Done);
+    let mut got = vec![0u8; 1 << 20];
+    d.read_region(dst, 0, &mut got).unwrap();
+    assert!(got == data, "the bytes differ");
+    assert_eq!(p.auth_refusals(), 0);
+    // a wrong secret, and none: refused, counted, no metadata learned
+    let wrong = Agent::new(
+        "wrong",
+        with_secret(Host::A, Some("another cluster's secret")),
+    )
+    .unwrap();
+    // (it sees first that the agent's proof is not of its secret, and leaves)
+    let e = wrong.load_remote(at).unwrap_err().to_string();
+    assert!(e.contains("did not prove the cluster secret"), "{e}");
+    let none = Agent::new("none", with_secret(Host::A, None)).unwrap();
+    let e = none.load_remote(at).unwrap_err().to_string();
+    assert!(e.contains("authentication required"), "{e}");
+    assert!(wrong.peers().is_empty() && none.peers().is_empty());
+    // metadata leaked some other way: the attach (queue pairs) is refused all the same
+    let leaked = p.metadata().encode().unwrap();
+    let e = none
+        .load_remote_metadata(&leaked, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("authentication required"), "{e}");
+    // (the wrong secret's departure is counted as the listener sees it close)
+    let t = Instant::now();
+    while p.auth_refusals() < 3 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(p.auth_refusals(), 3);
+    // a secret brought to an agent that has none
+    let open = Agent::new("open", with_secret(Host::B, None)).unwrap();
+    let e = wrong
+        .load_remote(open.side_channel_addr())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("has no cluster_secret"), "{e}");
+    // replay: record what a real peer sends through a relay, then send it again
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_at = relay.local_addr().unwrap();
+    let recorder = std::thread::spawn(move || {
+        let (mut c, _) = relay.accept().unwrap();
+        let mut s = std::net::TcpStream::connect(at).unwrap();
+        let mut sent = Vec::new();
+        // hello (answered by the challenge), the proof (no answer), GetMetadata (answered)
+        for answered in [true, false, true] {
+            let f = raw_frame(&mut c).unwrap();
+            s.write_all(&f).unwrap();
+            sent.push(f);
+            if answered {
+                c.write_all(&raw_frame(&mut s).unwrap()).unwrap();
+            }
+        }
+        sent
+    });
+    let d2 = Agent::new("decode-1", with_secret(Host::A, Some(K))).unwrap();
+    // (the relay carries the metadata request only: the attach that follows, to the relay's
+    // address, finds nobody)
+    let _ = d2.load_remote(relay_at);
+    let recorded = recorder.join().unwrap();
+    let mut s = std::net::TcpStream::connect(at).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&recorded[0]).unwrap(); // the recorded hello (same nonce)
+    let _challenge = raw_frame(&mut s).unwrap(); // a fresh nonce of the agent's
+    s.write_all(&recorded[1]).unwrap(); // the recorded proof
+    let answer = raw_frame(&mut s).unwrap_or_default();
+    assert!(
+        String::from_utf8_lossy(&answer).contains("wrong cluster_secret"),
+        "the replayed proof was not refused: {} bytes back",
+        answer.len()
+    );
+    assert!(raw_frame(&mut s).is_none(), "more came after the refusal");
+    assert_eq!(p.auth_refusals(), 4);
+}

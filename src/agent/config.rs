@@ -52,6 +52,10 @@ pub struct AgentConfig {
     pub sysfs_root: Option<std::path::PathBuf>,
     /// How device memory is staged on verbs (host bounce).
     pub bounce: crate::bounce::BounceConfig,
+    /// `cluster_secret`: when set, every side-channel connection must prove it (both ways)
+    /// before it gets metadata or queue pairs; unset, anyone who reaches the side channel
+    /// can (the agent warns at start when it listens beyond loopback).
+    pub cluster_secret: Option<super::ClusterSecret>,
 }
 
 impl Default for AgentConfig {
@@ -79,6 +83,7 @@ impl Default for AgentConfig {
             devices: Vec::new(),
             sysfs_root: None,
             bounce: crate::bounce::BounceConfig::default(),
+            cluster_secret: None,
         }
     }
 }

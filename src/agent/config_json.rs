@@ -22,6 +22,7 @@ struct ConfigJson {
     draft_model: Option<String>,
     kv_layout: Option<String>,
     block_size: Option<u32>,
+    cluster_secret: Option<String>,
 }
 
 fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
@@ -37,7 +38,8 @@ impl AgentConfig {
     /// peers), `backend` ("auto", "verbs", "tcp"), `stripe_width` (null or 0), `devices`
     /// (RDMA devices to use), `numa` (the accelerator's NUMA node, -1 any),
     /// `enforce_handshake_compat`, and what the compatibility hash covers: `model`, `dtype`,
-    /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`.
+    /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`; `cluster_secret` (at least
+    /// 16 bytes; see [`AgentConfig::cluster_secret`]).
     ///
     /// # Errors
     /// [`ConfigError`] naming the key: an unknown key, a value of the wrong type, a bad
@@ -105,6 +107,10 @@ impl AgentConfig {
             }
             c.block_size = b;
         }
+        if let Some(k) = j.cluster_secret {
+            c.cluster_secret =
+                Some(super::ClusterSecret::new(k).map_err(|e| bad("cluster_secret", e))?);
+        }
         Ok(c)
     }
 }
@@ -136,6 +142,7 @@ mod tests {
             (r#"{"backend":"ucx"}"#, "backend"),
             (r#"{"listen":"nope"}"#, "listen"),
             (r#"{"block_size":0}"#, "block_size"),
+            (r#"{"cluster_secret":"short"}"#, "cluster_secret"),
             ("[1]", "config"),
         ] {
             assert_eq!(AgentConfig::from_json(json).unwrap_err().key, key, "{json}");

@@ -44,6 +44,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use config::{AgentConfig, BackendChoice};
+pub use control::auth::{ClusterSecret, MIN_SECRET};
 pub use error::{AgentError, Fault, XferError};
 pub use region::{RegionId, RegionMemory, RemoteAccess};
 pub use register::{MemRegion, RegisteredMemory};
@@ -132,6 +133,8 @@ pub(crate) struct Shared {
     shutdown: std::sync::atomic::AtomicBool,
     /// Payload bytes the CPU copied in transfers (see [`Agent::payload_bytes_copied`]).
     copied: std::sync::atomic::AtomicU64,
+    /// Side-channel connections refused by authentication.
+    auth_refused: std::sync::atomic::AtomicU64,
     /// The verbs data path, when the agent runs on RDMA.
     #[cfg(feature = "verbs")]
     verbs: Option<Arc<verbs::Verbs>>,
@@ -188,7 +191,14 @@ impl Agent {
     /// `devices` none of which is a usable rail (auto too: named devices are meant); a build
     /// without the `verbs` feature treats `Auto` as TCP. [`AgentError::Connection`] when it
     /// cannot listen.
-    pub fn new(name: &str, config: AgentConfig) -> Result<Self, AgentError> {
+    pub fn new(name: &str, mut config: AgentConfig) -> Result<Self, AgentError> {
+        if config.cluster_secret.is_none() {
+            if let Some(k) = std::env::var_os(SECRET_ENV) {
+                let k = ClusterSecret::new(k.into_encoded_bytes())
+                    .map_err(|e| AgentError::Unsupported(format!("{SECRET_ENV}: {e}")))?;
+                config.cluster_secret = Some(k);
+            }
+        }
         crate::transport::stripe::StripeMode::from_stripe_width(config.stripe_width)
             .map_err(|e| AgentError::Unsupported(format!("stripe_width: {e}")))?;
         metadata::check_name(name).map_err(AgentError::Unsupported)?;
@@ -274,6 +284,7 @@ impl Agent {
             next_conn: std::sync::atomic::AtomicU64::new(1),
             shutdown: std::sync::atomic::AtomicBool::new(false),
             copied: std::sync::atomic::AtomicU64::new(0),
+            auth_refused: std::sync::atomic::AtomicU64::new(0),
             #[cfg(feature = "verbs")]
             verbs,
             bounce: std::sync::OnceLock::new(),
@@ -285,6 +296,11 @@ impl Agent {
         }
         let guard = Arc::new(control::serve(shared.clone(), listener, local)?);
         tracing::info!(agent = name, side_channel = %addr, "kvrail agent up");
+        if shared.config.cluster_secret.is_none() && !local.ip().is_loopback() {
+            tracing::warn!(agent = name, side_channel = %local,
+                "no cluster_secret: anyone who reaches the side channel can load this agent's \
+                 metadata and READ or WRITE its registered memory");
+        }
         let agent = Self {
             shared,
             _guard: guard,
@@ -371,6 +387,14 @@ impl Agent {
         Ok(self.shared.region(id.0)?.len())
     }
 
+    /// Side-channel connections refused because they did not prove the cluster secret
+    /// (or brought one to an agent that has none).
+    pub fn auth_refusals(&self) -> u64 {
+        self.shared
+            .auth_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// This agent's metadata.
     pub fn metadata(&self) -> AgentMetadata {
         self.shared.metadata()
@@ -386,7 +410,7 @@ impl Agent {
     /// [`AgentError::Metadata`].
     pub fn load_remote(&self, addr: SocketAddr) -> Result<String, AgentError> {
         crate::proto::handshake::check_advertised(self.shared.addr.ip(), addr.ip())?;
-        let bytes = control::fetch_metadata(addr)?;
+        let bytes = control::fetch_metadata(addr, self.shared.config.cluster_secret.as_ref())?;
         self.load_remote_metadata(&bytes, Some(addr))
     }
 
@@ -779,6 +803,10 @@ impl Agent {
         v
     }
 }
+
+/// The environment variable an agent takes its cluster secret from when its configuration
+/// sets none (keeps the secret off command lines).
+pub const SECRET_ENV: &str = "KVRAIL_CLUSTER_SECRET";
 
 /// The largest notification, in bytes: one fits a control frame with room for its header
 /// (larger ones are refused when handed in, before anything is queued).

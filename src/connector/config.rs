@@ -52,6 +52,9 @@ pub struct KvTransferConfig {
     pub link_down_exit_s: u64,
     /// `enforce_handshake_compat` (default true).
     pub enforce_handshake_compat: bool,
+    /// `cluster_secret`: the side channel's shared secret (see
+    /// [`crate::agent::AgentConfig::cluster_secret`]).
+    pub cluster_secret: Option<crate::agent::ClusterSecret>,
 }
 
 const TOP: &[&str] = &[
@@ -85,6 +88,7 @@ const EXTRA: &[&str] = &[
     "stripe_width",
     "link_down_exit_s",
     "enforce_handshake_compat",
+    "cluster_secret",
 ];
 
 /// One prefill step's tokens when the engine does not say (vLLM's V1 default for serving).
@@ -269,6 +273,14 @@ impl KvTransferConfig {
             &x("enforce_handshake_compat"),
             true,
         )?;
+        let cluster_secret = match extra.get("cluster_secret") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(k)) => Some(
+                crate::agent::ClusterSecret::new(k.as_bytes())
+                    .map_err(|e| err(&x("cluster_secret"), e))?,
+            ),
+            Some(_) => return Err(err(&x("cluster_secret"), "not a string")),
+        };
         if link_down > 0 && role != KvRole::Producer {
             return Err(err(
                 &x("link_down_exit_s"),
@@ -314,6 +326,7 @@ impl KvTransferConfig {
             stripe_width,
             link_down_exit_s: link_down,
             enforce_handshake_compat: compat,
+            cluster_secret,
         })
     }
 

@@ -47,6 +47,9 @@ pub fn agent_config(
     a.layers = layout.layers.clone();
     a.physical_per_logical = u32::try_from(layout.physical_per_logical.max(1)).unwrap_or(u32::MAX);
     a.require_layers = cfg.role != config::KvRole::Consumer;
+    if cfg.cluster_secret.is_some() {
+        a.cluster_secret.clone_from(&cfg.cluster_secret);
+    }
     a
 }
 pub use meta::{

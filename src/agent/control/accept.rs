@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
 
+use super::auth::{self, Verdict};
 use super::msg::Msg;
 use super::Shared;
 use crate::proto::frame::{self, PREFIX};
@@ -32,10 +33,13 @@ const LISTENER: Token = Token(0);
 /// A connection the loop owns: reading its first frame, or writing the metadata.
 struct Pending {
     s: TcpStream,
-    /// The bytes of the first frame read so far (prefix, then body).
+    /// The bytes of the frame being read (prefix, then body).
     got: Vec<u8>,
-    /// The metadata answer, and how much of it is written.
-    out: Option<(Vec<u8>, usize)>,
+    /// An answer being written (an authentication challenge, or the metadata), how much of
+    /// it is written, and whether the connection closes after it.
+    out: Option<(Vec<u8>, usize, bool)>,
+    /// Where authentication stands (a cluster secret is configured).
+    auth: auth::Listen,
     deadline: Instant,
 }
 
@@ -172,6 +176,7 @@ fn accept_all(
                 s,
                 got: Vec::new(),
                 out: None,
+                auth: auth::Listen::start(shared.config.cluster_secret.as_ref()),
                 deadline: Instant::now() + FIRST_MESSAGE_TIMEOUT,
             },
         );
@@ -180,10 +185,73 @@ fn accept_all(
 
 /// Make progress on one connection.
 fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
-    if let Some((out, at)) = &mut p.out {
-        return write_out(&mut p.s, out, at);
+    loop {
+        if let Some((out, at, close)) = &mut p.out {
+            match write_out(&mut p.s, out, at) {
+                Some(step) => return step,
+                None if *close => return Step::Close,
+                None => {
+                    p.out = None;
+                    let _ = poll.registry().reregister(
+                        &mut SourceFd(&p.s.as_raw_fd()),
+                        Token(t),
+                        Interest::READABLE,
+                    );
+                }
+            }
+        }
+        let m = match read_frame(shared, p) {
+            Ok(m) => m,
+            Err(Step::Close) if matches!(p.auth, auth::Listen::Proof { .. }) => {
+                // challenged, and gone without a proof: a peer whose secret did not match
+                // ours (it checks our proof first)
+                shared
+                    .auth_refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(agent = %shared.name, peer = ?p.s.peer_addr().ok(),
+                    "side channel: the peer left during authentication (another cluster_secret?)");
+                return Step::Close;
+            }
+            Err(step) => return step,
+        };
+        let m = match p.auth.take(shared.config.cluster_secret.as_ref(), m) {
+            Verdict::NotMine(m) => m,
+            Verdict::Passed => continue,
+            Verdict::Answer(a) => {
+                answer(p, poll, t, &a, false);
+                continue;
+            }
+            Verdict::Refuse(why) => {
+                shared
+                    .auth_refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(agent = %shared.name, peer = ?p.s.peer_addr().ok(),
+                    "side channel: refused: {why}");
+                refuse(&mut p.s, why);
+                return Step::Close;
+            }
+        };
+        return match m {
+            Msg::GetMetadata => {
+                let Some(meta) = shared.metadata().encode().ok() else {
+                    return Step::Close;
+                };
+                answer(p, poll, t, &Msg::Metadata(meta), true);
+                continue;
+            }
+            m @ Msg::Attach { .. } => Step::Attach(m),
+            other => {
+                tracing::warn!(agent = %shared.name, "side channel: unexpected first message {other:?}");
+                refuse(&mut p.s, "expected GetMetadata or Attach");
+                Step::Close
+            }
+        };
     }
-    // read exactly the first frame: the prefix, then the body it announces
+}
+
+/// Read one whole frame (the prefix, then the body it announces) and decode it; `Err` says
+/// what the loop does instead (wait for more bytes, or close).
+fn read_frame(shared: &Shared, p: &mut Pending) -> Result<Msg, Step> {
     loop {
         let want = if p.got.len() < PREFIX {
             PREFIX
@@ -191,7 +259,7 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
             let len = u32::from_be_bytes([p.got[0], p.got[1], p.got[2], p.got[3]]) as usize;
             if len > MAX_FIRST {
                 tracing::warn!(agent = %shared.name, "side channel: first frame of {len} bytes refused");
-                return Step::Close;
+                return Err(Step::Close);
             }
             PREFIX + len
         };
@@ -200,65 +268,57 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
         }
         let mut buf = vec![0u8; want - p.got.len()];
         match p.s.read(&mut buf) {
-            Ok(0) => return Step::Close,
+            Ok(0) => return Err(Step::Close),
             Ok(n) => p.got.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Wait,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Err(Step::Wait),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(_) => return Step::Close,
+            Err(_) => return Err(Step::Close),
         }
     }
-    let m: Msg = match rmp_serde::from_slice(&p.got[PREFIX..]) {
-        Ok(m) => m,
-        Err(e) => {
-            tracing::warn!(agent = %shared.name, "side channel: malformed first message: {e}");
-            return Step::Close;
-        }
-    };
-    match m {
-        Msg::GetMetadata => {
-            let answer = shared
-                .metadata()
-                .encode()
-                .ok()
-                .and_then(|b| rmp_serde::to_vec(&Msg::Metadata(b)).ok())
-                .and_then(|b| frame::encode(&b).ok());
-            let Some(out) = answer else {
-                return Step::Close;
-            };
-            p.out = Some((out, 0));
-            let _ = poll.registry().reregister(
-                &mut SourceFd(&p.s.as_raw_fd()),
-                Token(t),
-                Interest::WRITABLE,
-            );
-            let (out, at) = p.out.as_mut().expect("just set");
-            write_out(&mut p.s, out, at)
-        }
-        m @ Msg::Attach { .. } => Step::Attach(m),
-        other => {
-            tracing::warn!(agent = %shared.name, "side channel: unexpected first message {other:?}");
-            let refuse = rmp_serde::to_vec(&Msg::Refused {
-                message: "expected GetMetadata or Attach".into(),
-            })
-            .ok()
-            .and_then(|b| frame::encode(&b).ok());
-            if let Some(r) = refuse {
-                let _ = p.s.write(&r); // best effort; the connection closes either way
-            }
-            Step::Close
-        }
+    let m = rmp_serde::from_slice(&p.got[PREFIX..]).map_err(|e| {
+        tracing::warn!(agent = %shared.name, "side channel: malformed first message: {e}");
+        Step::Close
+    });
+    p.got.clear();
+    m
+}
+
+/// Queue `m` to be written (then close, or read on).
+fn answer(p: &mut Pending, poll: &Poll, t: usize, m: &Msg, close: bool) {
+    let bytes = rmp_serde::to_vec(m)
+        .ok()
+        .and_then(|b| frame::encode(&b).ok())
+        .unwrap_or_default();
+    p.out = Some((bytes, 0, close));
+    let _ = poll.registry().reregister(
+        &mut SourceFd(&p.s.as_raw_fd()),
+        Token(t),
+        Interest::WRITABLE,
+    );
+}
+
+/// Tell the peer why it is refused (best effort: the connection closes either way).
+fn refuse(s: &mut TcpStream, why: &str) {
+    let refuse = rmp_serde::to_vec(&Msg::Refused {
+        message: why.into(),
+    })
+    .ok()
+    .and_then(|b| frame::encode(&b).ok());
+    if let Some(r) = refuse {
+        let _ = s.write(&r);
     }
 }
 
-fn write_out(s: &mut TcpStream, out: &[u8], at: &mut usize) -> Step {
+/// Write what is left of `out`: `None` once all of it is written.
+fn write_out(s: &mut TcpStream, out: &[u8], at: &mut usize) -> Option<Step> {
     while *at < out.len() {
         match s.write(&out[*at..]) {
-            Ok(0) => return Step::Close,
+            Ok(0) => return Some(Step::Close),
             Ok(n) => *at += n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Wait,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Some(Step::Wait),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(_) => return Step::Close,
+            Err(_) => return Some(Step::Close),
         }
     }
-    Step::Close
+    None
 }

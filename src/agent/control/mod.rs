@@ -8,6 +8,7 @@
 //! pair exchange (`super::verbs::exchange`), and notifications.
 
 mod accept;
+pub(crate) mod auth;
 pub(crate) mod msg;
 
 use std::net::{Shutdown as NetShutdown, SocketAddr, TcpListener, TcpStream};
@@ -59,7 +60,10 @@ pub(crate) fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToStr
 }
 
 /// Get a peer's metadata bytes from its side channel.
-pub(crate) fn fetch_metadata(addr: SocketAddr) -> Result<Vec<u8>, AgentError> {
+pub(crate) fn fetch_metadata(
+    addr: SocketAddr,
+    secret: Option<&auth::ClusterSecret>,
+) -> Result<Vec<u8>, AgentError> {
     let hint = "is the peer agent running, and is side_channel_host set to an address this host can reach?";
     let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(|e| {
         conn_err(
@@ -72,8 +76,12 @@ pub(crate) fn fetch_metadata(addr: SocketAddr) -> Result<Vec<u8>, AgentError> {
     let mut w = s
         .try_clone()
         .map_err(|e| conn_err("side channel", addr, e))?;
+    let mut r = Reader::new(s);
+    if let Some(k) = secret {
+        auth::prove(k, &mut w, &mut r, addr)?;
+    }
     send(&mut w, &Msg::GetMetadata).map_err(|e| conn_err("side channel: send to", addr, e))?;
-    match Reader::new(s).next() {
+    match r.next() {
         Ok(Some(Msg::Metadata(b))) => Ok(b),
         Ok(Some(other)) => Err(conn_err(
             "side channel: unexpected reply from",
@@ -106,6 +114,14 @@ impl PeerConn {
         let mut w = s
             .try_clone()
             .map_err(|e| conn_err("data connection", addr, e))?;
+        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).ok();
+        let rs = s
+            .try_clone()
+            .map_err(|e| conn_err("data connection", addr, e))?;
+        let mut reader = Reader::new(rs);
+        if let Some(k) = &shared.config.cluster_secret {
+            auth::prove(k, &mut w, &mut reader, addr)?;
+        }
         send(
             &mut w,
             &Msg::Attach {
@@ -113,11 +129,6 @@ impl PeerConn {
             },
         )
         .map_err(|e| conn_err("attach to", addr, e))?;
-        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).ok();
-        let rs = s
-            .try_clone()
-            .map_err(|e| conn_err("data connection", addr, e))?;
-        let mut reader = Reader::new(rs);
         expect_reply(
             &mut reader,
             addr,

@@ -89,6 +89,23 @@ pub(crate) enum Msg {
     Ack { xfer: u64 },
     /// `xfer` failed on the target.
     Fail { xfer: u64, message: String },
+    /// Side channel, with a cluster secret: the connecting side's nonce (`auth`).
+    AuthHello {
+        #[serde(with = "serde_bytes")]
+        nonce: Vec<u8>,
+    },
+    /// The agent's nonce and its proof of the secret.
+    AuthChallenge {
+        #[serde(with = "serde_bytes")]
+        nonce: Vec<u8>,
+        #[serde(with = "serde_bytes")]
+        proof: Vec<u8>,
+    },
+    /// The connecting side's proof of the secret.
+    AuthProof {
+        #[serde(with = "serde_bytes")]
+        proof: Vec<u8>,
+    },
 }
 
 /// Write one message.

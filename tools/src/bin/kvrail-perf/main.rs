@@ -116,7 +116,13 @@ fn run(args: &Args) -> Result<(), String> {
 }
 
 fn client(args: &Args, server: SocketAddr) -> Result<(), String> {
-    let listen = args.listen.as_deref().unwrap_or("0.0.0.0:0");
+    // both agents of a loopback run stay on loopback
+    let any = if args.loopback {
+        "127.0.0.1:0"
+    } else {
+        "0.0.0.0:0"
+    };
+    let listen = args.listen.as_deref().unwrap_or(any);
     let a = Agent::new("kvrail-perf-client", config(args, &args.rails, listen)?)
         .map_err(|e| e.to_string())?;
     let res = drive(args, &a, server);
