@@ -221,8 +221,8 @@ impl Scheduler {
             tracing::warn!(
                 request = %id,
                 timeout_s = self.cfg.push_registration_timeout_s,
-                "push registration saw no completion in time; dropped and no longer re-sent \
-                 (the engine's abort path fails the request)"
+                "push registration saw no completion in time; withdrawn from P, and the \
+                 request's receive fails (failed_recving)"
             );
         }
         self.expired.extend(gone);

@@ -35,6 +35,15 @@ enum Conn {
     Failed(String),
 }
 
+/// Why D withdrew a push registration: the engine aborted the request (its blocks come
+/// back in `sending`), or the registration saw no completion in time (the request's receive
+/// failed: `failed_recving`).
+#[derive(Clone, Copy, Debug)]
+enum Withdrawn {
+    Aborted,
+    Expired,
+}
+
 /// A pull receive: one READ from each P rank whose heads this worker holds.
 struct Recv {
     req: RecvReq,
@@ -63,6 +72,8 @@ pub struct Worker {
     leases: Leases,
     /// By peer agent (one per P rank).
     conns: HashMap<String, Conn>,
+    /// The address each peer agent was loaded from (a restarted P comes back elsewhere).
+    addrs: HashMap<String, String>,
     handshakes: (mpsc::Sender<Handshake>, mpsc::Receiver<Handshake>),
     /// Pull, D: receives by request id.
     recvs: HashMap<String, Recv>,
@@ -82,7 +93,7 @@ pub struct Worker {
     links: Option<LinkMonitor>,
     /// D, push: aborted requests whose registration is being withdrawn, with the time after
     /// which their blocks are given back unconfirmed (P unreachable).
-    cancels: HashMap<String, Instant>,
+    cancels: HashMap<String, (Instant, Withdrawn)>,
     /// Notifications dropped: they did not parse, or a `PUSH_REG` named another engine.
     pub malformed: u64,
 }
@@ -194,6 +205,7 @@ impl Worker {
             tp_rank,
             tp_size,
             conns: HashMap::new(),
+            addrs: HashMap::new(),
             handshakes: mpsc::channel(),
             recvs: HashMap::new(),
             deferred_hb: Vec::new(),
@@ -294,15 +306,25 @@ impl Worker {
 
     /// Start a handshake with peer agent `peer` at `host:port` on a helper thread (once).
     fn connect(&mut self, peer: &str, host: &str, port: u16) {
-        if self.conns.contains_key(peer) {
+        let addr = format!("{host}:{port}");
+        // up while its connection is, at the address asked for: a P that died, or came back
+        // elsewhere (restarted), is loaded again
+        let current = match self.conns.get(peer) {
+            Some(Conn::Up) => {
+                self.agent.peer_connected(peer) && self.addrs.get(peer) == Some(&addr)
+            }
+            Some(_) => true,
+            None => false,
+        };
+        if current {
             return;
         }
+        self.addrs.insert(peer.to_owned(), addr.clone());
         self.conns.insert(peer.to_owned(), Conn::Connecting);
-        let (agent, tx, peer, addr) = (
+        let (agent, tx, peer) = (
             self.agent.clone(),
             self.handshakes.0.clone(),
             peer.to_owned(),
-            format!("{host}:{port}"),
         );
         std::thread::spawn(move || {
             let r = addr
@@ -372,23 +394,31 @@ impl Worker {
                 }
             }
         }
+        let t = Duration::from_secs(self.cfg.push_registration_timeout_s);
         for id in &meta.expired_registrations {
-            // the scheduler's watchdog gave up: no longer watched, no longer re-sent, and P
-            // is told to drop it
+            // the scheduler's watchdog gave up: no longer watched, no longer re-sent; P is
+            // told to drop it, and once it confirmed (or could not) the engine is told the
+            // receive failed, so the request ends instead of waiting for ever
             self.receiver.forget(id);
-            if let Some(w) = &self.writer {
-                w.cancel(id, false);
+            match &self.writer {
+                Some(w) => {
+                    w.cancel(id, true);
+                    self.cancels
+                        .insert(id.clone(), (now + t, Withdrawn::Expired));
+                }
+                None => self.done.failed_recving.push(id.clone()),
             }
         }
         for id in &meta.cancel_registrations {
             // the engine aborted it: its blocks are given back once P confirmed
             self.receiver.cancel(id);
-            if let Some(w) = &self.writer {
-                w.cancel(id, true);
-                let t = Duration::from_secs(self.cfg.push_registration_timeout_s);
-                self.cancels.insert(id.clone(), now + t);
-            } else {
-                self.done.sending.push(id.clone());
+            match &self.writer {
+                Some(w) => {
+                    w.cancel(id, true);
+                    self.cancels
+                        .insert(id.clone(), (now + t, Withdrawn::Aborted));
+                }
+                None => self.done.sending.push(id.clone()),
             }
         }
         for hb in &meta.heartbeats {
@@ -598,6 +628,14 @@ impl Worker {
         }
     }
 
+    /// A withdrawn registration is over on every P rank (confirmed, or past the bound).
+    fn withdrawn(&mut self, id: String, how: Withdrawn) {
+        match how {
+            Withdrawn::Aborted => self.done.sending.push(id),
+            Withdrawn::Expired => self.done.failed_recving.push(id),
+        }
+    }
+
     /// What finished since the last call (call once per step).
     pub fn get_finished(&mut self, now: Instant) -> Finished {
         // the agent routes PUSH_REG to the writer; everything else is the worker's
@@ -613,8 +651,8 @@ impl Worker {
                 WriterEvent::Unparsed(m) => self.handle_msg(&m, now),
                 WriterEvent::Refused => self.malformed += 1,
                 WriterEvent::Cancelled(id) => {
-                    if self.cancels.remove(&id).is_some() {
-                        self.done.sending.push(id);
+                    if let Some((_, how)) = self.cancels.remove(&id) {
+                        self.withdrawn(id, how);
                     }
                 }
                 WriterEvent::Pushed(id, d_tp) => {
@@ -673,13 +711,14 @@ impl Worker {
         }
         // withdrawals no P rank confirmed in time: the blocks go back (P is unreachable)
         let late: Vec<String> = (self.cancels.iter())
-            .filter(|(_, t)| **t <= now)
+            .filter(|(_, (t, _))| *t <= now)
             .map(|(k, _)| k.clone())
             .collect();
         for id in late {
             tracing::warn!(request = %id, "no P rank confirmed the withdrawn registration in time; blocks given back");
-            self.cancels.remove(&id);
-            self.done.sending.push(id);
+            if let Some((_, how)) = self.cancels.remove(&id) {
+                self.withdrawn(id, how);
+            }
         }
         // push receives
         let (ok, failed) = self.receiver.get_finished();

@@ -287,6 +287,12 @@ impl PushMatcher {
         }
     }
 
+    /// D engine `engine`'s connection is gone (it died, or came back elsewhere): the next
+    /// registration from it handshakes again instead of being written on the old one.
+    pub fn forget_engine(&mut self, engine: &str) {
+        self.ratio.remove(engine);
+    }
+
     /// The handshake with D engine `engine` finished: `Ok(ratio)` (its physical blocks per
     /// logical block) replays the deferred WRITEs; `Err` drops them (counted).
     pub fn handshake_done(&mut self, engine: &str, result: Result<u32, String>) {

@@ -10,6 +10,7 @@ mod engine;
 #[path = "../../logging.rs"]
 mod logging;
 mod model;
+mod soak;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -101,6 +102,14 @@ struct Args {
     /// Push mode: turn on push_stream (each block goes to D as a prefill step closes it).
     #[arg(long)]
     push_stream: bool,
+    /// Soak: run --requests while P and D are killed (SIGKILL) and restarted at random;
+    /// report completed, failed cleanly, lost with a killed instance, wrong bytes, hung and
+    /// leaked blocks (the last three must be 0).
+    #[arg(long)]
+    soak: bool,
+    /// Soak: kill an instance after about one outcome in this many.
+    #[arg(long, default_value_t = 40)]
+    kill_every: u64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -195,6 +204,10 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
     if a.push_stream {
         extra["push_stream"] = json!(true);
     }
+    if a.soak {
+        // a registration with a dead P ends within a lease (not the default 480 s)
+        extra["push_registration_timeout"] = json!(a.lease);
+    }
     let kv = json!({
         "kv_connector": if a.mode == Mode::Pull { "KvrailPullConnector" } else { "KvrailPushConnector" },
         "kv_role": role,
@@ -204,6 +217,8 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
     });
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = Command::new(exe)
+        // a soak's instances log errors only (each kill makes every peer warn)
+        .args(a.soak.then_some("-q"))
         .args(["--backend", &format!("{:?}", a.backend).to_lowercase()])
         .args(["--block-size", &a.block_size.to_string()])
         .args(["--num-blocks", &a.num_blocks.to_string()])
@@ -470,9 +485,13 @@ impl Args {
             ("--step-tokens", self.step_tokens.unwrap_or(1)),
             ("--chunk-tokens", self.chunk_tokens.unwrap_or(1)),
             ("--swa-window", self.swa_window.unwrap_or(1) as u64),
+            ("--kill-every", self.kill_every),
         ];
         if let Some((flag, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{flag} must be at least 1"));
+        }
+        if self.soak && self.kill.is_some() {
+            return Err("--soak kills at random: leave out --kill".into());
         }
         if self.min_tokens > self.max_tokens {
             return Err(format!(
@@ -529,6 +548,13 @@ fn main() {
         };
         if let Err(e) = engine::serve(inst) {
             eprintln!("{name}: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    if a.soak {
+        if let Err(e) = soak::run(&a) {
+            eprintln!("kvrail-demo: FAILED: {e}");
             std::process::exit(1);
         }
         return;
