@@ -77,7 +77,7 @@ impl Rng {
 
     /// True with probability 1/n.
     fn one_in(&mut self, n: u64) -> bool {
-        self.next() % n.max(1) == 0
+        self.next().is_multiple_of(n.max(1))
     }
 }
 
@@ -144,7 +144,7 @@ pub(crate) fn run(a: &Args) -> Result<(), String> {
     // the most a request may take: a lease (P's blocks of a dead D), the push registration
     // timeout (D's registration with a dead P), and a margin for restarts
     let limit = Duration::from_secs(2 * a.lease + 30);
-    let mut rng = Rng(0x50a_c0ff_ee ^ a.kill_every);
+    let mut rng = Rng(0x0005_0ac0_ffee ^ a.kill_every);
     let mut flights: HashMap<String, Flight> = HashMap::new();
     let mut t = Tally::default();
     let (mut next, mut outcomes) = (0usize, 0usize);
