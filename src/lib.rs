@@ -37,3 +37,7 @@ pub mod mem;
 pub mod proto;
 pub mod rails;
 pub mod transport;
+
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;

@@ -70,6 +70,7 @@ fn main() {
         "rail_down_mid_striped_transfer_completes_on_the_survivor",
         "notif_channel_rail_down_resends_over_tcp_once_in_order",
         "idle_connected_agents_use_no_cpu",
+        "lossy_slow_rail_single_and_striped_byte_exact",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -86,6 +87,7 @@ fn main() {
     r.run(cases[5], || rail_down(&t));
     r.run(cases[6], || notif_rail_down(&t));
     r.run(cases[7], || idle_cpu(&t));
+    r.run(cases[8], || lossy_rail(&t));
     r.finish();
 }
 
@@ -646,4 +648,148 @@ fn idle_cpu(t: &Topology) -> R {
     ensure(used <= 15, || {
         format!("idle agents used {used} clock ticks of CPU in 3 s")
     })
+}
+
+/// `tc netem` on both ends of a rail's veth while it lives (removed on drop).
+struct Netem(Vec<String>);
+
+impl Netem {
+    fn on(netdevs: &[String], spec: &str) -> Result<Self, String> {
+        let _ = Command::new("modprobe").arg("sch_netem").status();
+        let mut n = Self(Vec::new());
+        for dev in netdevs {
+            let mut args = vec!["qdisc", "add", "dev", dev.as_str(), "root", "netem"];
+            args.extend(spec.split_whitespace());
+            let o = Command::new("tc").args(&args).output().map_err(s)?;
+            ensure(o.status.success(), || {
+                format!("tc {args:?}: {}", String::from_utf8_lossy(&o.stderr))
+            })?;
+            n.0.push(dev.clone());
+        }
+        Ok(n)
+    }
+}
+
+impl Drop for Netem {
+    fn drop(&mut self) {
+        for dev in &self.0 {
+            let _ = Command::new("tc")
+                .args(["qdisc", "del", "dev", dev, "root"])
+                .status();
+        }
+    }
+}
+
+/// A WRITE with a notification (checked byte-exact the moment the notification is there),
+/// then a READ back (checked too), of `len` bytes from `p` to `d`: the goodput (MB/s) of both.
+fn goodput(p: &Agent, d: &Agent, len: usize, seed: u64) -> Result<f64, String> {
+    let src = p.register(len, RemoteAccess::READ, vec![]).map_err(s)?;
+    let dst = d.register(len, RemoteAccess::WRITE, vec![]).map_err(s)?;
+    let back = d.register(len, RemoteAccess::NONE, vec![]).map_err(s)?;
+    let peer_d = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    let peer_p = d.load_remote(p.side_channel_addr()).map_err(s)?;
+    let bytes = pattern(seed, len);
+    p.write_region(src, 0, &bytes).map_err(s)?;
+    // 16 descriptors, so a striped transfer crosses both rails
+    let descs = |r: RegionId| -> Vec<Desc> {
+        (0..16u64)
+            .map(|k| Desc::new(r, k * (len as u64 / 16), len as u64 / 16))
+            .collect()
+    };
+    let t0 = Instant::now();
+    let x = p
+        .create_xfer(
+            XferOp::Write,
+            descs(src),
+            &peer_d,
+            descs(dst),
+            Some(b"landed".to_vec()),
+        )
+        .map_err(s)?;
+    p.post(x).map_err(s)?;
+    let n = loop {
+        let n = d.get_new_notifs();
+        if !n.is_empty() {
+            break n;
+        }
+        ensure(t0.elapsed() < Duration::from_secs(240), || {
+            format!("no notification after 240 s ({:?})", p.status(x))
+        })?;
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let mut got = vec![0u8; len];
+    d.read_region(dst, 0, &mut got).map_err(s)?;
+    let bad = got.iter().zip(&bytes).filter(|(a, b)| a != b).count();
+    ensure(bad == 0, || {
+        format!("notification before {bad} bytes landed")
+    })?;
+    ensure(n.len() == 1 && n[0].1 == b"landed", || format!("{n:?}"))?;
+    ensure(wait(p, x)? == XferStatus::Done, || "WRITE not done".into())?;
+    let x = d
+        .create_xfer(XferOp::Read, descs(back), &peer_p, descs(src), None)
+        .map_err(s)?;
+    d.post(x).map_err(s)?;
+    ensure(wait(d, x)? == XferStatus::Done, || {
+        format!("READ: {:?}", d.status(x))
+    })?;
+    let secs = t0.elapsed().as_secs_f64();
+    d.read_region(back, 0, &mut got).map_err(s)?;
+    let bad = got.iter().zip(&bytes).filter(|(a, b)| a != b).count();
+    ensure(bad == 0, || format!("READ: {bad} wrong bytes"))?;
+    Ok(2.0 * len as f64 / secs / 1e6)
+}
+
+/// Rail 0 made lossy and slow with `tc netem` on both ends of its veth, transfers on it
+/// alone and striped over both rails: they land byte-exact with the notification after the
+/// data, goodput next to the clean rail's in the same run. Loss, duplication and a fixed
+/// delay (1 %, 0.1 %, 5 ms) with 4 MiB; then jitter (5 ms ± 2 ms, which reorders nearly
+/// every packet) with 25 % reordering on top, with 256 KiB: RC's go-back-N resends from the
+/// first packet out of order, so goodput collapses — it must still land exactly.
+fn lossy_rail(t: &Topology) -> R {
+    let b_netdevs: Vec<String> = std::env::var("LAB_B_NETDEVS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    let rail0 = vec![t.a_netdevs[0].clone(), b_netdevs[0].clone()];
+    let single = (
+        agent("p-one", &t.b_devs[..1], None)?,
+        agent("d-one", &t.a_devs[..1], None)?,
+    );
+    let striped = (
+        agent("p-two", &t.b_devs, Some(0))?,
+        agent("d-two", &t.a_devs, Some(0))?,
+    );
+    let mut seed = 1;
+    for (spec, len) in [
+        ("delay 5ms loss 1% duplicate 0.1%", 4usize << 20),
+        (
+            "delay 5ms 2ms loss 1% duplicate 0.1% reorder 25% 50%",
+            256 << 10,
+        ),
+    ] {
+        let mut run = |what: &str| -> Result<(f64, f64), String> {
+            seed += 2;
+            let one = goodput(&single.0, &single.1, len, seed)?;
+            println!("    {what}: rail 0 alone {one:.2} MB/s");
+            let two = goodput(&striped.0, &striped.1, len, seed + 1)?;
+            println!("    {what}: striped over both rails {two:.2} MB/s");
+            Ok((one, two))
+        };
+        let clean = run("clean")?;
+        let lossy = {
+            let _netem = Netem::on(&rail0, spec)?;
+            run(spec)?
+        };
+        println!(
+            "    goodput ({} KiB WRITE + READ, MB/s), clean vs rail 0 under netem {spec:?}: \
+             rail 0 alone {:.2} vs {:.2}; striped {:.2} vs {:.2}",
+            len >> 10,
+            clean.0,
+            lossy.0,
+            clean.1,
+            lossy.1
+        );
+    }
+    Ok(())
 }

@@ -15,6 +15,8 @@ echo "=== tier 1: the agent API example (examples/agent_pair.rs)"
 cargo run -q --example agent_pair
 echo "=== tier 1: the Python package (pip install, pytest, the NIXL-API program on NIXL and on kvrail)"
 bash python/run-tests.sh
+echo "=== tier 1: the fuzz targets under AFL++, ${KVRAIL_FUZZ_SECS:-20} s each (fuzz/run.sh; fails on any crash or hang)"
+bash fuzz/run.sh --secs "${KVRAIL_FUZZ_SECS:-20}"
 
 if [ "${KVRAIL_SKIP_LAB:-0}" = 1 ]; then
     echo "=== tier 2 (lab): SKIPPED because KVRAIL_SKIP_LAB=1"

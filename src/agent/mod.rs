@@ -25,11 +25,11 @@
 mod backend;
 mod config;
 mod config_json;
-mod control;
+pub(crate) mod control;
 mod error;
 mod local;
 pub mod metadata;
-mod notifs;
+pub(crate) mod notifs;
 mod region;
 mod register;
 mod route;

@@ -1,0 +1,6 @@
+//! Fuzz target: `kvrail::fuzzing::json` (see ../../README.md).
+fn main() {
+    afl::fuzz!(|data: &[u8]| {
+        kvrail::fuzzing::json(data);
+    });
+}

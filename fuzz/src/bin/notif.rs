@@ -1,0 +1,6 @@
+//! Fuzz target: `kvrail::fuzzing::notif` (see ../../README.md).
+fn main() {
+    afl::fuzz!(|data: &[u8]| {
+        kvrail::fuzzing::notif(data);
+    });
+}
