@@ -925,25 +925,13 @@ fn oversize_notifications_are_refused_and_the_largest_arrives() {
     let src = p.register(4096, RemoteAccess::READ, vec![]).unwrap();
     let dst = d.register(4096, RemoteAccess::NONE, vec![]).unwrap();
     let peer = load(&d, &p);
-    let e = d
-        .create_xfer(
-            XferOp::Read,
-            vec![Desc::new(dst, 0, 4096)],
-            &peer,
-            vec![Desc::new(src, 0, 4096)],
-            Some(vec![2; max + 1]),
-        )
-        .unwrap_err();
+    let read = |notif| {
+        let (l, r) = (Desc::new(dst, 0, 4096), Desc::new(src, 0, 4096));
+        d.create_xfer(XferOp::Read, vec![l], &peer, vec![r], notif)
+    };
+    let e = read(Some(vec![2; max + 1])).unwrap_err();
     assert!(matches!(e, AgentError::NotifTooLarge { .. }), "{e}");
-    let x = d
-        .create_xfer(
-            XferOp::Read,
-            vec![Desc::new(dst, 0, 4096)],
-            &peer,
-            vec![Desc::new(src, 0, 4096)],
-            None,
-        )
-        .unwrap();
+    let x = read(None).unwrap();
     assert!(matches!(
         d.set_notif(x, Some(vec![3; max + 1])),
         Err(AgentError::NotifTooLarge { .. })

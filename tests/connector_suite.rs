@@ -850,13 +850,20 @@ fn an_aborted_push_registration_is_withdrawn_before_d_frees_its_blocks() {
     };
     let t2 = Instant::now();
     let b2 = d2.admit("cmpl-gone-0-d", 40, dead.clone(), t2);
-    let _ = d2.step(Instant::now());
+    let first = d2.step(Instant::now());
     let req2 = EngineRequest {
         request_id: "cmpl-gone-0-d".into(),
         prompt_tokens: 40,
         params: Some(dead),
     };
-    assert!(d2.sched.request_finished(&req2, &b2).0);
+    let delayed = d2.sched.request_finished(&req2, &b2).0;
+    if first.failed_recving.contains(&"cmpl-gone-0-d".to_string()) {
+        // (a loaded machine: the refused connection already failed the receive in that
+        // step, so the blocks are the engine's at once)
+        assert!(!delayed, "a failed receive must not hold its blocks");
+        return;
+    }
+    assert!(delayed);
     let mut back = None;
     while t2.elapsed() < Duration::from_secs(30) {
         let f = d2.step(Instant::now());

@@ -1,9 +1,11 @@
 #!/bin/bash
 # tools/test.sh — every test kvrail has, the way CI runs them:
-#   1. tier 1 on this host: `cargo test --workspace` (lab suites print SKIPPED here);
+#   1. tier 1 on this host: `cargo test --workspace` (lab suites print SKIPPED here; the
+#      kvrail-demo crash soak runs 1,000 requests a mode), the Python package, and the fuzz
+#      targets under AFL++ for KVRAIL_FUZZ_SECS (20) s each;
 #   2. tier 2 in the lab: the verbs suite on real queue pairs (Soft-RoCE, two rails, host A
 #      and host B in separate processes), the agent's shared suite (the same one tier 1 runs
-#      on TCP) on verbs, the NIXL-API Python program on kvrail.nixl, the engine's own memory and NPU memory through the agent's host bounce on verbs, the C ABI's C and Python checks on verbs, the connector suite and kvrail-demo on verbs, the agent's verbs-only cases, and kvrail-rails list/probe/link-down,
+#      on TCP) on verbs, the NIXL-API Python program on kvrail.nixl, the engine's own memory and NPU memory through the agent's host bounce on verbs, the C ABI's C and Python checks on verbs, the connector suite and kvrail-demo (a crash soak too) on verbs, the agent's verbs-only cases (a lossy rail under tc netem too), and kvrail-rails list/probe/link-down,
 #      one VM boot per lab test binary.
 # Needs what tools/lab/setup.sh installs. KVRAIL_SKIP_LAB=1 runs tier 1 only (and says so).
 set -euo pipefail

@@ -394,32 +394,17 @@ impl Worker {
                 }
             }
         }
-        let t = Duration::from_secs(self.cfg.push_registration_timeout_s);
         for id in &meta.expired_registrations {
             // the scheduler's watchdog gave up: no longer watched, no longer re-sent; P is
             // told to drop it, and once it confirmed (or could not) the engine is told the
             // receive failed, so the request ends instead of waiting for ever
             self.receiver.forget(id);
-            match &self.writer {
-                Some(w) => {
-                    w.cancel(id, true);
-                    self.cancels
-                        .insert(id.clone(), (now + t, Withdrawn::Expired));
-                }
-                None => self.done.failed_recving.push(id.clone()),
-            }
+            self.withdraw(id, Withdrawn::Expired, now);
         }
         for id in &meta.cancel_registrations {
             // the engine aborted it: its blocks are given back once P confirmed
             self.receiver.cancel(id);
-            match &self.writer {
-                Some(w) => {
-                    w.cancel(id, true);
-                    self.cancels
-                        .insert(id.clone(), (now + t, Withdrawn::Aborted));
-                }
-                None => self.done.sending.push(id.clone()),
-            }
+            self.withdraw(id, Withdrawn::Aborted, now);
         }
         for hb in &meta.heartbeats {
             let p_tp = hb.ports.len().max(1) as u32;
@@ -625,6 +610,19 @@ impl Worker {
                 self.malformed += 1;
                 tracing::warn!("dropped a malformed notification: {e}");
             }
+        }
+    }
+
+    /// Withdraw registration `id` from the P ranks (reported once they confirmed, or after
+    /// `push_registration_timeout`); without a writer there is nothing to withdraw.
+    fn withdraw(&mut self, id: &str, how: Withdrawn, now: Instant) {
+        match &self.writer {
+            Some(w) => {
+                w.cancel(id, true);
+                let t = Duration::from_secs(self.cfg.push_registration_timeout_s);
+                self.cancels.insert(id.to_owned(), (now + t, how));
+            }
+            None => self.withdrawn(id.to_owned(), how),
         }
     }
 
