@@ -68,7 +68,7 @@ fn main() {
         "read_of_1000_descriptors_striped",
         "two_processes",
         "rail_down_mid_striped_transfer_completes_on_the_survivor",
-        "notif_channel_rail_down_resends_over_tcp_once_in_order",
+        "notif_channel_rail_down_resends_over_tcp_once_in_order_then_is_rebuilt",
         "idle_connected_agents_use_no_cpu",
         "lossy_slow_rail_single_and_striped_byte_exact",
     ];
@@ -560,10 +560,10 @@ fn notif_msg(i: u64) -> Vec<u8> {
     m
 }
 
-/// Receive `n` notifications from `from` at `d`, checking each in order.
-fn expect_notifs(d: &Agent, from: &str, n: u64, limit: Duration) -> R {
+/// Receive notifications `first..n` from `from` at `d`, checking each in order.
+fn expect_notifs(d: &Agent, from: &str, (first, n): (u64, u64), limit: Duration) -> R {
     let t0 = Instant::now();
-    let mut got = 0u64;
+    let mut got = first;
     while got < n {
         for (who, m) in d.get_new_notifs() {
             ensure(who == from, || format!("notification from {who}"))?;
@@ -602,13 +602,33 @@ fn notif_rail_down(t: &Topology) -> R {
     for i in N / 2..N {
         p.send_notif(&peer, notif_msg(i)).map_err(s)?;
     }
-    let res = expect_notifs(&d, "sender", N, Duration::from_secs(120));
+    let res = expect_notifs(&d, "sender", (0, N), Duration::from_secs(120));
     let rail = p.notif_rail(&peer);
     link.set("up")?;
     wait_port(&t.a_devs[0], "ACTIVE")?;
     res?;
     ensure(rail.is_none(), || {
         format!("channel still on {rail:?} with its link down")
+    })?;
+    // the rail is back: the channel is rebuilt on it, and the numbering goes on there
+    let up = Instant::now();
+    while p.notif_rail(&peer).is_none() {
+        ensure(up.elapsed() < Duration::from_secs(30), || {
+            "the notification channel was not rebuilt within 30 s of its rail".into()
+        })?;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!(
+        "    channel rebuilt on {:?} {:.2} s after its port was ACTIVE again",
+        p.notif_rail(&peer),
+        up.elapsed().as_secs_f64()
+    );
+    for i in N..N + 2000 {
+        p.send_notif(&peer, notif_msg(i)).map_err(s)?;
+    }
+    expect_notifs(&d, "sender", (N, N + 2000), Duration::from_secs(120))?;
+    ensure(p.notif_rail(&peer).as_deref() == Some("rxeA0:1"), || {
+        format!("the rebuilt channel failed: {:?}", p.notif_rail(&peer))
     })
 }
 

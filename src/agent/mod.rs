@@ -913,6 +913,21 @@ impl Shared {
         }
     }
 
+    /// Ask `peer` for the receiving end of a rebuilt notification channel on its rail
+    /// `rail`, connected to `ep`.
+    #[cfg(feature = "verbs")]
+    fn request_chan(&self, peer: &str, rail: u32, ep: crate::transport::verbs::Endpoint) {
+        // Lock order: the verbs engine (taken by `chan_rebuilt`) is never taken under `peers`.
+        let sent = lock(&self.peers)
+            .get(peer)
+            .is_some_and(|p| p.conn.try_submit(control::Work::ChanOpen(rail, ep)));
+        if !sent {
+            if let Some(v) = &self.verbs {
+                v.chan_rebuilt(peer, Err("no open connection to the peer".into()));
+            }
+        }
+    }
+
     /// A verbs transfer failed.
     #[cfg(feature = "verbs")]
     fn xfer_failed(&self, id: u64, why: String) {

@@ -43,6 +43,10 @@ pub(crate) enum Work {
     /// Verbs: ask the peer for queue pairs (rebuilding a rail).
     #[cfg(feature = "verbs")]
     QpOpen(crate::agent::verbs::QpRequest),
+    /// Verbs: ask the peer for the receiving end of a rebuilt notification channel (its
+    /// rail, our endpoint).
+    #[cfg(feature = "verbs")]
+    ChanOpen(u32, crate::transport::verbs::Endpoint),
     /// Everything queued before this is on the wire: say so.
     Flush(mpsc::SyncSender<()>),
 }
@@ -240,6 +244,8 @@ fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &st
             Work::SeqNotif(seq, bytes) => send(&mut w, &Msg::SeqNotif { seq, bytes }),
             #[cfg(feature = "verbs")]
             Work::QpOpen(pairs) => send(&mut w, &Msg::QpOpen { pairs }),
+            #[cfg(feature = "verbs")]
+            Work::ChanOpen(rail, ep) => send(&mut w, &Msg::ChanOpen { rail, ep }),
             Work::Xfer {
                 id,
                 op: XferOp::Write,
@@ -300,6 +306,12 @@ fn initiator_reader(
             Ok(Some(Msg::QpOpened { endpoints })) => {
                 if let Some(v) = &shared.verbs {
                     v.rebuilt(peer, Ok(endpoints));
+                }
+            }
+            #[cfg(feature = "verbs")]
+            Ok(Some(Msg::ChanOpened { ep })) => {
+                if let Some(v) = &shared.verbs {
+                    v.chan_rebuilt(peer, Ok(ep));
                 }
             }
             #[cfg(feature = "verbs")]

@@ -149,6 +149,10 @@ struct Engine {
     ins: HashMap<u64, notif::InChan>,
     /// (rail, qpn) → the channel a queue pair carries.
     chan_qpn: HashMap<(usize, u32), notif::ChanKey>,
+    /// Channels being rebuilt: the new sending end, waiting for the peer's endpoint.
+    chan_rebuilding: HashMap<String, notif::NewChan>,
+    /// Dead channels: when the next rebuild may start, and the backoff after that.
+    chan_retry: HashMap<String, (Instant, Duration)>,
 }
 
 impl Engine {
@@ -723,7 +727,7 @@ impl Verbs {
                         let e = lock(&me.engine);
                         !e.runs.is_empty()
                             || e.pairs.values().any(|q| q.dead.is_some())
-                            || e.outs.values().any(notif::OutChan::busy)
+                            || e.outs.values().any(|o| o.busy() || o.dead())
                     };
                     let timeout = watch.then_some(Duration::from_millis(200));
                     if let Err(e) = poll.poll(&mut events, timeout) {
@@ -790,6 +794,9 @@ impl Verbs {
         }
         for (peer, req) in self.start_rebuilds(&active) {
             shared.request_qps(&peer, req);
+        }
+        for (peer, rail, ep) in self.start_chan_rebuilds(&active) {
+            shared.request_chan(&peer, rail, ep);
         }
     }
 

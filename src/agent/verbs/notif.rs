@@ -9,10 +9,13 @@
 //! sender keeps each message until the channel reports it delivered. When the channel fails
 //! (its rail's port left ACTIVE, retries ran out), the undelivered messages and all later
 //! ones go over the TCP connection instead (`SeqNotif`), and the receiver delivers by
-//! sequence number: each message once, in the order sent. The channel is not rebuilt; that
-//! connection's notifications stay on TCP.
+//! sequence number: each message once, in the order sent. Once the channel's port is ACTIVE
+//! again, a new channel is opened on it (`ChanOpen` on the attach connection, with a
+//! backoff between attempts) and the numbering goes on there; the receiver keeps delivering
+//! by number across both paths.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use super::{lock, Engine, Verbs};
 use crate::agent::Shared;
@@ -59,7 +62,23 @@ impl OutChan {
     pub(super) fn busy(&self) -> bool {
         !self.dead && !self.unacked.is_empty()
     }
+
+    /// Failed: its notifications go over TCP until it is rebuilt.
+    pub(super) fn dead(&self) -> bool {
+        self.dead
+    }
 }
+
+/// A sending end being rebuilt: its rail, queue pair and channel, until the peer answers.
+pub(super) struct NewChan {
+    rail: usize,
+    qp: Qp,
+    ch: MsgChannel,
+}
+
+/// First wait between attempts to rebuild a channel; it doubles up to [`CHAN_RETRY_MAX`].
+const CHAN_RETRY: Duration = Duration::from_millis(500);
+const CHAN_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// How a channel's queue pair connects: `rnr_retry` 0, so a frame that found no receive
 /// posted would fail the channel at once (credits make sure it never happens) instead of
@@ -111,6 +130,80 @@ impl Verbs {
         );
     }
 
+    /// Initiator: new channels for dead ones whose rail is ACTIVE (in `active`) again, due
+    /// for an attempt, to peers with no other request out; returns what to ask each peer:
+    /// (peer, the peer's rail, our endpoint).
+    pub(super) fn start_chan_rebuilds(&self, active: &[usize]) -> Vec<(String, u32, Endpoint)> {
+        let mut e = lock(&self.engine);
+        let now = Instant::now();
+        let due: Vec<(String, usize, usize)> = (e.outs.iter())
+            .filter(|(p, o)| {
+                o.dead
+                    && active.contains(&o.rail)
+                    && !e.chan_rebuilding.contains_key(*p)
+                    && e.rebuilding.get(*p).is_none_or(VecDeque::is_empty)
+                    && e.chan_retry.get(*p).is_none_or(|(t, _)| *t <= now)
+            })
+            .filter_map(|(p, o)| {
+                let pr = e.pairs.get(&(p.clone(), o.rail))?.peer_rail;
+                Some((p.clone(), o.rail, pr))
+            })
+            .collect();
+        let mut out = Vec::new();
+        for (peer, rail, peer_rail) in due {
+            let (t, b) = e
+                .chan_retry
+                .entry(peer.clone())
+                .or_insert((now, CHAN_RETRY));
+            *t = now + *b;
+            *b = (*b * 2).min(CHAN_RETRY_MAX);
+            match self.new_chan(rail) {
+                Ok((qp, ch)) => {
+                    tracing::info!(%peer, rail = %self.rails[rail].name, "rail is ACTIVE again: rebuilding the notification channel");
+                    out.push((peer.clone(), peer_rail as u32, qp.endpoint()));
+                    e.chan_rebuilding.insert(peer, NewChan { rail, qp, ch });
+                }
+                Err(err) => {
+                    tracing::warn!(%peer, rail = %self.rails[rail].name, "cannot rebuild the notification channel: {err}");
+                }
+            }
+        }
+        out
+    }
+
+    /// Initiator: the peer answered the channel request: connect and send there from the
+    /// next message on (the numbering goes on), or stay on TCP until the next attempt.
+    pub(crate) fn chan_rebuilt(&self, peer: &str, answer: Result<Endpoint, String>) {
+        let mut e = lock(&self.engine);
+        let Some(NewChan { rail, qp, ch }) = e.chan_rebuilding.remove(peer) else {
+            tracing::warn!(%peer, "channel answer without a channel request; ignored");
+            return;
+        };
+        let connected = answer.and_then(|ep| {
+            qp.connect(&ep, &chan_connect_options())
+                .map_err(|err| err.to_string())
+        });
+        if let Err(why) = connected {
+            tracing::warn!(%peer, rail = %self.rails[rail].name, "notification channel not rebuilt: {why}");
+            return;
+        }
+        let key = ChanKey::Out(peer.to_owned());
+        e.chan_qpn.retain(|_, k| *k != key);
+        e.chan_qpn.insert((rail, qp.qpn()), key);
+        e.chan_retry.remove(peer);
+        if let Some(o) = e.outs.get_mut(peer) {
+            *o = OutChan {
+                ch,
+                rail,
+                next_seq: o.next_seq,
+                unacked: VecDeque::new(),
+                acked: 0,
+                dead: false,
+            };
+            tracing::info!(%peer, rail = %self.rails[rail].name, next_seq = o.next_seq, "notification channel rebuilt; notifications go over verbs again");
+        }
+    }
+
     /// Target: open the receiving end of `from`'s channel (target connection `conn`) on
     /// `rail`, connected to the initiator's endpoint; returns ours.
     pub(crate) fn accept_chan(
@@ -128,6 +221,8 @@ impl Verbs {
         qp.connect(ep, &chan_connect_options())
             .map_err(|e| e.to_string())?;
         let mut e = lock(&self.engine);
+        // (a rebuilt channel replaces the connection's dead one)
+        e.chan_qpn.retain(|_, k| *k != ChanKey::In(conn));
         e.chan_qpn.insert((rail, qp.qpn()), ChanKey::In(conn));
         e.ins.insert(
             conn,

@@ -31,6 +31,8 @@ impl Verbs {
                     && rails.contains(&k.1)
                     && e.retry.get(*k).is_none_or(|(t, _)| *t <= now)
                     && !busy(&e, &k.0, k.1)
+                    // one kind of request out per peer: the answers carry no kind
+                    && !e.chan_rebuilding.contains_key(&k.0)
             })
             .map(|(k, q)| (k.0.clone(), k.1, q.peer_rail))
             .collect();
@@ -69,6 +71,13 @@ impl Verbs {
     /// The peer answered the oldest rebuild request sent to it: connect the new queue pairs
     /// and put them in service, or keep the rails dead until the next attempt.
     pub(crate) fn rebuilt(&self, peer: &str, answer: Result<Vec<Endpoint>, String>) {
+        if let Err(why) = &answer {
+            // a refusal answers the channel request when that is the one out
+            if lock(&self.engine).chan_rebuilding.contains_key(peer) {
+                self.chan_rebuilt(peer, Err(why.clone()));
+                return;
+            }
+        }
         let mut e = lock(&self.engine);
         let Some(list) = e.rebuilding.get_mut(peer).and_then(|q| q.pop_front()) else {
             tracing::warn!(%peer, "queue pair answer without a rebuild request; ignored");
