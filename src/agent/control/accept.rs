@@ -205,11 +205,7 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
             Err(Step::Close) if matches!(p.auth, auth::Listen::Proof { .. }) => {
                 // challenged, and gone without a proof: a peer whose secret did not match
                 // ours (it checks our proof first)
-                shared
-                    .auth_refused
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::warn!(agent = %shared.name, peer = ?p.s.peer_addr().ok(),
-                    "side channel: the peer left during authentication (another cluster_secret?)");
+                refused(shared, p, "left during authentication (another cluster_secret?)");
                 return Step::Close;
             }
             Err(step) => return step,
@@ -222,11 +218,7 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
                 continue;
             }
             Verdict::Refuse(why) => {
-                shared
-                    .auth_refused
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::warn!(agent = %shared.name, peer = ?p.s.peer_addr().ok(),
-                    "side channel: refused: {why}");
+                refused(shared, p, why);
                 refuse(&mut p.s, why);
                 return Step::Close;
             }
@@ -247,6 +239,13 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
             }
         };
     }
+}
+
+/// A peer failed authentication: counted and logged with its address.
+fn refused(shared: &Shared, p: &Pending, why: &str) {
+    shared.auth_refused.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(agent = %shared.name, peer = ?p.s.peer_addr().ok(),
+        "side channel: authentication refused: {why}");
 }
 
 /// Read one whole frame (the prefix, then the body it announces) and decode it; `Err` says
