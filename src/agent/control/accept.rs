@@ -205,7 +205,11 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
             Err(Step::Close) if matches!(p.auth, auth::Listen::Proof { .. }) => {
                 // challenged, and gone without a proof: a peer whose secret did not match
                 // ours (it checks our proof first)
-                refused(shared, p, "left during authentication (another cluster_secret?)");
+                refused(
+                    shared,
+                    p,
+                    "left during authentication (another cluster_secret?)",
+                );
                 return Step::Close;
             }
             Err(step) => return step,
