@@ -1,18 +1,21 @@
 #!/bin/bash
 # fuzz/run.sh — run kvrail's fuzz targets under AFL++ (cargo-afl, stable Rust).
-#   fuzz/run.sh [--secs S | --execs N] [TARGET...]     (default: every target, 60 s each)
+#   fuzz/run.sh [--secs S | --execs N] [--keep] [TARGET...]  (default: every target, 60 s each)
 # Builds the targets instrumented, seeds fuzz/corpus/<target> (committed) from the real
-# encoders, runs afl-fuzz per target (memory limited to 1 GiB: more is a finding), keeps
-# what found new coverage as corpus, and fails when any target crashed or hung.
+# encoders, runs afl-fuzz per target (memory limited to 1 GiB: more is a finding), with
+# --keep makes what found new coverage the target's corpus, and fails when any target
+# crashed or hung.
 # Needs: cargo install cargo-afl (it builds AFL++ on first use; tools/lab/setup.sh does).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 LIMIT=(-V 60)
+KEEP=0
 TARGETS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --secs) LIMIT=(-V "$2"); shift 2 ;;
         --execs) LIMIT=(-E "$2"); shift 2 ;;
+        --keep) KEEP=1; shift ;;
         *) TARGETS+=("$1"); shift ;;
     esac
 done
@@ -50,6 +53,6 @@ for t in "${TARGETS[@]}"; do
     if [ "$crashes" != 0 ] || [ "$hangs" != 0 ]; then
         echo "fuzz $t: FINDINGS in fuzz/$out/default/{crashes,hangs}"; status=1
     fi
-    keep "$t"
+    [ "$KEEP" = 0 ] || keep "$t"
 done
 exit $status
