@@ -796,6 +796,17 @@ impl Agent {
             .is_some_and(|p| p.conn.is_open())
     }
 
+    /// True while `peer` is connected and was loaded from `addr` (`host:port`): a peer that
+    /// died, or came back at another address (restarted), must be loaded again.
+    pub(crate) fn peer_connected_at(&self, peer: &str, addr: &str) -> bool {
+        let Ok(addr) = addr.parse::<SocketAddr>() else {
+            return false;
+        };
+        lock(&self.shared.peers)
+            .get(peer)
+            .is_some_and(|p| p.addr == addr && p.conn.is_open())
+    }
+
     /// Names of the loaded peers.
     pub fn peers(&self) -> Vec<String> {
         let mut v: Vec<String> = lock(&self.shared.peers).keys().cloned().collect();

@@ -72,8 +72,6 @@ pub struct Worker {
     leases: Leases,
     /// By peer agent (one per P rank).
     conns: HashMap<String, Conn>,
-    /// The address each peer agent was loaded from (a restarted P comes back elsewhere).
-    addrs: HashMap<String, String>,
     handshakes: (mpsc::Sender<Handshake>, mpsc::Receiver<Handshake>),
     /// Pull, D: receives by request id.
     recvs: HashMap<String, Recv>,
@@ -205,7 +203,6 @@ impl Worker {
             tp_rank,
             tp_size,
             conns: HashMap::new(),
-            addrs: HashMap::new(),
             handshakes: mpsc::channel(),
             recvs: HashMap::new(),
             deferred_hb: Vec::new(),
@@ -310,16 +307,13 @@ impl Worker {
         // up while its connection is, at the address asked for: a P that died, or came back
         // elsewhere (restarted), is loaded again
         let current = match self.conns.get(peer) {
-            Some(Conn::Up) => {
-                self.agent.peer_connected(peer) && self.addrs.get(peer) == Some(&addr)
-            }
+            Some(Conn::Up) => self.agent.peer_connected_at(peer, &addr),
             Some(_) => true,
             None => false,
         };
         if current {
             return;
         }
-        self.addrs.insert(peer.to_owned(), addr.clone());
         self.conns.insert(peer.to_owned(), Conn::Connecting);
         let (agent, tx, peer) = (
             self.agent.clone(),

@@ -246,8 +246,6 @@ struct Loop {
     sh: Arc<Shared>,
     matcher: PushMatcher,
     conns: HashMap<String, Conn>,
-    /// The address each engine was loaded from (a restarted engine comes back elsewhere).
-    addrs: HashMap<String, String>,
     /// D: registrations waiting for the handshakes with their P ranks.
     waiting: Vec<Waiting>,
     /// P: WRITEs in flight (xfer, P request id, D's TP size, the streamed match it is part
@@ -274,7 +272,6 @@ impl Loop {
             sh,
             matcher: PushMatcher::new(reg_ttl),
             conns: HashMap::new(),
-            addrs: HashMap::new(),
             waiting: Vec::new(),
             inflight: Vec::new(),
             sent_to: HashMap::new(),
@@ -302,15 +299,12 @@ impl Loop {
         // that died, or came back elsewhere (restarted), is loaded again
         let current = match self.conns.get(engine) {
             Some(Conn::Connecting) => true,
-            Some(Conn::Up) => {
-                self.sh.agent.peer_connected(engine) && self.addrs.get(engine) == Some(&addr)
-            }
+            Some(Conn::Up) => self.sh.agent.peer_connected_at(engine, &addr),
             None => false,
         };
         if current {
             return;
         }
-        self.addrs.insert(engine.to_owned(), addr.clone());
         self.conns.insert(engine.to_owned(), Conn::Connecting);
         let (sh, engine) = (self.sh.clone(), engine.to_owned());
         std::thread::spawn(move || {
@@ -473,8 +467,7 @@ impl Loop {
                     // connection died): handshake with it again
                     let addr = format!("{}:{}", r.host, r.port);
                     if self.conns.get(&r.engine_id) == Some(&Conn::Up)
-                        && (!self.sh.agent.peer_connected(&r.engine_id)
-                            || self.addrs.get(&r.engine_id) != Some(&addr))
+                        && !self.sh.agent.peer_connected_at(&r.engine_id, &addr)
                     {
                         self.conns.remove(&r.engine_id);
                         self.matcher.forget_engine(&r.engine_id);
