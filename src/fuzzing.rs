@@ -49,6 +49,11 @@ pub fn metadata(data: &[u8]) {
         let again = m.encode().expect("valid metadata encodes");
         assert_eq!(AgentMetadata::decode(&again).as_ref(), Ok(&m));
     }
+    // grant tokens travel in connector messages
+    if let Ok(g) = crate::agent::Grant::decode(data) {
+        assert_eq!(crate::agent::Grant::decode(&g.encode()).as_ref(), Ok(&g));
+        let _ = g.covering(g.ranges[0].region, g.ranges[0].offset, u64::MAX);
+    }
 }
 
 /// The verbs notification channel's frames (a length byte, then the frame) reassembled into
@@ -180,6 +185,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             region: 1,
             offset: 0,
             len: 64,
+            grant: 0,
         },
         Msg::SeqNotif {
             seq: 3,
@@ -204,6 +210,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             region: 1,
             offset: 0,
             len: 8,
+            grant: 0x5eed,
         },
     )
     .expect("encodes");

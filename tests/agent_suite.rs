@@ -6,6 +6,8 @@
 //! descriptor; busy deregistration; handshake refusals; the loopback-advertise error; repost
 //! rules; a peer that dies mid-transfer; two agents in two processes.
 
+#[path = "agent_suite/grants.rs"]
+mod grants;
 mod lab;
 
 use std::io::{Read, Write};
@@ -549,6 +551,7 @@ impl SilentPeer {
                 device: -1,
                 layer_offsets: vec![],
                 layer_len: 0,
+                fenced: false,
             }],
         }
         .encode()

@@ -72,7 +72,9 @@ impl From<&AgentError> for kvrail_result {
             AgentError::Metadata(_) => Self::Metadata,
             AgentError::Connection { .. } => Self::Connection,
             AgentError::InvalidMemory(_) => Self::InvalidMemory,
-            AgentError::NotifTooLarge { .. } => Self::InvalidArgument,
+            AgentError::NotifTooLarge { .. }
+            | AgentError::NoGrant(_)
+            | AgentError::InvalidGrant(_) => Self::InvalidArgument,
             _ => Self::Unsupported,
         }
     }

@@ -22,6 +22,8 @@ pub(crate) struct Posted {
     /// The peer's metadata as loaded (the verbs path addresses its regions by rkey).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) meta: Arc<AgentMetadata>,
+    /// The grant each remote descriptor goes through (fenced memory of the peer), if any.
+    pub(crate) grants: Vec<Option<Arc<super::Grant>>>,
 }
 
 /// A data path.
@@ -54,6 +56,11 @@ impl Backend for TcpPath {
                 .local
                 .into_iter()
                 .map(|(r, d)| (r, d.offset, d.len))
+                .collect(),
+            grants: x
+                .grants
+                .iter()
+                .map(|g| g.as_ref().map_or(0, |g| g.id))
                 .collect(),
             remote: x.remote,
             notif: x.notif,
@@ -104,6 +111,7 @@ impl Backend for super::verbs::Verbs {
                 local: &x.local,
                 remote: &x.remote,
                 meta: &x.meta,
+                grants: &x.grants,
             },
         )
     }

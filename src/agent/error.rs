@@ -112,6 +112,14 @@ pub enum AgentError {
     /// outside it, an empty or invalid range); nothing was registered.
     #[error("memory: {0}")]
     InvalidMemory(String),
+    /// No grant with this id (never made here, or revoked already).
+    #[error("no grant {0:#x} (never made by this agent, or revoked already)")]
+    NoGrant(u64),
+    /// A grant cannot be made or used as asked (a region that is not fenced, a range
+    /// outside a region, rights the region does not give, a token that does not fit the
+    /// peer's metadata or does not decode).
+    #[error("grant: {0}")]
+    InvalidGrant(String),
 }
 
 impl AgentError {
@@ -126,7 +134,9 @@ impl AgentError {
             | Self::UnknownPeer(_)
             | Self::NoXfer(_)
             | Self::Active(_)
-            | Self::NotifTooLarge { .. } => Fault::Misuse,
+            | Self::NotifTooLarge { .. }
+            | Self::NoGrant(_)
+            | Self::InvalidGrant(_) => Fault::Misuse,
             Self::Handshake(_) | Self::Metadata(_) => Fault::Peer,
             Self::Connection { .. } => Fault::Connection,
             Self::InvalidMemory(_) => Fault::Memory,
@@ -173,6 +183,16 @@ pub enum XferError {
     /// No progress from the peer within the bound.
     #[error("{0}")]
     Timeout(String),
+    /// The peer refused access through the grant the transfer named: it revoked the grant
+    /// (gave the memory back) before the transfer reached it. No byte of the fenced memory
+    /// was read or written.
+    #[error("grant revoked by {peer}: {why}")]
+    GrantRevoked {
+        /// The peer that owns the memory.
+        peer: String,
+        /// What refused it (the completion status, or the peer's words).
+        why: String,
+    },
 }
 
 impl XferError {
@@ -180,7 +200,7 @@ impl XferError {
     pub fn fault(&self) -> Fault {
         match self {
             Self::ConnectionLost { .. } | Self::Closed => Fault::Connection,
-            Self::Peer { .. } | Self::Protocol(_) => Fault::Peer,
+            Self::Peer { .. } | Self::Protocol(_) | Self::GrantRevoked { .. } => Fault::Peer,
             Self::Rdma(_) => Fault::Rdma,
             Self::Memory(_) => Fault::Memory,
             Self::Post(_) => Fault::Misuse,

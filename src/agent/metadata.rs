@@ -83,6 +83,11 @@ pub struct RegionMeta {
     pub layer_offsets: Vec<u64>,
     /// Bytes of one layer in a pooled region (0: the region's length).
     pub layer_len: u64,
+    /// Fenced: peers reach it only through grants (see [`crate::agent::Grant`]); the
+    /// region's own rkeys give no remote access, `remote_read`/`remote_write` say what a
+    /// grant may give.
+    #[serde(default)]
+    pub fenced: bool,
 }
 
 impl RegionMeta {

@@ -27,6 +27,7 @@ mod config;
 mod config_json;
 pub(crate) mod control;
 mod error;
+mod grant;
 mod local;
 pub mod metadata;
 pub(crate) mod notifs;
@@ -46,6 +47,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use config::{AgentConfig, BackendChoice};
 pub use control::auth::{ClusterSecret, MIN_SECRET};
 pub use error::{AgentError, Fault, XferError};
+pub use grant::{Grant, GrantRange, MAX_GRANT_RANGES};
 pub use region::{RegionId, RegionMemory, RemoteAccess};
 pub use register::{MemRegion, RegisteredMemory};
 pub use route::NotifRoute;
@@ -142,6 +144,8 @@ pub(crate) struct Shared {
     bounce: std::sync::OnceLock<crate::bounce::Engine>,
     /// Consumers of one kind of notification each (see [`route`]).
     routes: Mutex<Vec<Arc<route::RouteQueue>>>,
+    /// Grants made here and grants peers gave (see [`grant`]).
+    grants: Mutex<grant::Grants>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -289,6 +293,7 @@ impl Agent {
             verbs,
             bounce: std::sync::OnceLock::new(),
             routes: Mutex::new(Vec::new()),
+            grants: Mutex::new(grant::Grants::default()),
         });
         #[cfg(feature = "verbs")]
         if let Some(v) = &shared.verbs {
@@ -466,6 +471,7 @@ impl Agent {
         }
         let conn = control::PeerConn::connect(self.shared.clone(), addr, &name, &meta)?;
         tracing::info!(agent = %self.shared.name, peer = %name, %addr, "handshake done; peer connected");
+        lock(&self.shared.grants).given.remove(&name);
         if let Some(old) = lock(&self.shared.peers).insert(
             name.clone(),
             Peer {
@@ -490,6 +496,7 @@ impl Agent {
         // Fail its transfers first: closing the connection wakes its reader, which would
         // otherwise fail them with "closed by the peer" (a race the cause must not depend on).
         self.shared.fail_peer(peer, "peer metadata invalidated");
+        lock(&self.shared.grants).given.remove(peer);
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
             v.remove_peer(&self.shared, peer);
@@ -526,6 +533,9 @@ impl Agent {
             table::validate(op, &local, &remote, &p.meta, |r| {
                 regions.get(&r.0).map(|r| r.len())
             })?;
+            drop(regions);
+            self.shared
+                .grants_for(peer, &p.meta, &remote, op == XferOp::Write)?;
         }
         Ok(lock(&self.shared.xfers).create(op, peer, local, remote, notif))
     }
@@ -569,6 +579,21 @@ impl Agent {
         for r in &held {
             r.acquire();
         }
+        // fenced memory of the peer is named through the grants it gave (checked again: one
+        // may have been forgotten since the transfer was created)
+        let grants =
+            match self
+                .shared
+                .grants_for(&x.peer, &p.meta, &x.remote, x.op == XferOp::Write)
+            {
+                Ok(g) => g,
+                Err(e) => {
+                    for r in &held {
+                        r.release();
+                    }
+                    return Err(e);
+                }
+            };
         let x = xfers.begin(id, held)?;
         let posted = backend::Posted {
             id: id.0,
@@ -585,6 +610,7 @@ impl Agent {
             remote: x.remote.clone(),
             notif: x.notif.clone(),
             meta: p.meta.clone(),
+            grants,
         };
         // device memory on either side goes through the host bounce (on verbs); the rest
         // on the peer's queue pairs, else its TCP connection. Only an agent with a bounce
@@ -845,7 +871,11 @@ impl Shared {
                 transfers,
             });
         }
-        regions.remove(&id.0).ok_or(AgentError::NoRegion(id.0))
+        let r = regions.remove(&id.0).ok_or(AgentError::NoRegion(id.0))?;
+        drop(regions);
+        // nothing may reach the memory once it is given back
+        self.revoke_region_grants(id.0);
+        Ok(r)
     }
 
     fn region(&self, id: u32) -> Result<Arc<Region>, AgentError> {
@@ -878,6 +908,7 @@ impl Shared {
                 device: r.device,
                 layer_offsets: r.layers.offsets.clone(),
                 layer_len: r.layers.len,
+                fenced: r.fenced,
             })
             .collect();
         rs.sort_by_key(|r| r.id);

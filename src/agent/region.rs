@@ -95,6 +95,8 @@ pub(crate) struct Region {
     pub(crate) kind: MemKind,
     /// The device the memory is on (-1 for host memory).
     pub(crate) device: i32,
+    /// Peers reach it only through grants (see [`super::grant`]).
+    pub(crate) fenced: bool,
     /// The buffer registered on each rail (verbs backend; empty on TCP).
     #[cfg(feature = "verbs")]
     pub(crate) mrs: Vec<crate::transport::verbs::Mr>,
@@ -117,6 +119,7 @@ impl Region {
             mem,
             kind,
             device,
+            fenced: false,
             #[cfg(feature = "verbs")]
             mrs: Vec::new(),
         }

@@ -32,6 +32,7 @@ pub struct MemRegion {
     device: i32,
     access: RemoteAccess,
     layers: Layers,
+    fenced: bool,
 }
 
 fn mem_err(e: crate::mem::MemError) -> AgentError {
@@ -49,6 +50,7 @@ impl MemRegion {
             device: -1,
             access: RemoteAccess::NONE,
             layers: Layers::default(),
+            fenced: false,
         }
     }
 
@@ -77,12 +79,21 @@ impl MemRegion {
             device,
             access: RemoteAccess::NONE,
             layers: Layers::default(),
+            fenced: false,
         }
     }
 
     /// What peers may do to it (default: nothing; a local source or destination).
     pub fn access(mut self, access: RemoteAccess) -> Self {
         self.access = access;
+        self
+    }
+
+    /// Fenced: peers reach it only through grants ([`Agent::grant`]), each revocable on
+    /// its own, never through the region's own keys. `access` is then the most a grant
+    /// may give. Host memory only.
+    pub fn fenced(mut self) -> Self {
+        self.fenced = true;
         self
     }
 
@@ -145,6 +156,13 @@ impl MemRegion {
 
     fn check(&self) -> Result<(), AgentError> {
         let len = self.len();
+        if self.fenced && self.kind != MemKind::Host {
+            return Err(AgentError::Unsupported(
+                "fencing (grants) covers host memory only; device memory moves through the \
+                 host bounce, which checks the region's access instead"
+                    .into(),
+            ));
+        }
         let lay = &self.layers;
         if !lay.offsets.is_empty() && lay.offsets.len() != lay.names.len() {
             return Err(AgentError::InvalidMemory(format!(
@@ -251,6 +269,7 @@ impl Agent {
         }
         #[allow(unused_mut)]
         let mut region = Region::new(id, m.mem, m.kind, m.device, m.access, m.layers);
+        region.fenced = m.fenced;
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
             region.mrs = v.register(&region)?;

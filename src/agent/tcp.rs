@@ -29,11 +29,12 @@ pub(crate) fn send_write(
     w: &mut TcpStream,
     id: u64,
     local: &[(Arc<Region>, u64, u64)],
-    remote: &[Desc],
+    (remote, grants): (&[Desc], &[u64]),
     notif: Option<Vec<u8>>,
 ) -> std::io::Result<()> {
     let mut frame = Vec::new();
-    for ((r, off, len), rd) in local.iter().zip(remote) {
+    for (i, ((r, off, len), rd)) in local.iter().zip(remote).enumerate() {
+        let grant = grants.get(i).copied().unwrap_or(0);
         let mut at = 0;
         while at < *len {
             let n = (*len - at).min(CHUNK as u64);
@@ -42,6 +43,7 @@ pub(crate) fn send_write(
                 region: rd.region.0,
                 offset: rd.offset + at,
                 len: n as u32,
+                grant,
             };
             if let Some(host) = r.host() {
                 // host memory: the kernel sends from the buffer itself
@@ -67,7 +69,12 @@ pub(crate) fn send_write(
 ///
 /// # Errors
 /// The socket's.
-pub(crate) fn send_read(w: &mut TcpStream, id: u64, remote: &[Desc]) -> std::io::Result<()> {
+pub(crate) fn send_read(
+    w: &mut TcpStream,
+    id: u64,
+    remote: &[Desc],
+    grants: &[u64],
+) -> std::io::Result<()> {
     for (i, rd) in remote.iter().enumerate().filter(|(_, d)| d.len > 0) {
         send(
             w,
@@ -77,6 +84,7 @@ pub(crate) fn send_read(w: &mut TcpStream, id: u64, remote: &[Desc]) -> std::io:
                 region: rd.region.0,
                 offset: rd.offset,
                 len: rd.len,
+                grant: grants.get(i).copied().unwrap_or(0),
             },
         )?;
     }
@@ -162,20 +170,21 @@ impl Writes {
         &mut self,
         shared: &Shared,
         xfer: u64,
-        region: u32,
-        offset: u64,
+        (region, offset, grant): (u32, u64, u64),
         data: &[u8],
     ) {
         if let std::collections::hash_map::Entry::Vacant(v) = self.failed.entry(xfer) {
-            if let Err(e) = apply_write(shared, region, offset, data) {
+            if let Err(e) = apply_write(shared, (region, offset, grant), data) {
                 v.insert(e);
             }
         }
     }
 
     /// Where `len` bytes of WRITE `xfer` for `region` at `offset` can be received in place:
-    /// a host region that allows remote WRITE, the range inside it, the transfer not failed
-    /// already. None sends them through [`Writes::chunk`], which says what is wrong.
+    /// a host region that allows remote WRITE and is not fenced (fenced bytes are copied
+    /// under their grant's gate, never while waiting on the socket), the range inside it,
+    /// the transfer not failed already. None sends them through [`Writes::chunk`], which
+    /// says what is wrong.
     pub(crate) fn in_place(
         &self,
         shared: &Shared,
@@ -191,7 +200,7 @@ impl Writes {
         let inside = offset
             .checked_add(u64::from(len))
             .is_some_and(|e| e <= r.len());
-        (r.access.write && inside)
+        (r.access.write && !r.fenced && inside)
             .then(|| r.host().cloned())
             .flatten()
     }
@@ -217,12 +226,22 @@ impl Writes {
     }
 }
 
-fn apply_write(shared: &Shared, region: u32, offset: u64, data: &[u8]) -> Result<(), String> {
+fn apply_write(
+    shared: &Shared,
+    (region, offset, grant): (u32, u64, u64),
+    data: &[u8],
+) -> Result<(), String> {
     let r = shared.region(region).map_err(|e| e.to_string())?;
     if !r.access.write {
         return Err(format!("region {region} does not allow remote WRITE"));
     }
-    r.write(offset, data).map_err(|e| e.to_string())?;
+    if r.fenced {
+        let span = (region, offset, data.len() as u64);
+        shared.under_grant(grant, span, true, || r.write(offset, data))?
+    } else {
+        r.write(offset, data)
+    }
+    .map_err(|e| e.to_string())?;
     shared.count_copy(data.len() as u64);
     Ok(())
 }
@@ -235,9 +254,8 @@ pub(crate) fn serve_read(
     shared: &Shared,
     w: &mut TcpStream,
     (xfer, idx): (u64, u32),
-    region: u32,
-    offset: u64,
-    len: u64,
+    (region, offset, len): (u32, u64, u64),
+    grant: u64,
 ) -> std::io::Result<()> {
     let fail = |w: &mut TcpStream, message: String| send(w, &Msg::Fail { xfer, message });
     let r = match shared.region(region) {
@@ -264,7 +282,19 @@ pub(crate) fn serve_read(
             at,
             len: n as u32,
         };
-        if let Some(host) = r.host() {
+        if r.fenced {
+            // copied out under the grant's gate: revocation never waits on the socket
+            let span = (region, offset + at, n);
+            let filled = send_data(w, &mut frame, &header, n as usize, |out| {
+                shared
+                    .under_grant(grant, span, false, || r.read(offset + at, out))
+                    .and_then(|res| res.map_err(|e| e.to_string()))
+            })?;
+            if let Err(why) = filled {
+                return fail(w, why);
+            }
+            shared.count_copy(n);
+        } else if let Some(host) = r.host() {
             send(w, &header)?;
             tcp_io::send_from(w, host, (offset + at) as usize, n as usize)?;
         } else {

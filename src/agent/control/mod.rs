@@ -34,6 +34,8 @@ pub(crate) enum Work {
         /// Local region, offset, length per descriptor.
         local: Vec<(Arc<Region>, u64, u64)>,
         remote: Vec<Desc>,
+        /// The grant each remote descriptor goes through (0: none).
+        grants: Vec<u64>,
         notif: Option<Vec<u8>>,
     },
     /// Send a notification.
@@ -251,14 +253,16 @@ fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &st
                 op: XferOp::Write,
                 local,
                 remote,
+                grants,
                 notif,
-            } => super::tcp::send_write(shared, &mut w, id, &local, &remote, notif),
+            } => super::tcp::send_write(shared, &mut w, id, &local, (&remote, &grants), notif),
             Work::Xfer {
                 id,
                 op: XferOp::Read,
                 remote,
+                grants,
                 ..
-            } => super::tcp::send_read(&mut w, id, &remote),
+            } => super::tcp::send_read(&mut w, id, &remote, &grants),
         };
         if let Err(e) = res {
             shared.fail_peer(peer, &format!("send failed: {e}"));
@@ -288,13 +292,19 @@ fn initiator_reader(
         }
         match m {
             Ok(Some(Msg::Ack { xfer })) => shared.finish(xfer, Ok(())),
-            Ok(Some(Msg::Fail { xfer, message })) => shared.finish(
-                xfer,
-                Err(XferError::Peer {
-                    peer: peer.to_owned(),
-                    message,
-                }),
-            ),
+            Ok(Some(Msg::Fail { xfer, message })) => {
+                let e = match message.strip_prefix(super::grant::REVOKED) {
+                    Some(why) => XferError::GrantRevoked {
+                        peer: peer.to_owned(),
+                        why: why.to_owned(),
+                    },
+                    None => XferError::Peer {
+                        peer: peer.to_owned(),
+                        message,
+                    },
+                };
+                shared.finish(xfer, Err(e));
+            }
             Ok(Some(Msg::ReadData { xfer, idx, at, len })) => {
                 if let Err(e) =
                     super::tcp::on_read_data(shared, tx, peer, (xfer, idx, at, len), &mut r)
@@ -498,6 +508,7 @@ fn target_loop(
                 region,
                 offset,
                 len,
+                grant,
             } => {
                 let e = |e: String| format!("from {from}: {e}");
                 if let Some(buf) = writes.in_place(shared, xfer, region, offset, len) {
@@ -505,7 +516,7 @@ fn target_loop(
                     shared.count_copy(copied);
                 } else {
                     let data = r.payload(len).map_err(e)?;
-                    writes.chunk(shared, xfer, region, offset, data);
+                    writes.chunk(shared, xfer, (region, offset, grant), data);
                 }
                 Ok(())
             }
@@ -516,7 +527,8 @@ fn target_loop(
                 region,
                 offset,
                 len,
-            } => super::tcp::serve_read(shared, w, (xfer, idx), region, offset, len),
+                grant,
+            } => super::tcp::serve_read(shared, w, (xfer, idx), (region, offset, len), grant),
             Msg::Notif(b) => {
                 shared.deliver_notif(from, b);
                 Ok(())

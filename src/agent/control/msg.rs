@@ -53,6 +53,9 @@ pub(crate) enum Msg {
         region: u32,
         offset: u64,
         len: u32,
+        /// The grant it goes through (fenced memory; 0: none).
+        #[serde(default)]
+        grant: u64,
     },
     /// All WRITE bytes of `xfer` were sent; deliver `notif` once they are in place, then ack.
     WriteEnd {
@@ -67,6 +70,9 @@ pub(crate) enum Msg {
         region: u32,
         offset: u64,
         len: u64,
+        /// The grant it goes through (fenced memory; 0: none).
+        #[serde(default)]
+        grant: u64,
     },
     /// `len` bytes of descriptor `idx`, starting `at` bytes into it; the bytes follow the
     /// frame raw.

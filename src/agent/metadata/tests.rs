@@ -39,6 +39,7 @@ fn sample() -> AgentMetadata {
             device: -1,
             layer_offsets: vec![],
             layer_len: 0,
+            fenced: false,
         }],
     }
 }

@@ -63,6 +63,7 @@ fn meta(regions: &[(u32, u64)]) -> AgentMetadata {
                 device: -1,
                 layer_offsets: vec![],
                 layer_len: 0,
+                fenced: false,
             })
             .collect(),
     }

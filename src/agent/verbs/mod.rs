@@ -94,6 +94,8 @@ pub(crate) struct PostReq<'a> {
     pub(crate) local: &'a [(Arc<Region>, Desc)],
     pub(crate) remote: &'a [Desc],
     pub(crate) meta: &'a Arc<AgentMetadata>,
+    /// The grant each remote descriptor goes through, if any.
+    pub(crate) grants: &'a [Option<Arc<crate::agent::Grant>>],
 }
 
 /// One queued slice: bytes between a local region and a peer's region on one rail.
@@ -124,6 +126,8 @@ struct Run {
     local: Vec<Arc<Region>>,
     /// The peer's metadata as of the post (regions, rkeys per peer rail).
     meta: Arc<AgentMetadata>,
+    /// The grant each descriptor's remote side goes through (fenced memory), if any.
+    grants: Vec<Option<Arc<crate::agent::Grant>>>,
 }
 
 /// A queue pair being rebuilt: (local rail, peer rail, the new queue pair).
@@ -321,10 +325,11 @@ impl Verbs {
     /// Register a region's buffer on every rail.
     pub(crate) fn register(&self, region: &Region) -> Result<Vec<Mr>, AgentError> {
         let mut access = Access::LOCAL_WRITE;
-        if region.access.read {
+        // a fenced region gives no remote access through its own keys: only grants do
+        if region.access.read && !region.fenced {
             access = access | Access::REMOTE_READ;
         }
-        if region.access.write {
+        if region.access.write && !region.fenced {
             access = access | Access::REMOTE_WRITE;
         }
         let Some(buf) = region.host() else {
@@ -335,6 +340,36 @@ impl Verbs {
         self.rails
             .iter()
             .map(|r| Mr::register(&r.pd, buf, access).map_err(verr))
+            .collect()
+    }
+
+    /// A grant's keys over `[offset, offset + len)` of `buf`, one per rail in rail order.
+    pub(crate) fn range_keys(
+        &self,
+        buf: &Arc<crate::mem::HostBuffer>,
+        offset: u64,
+        len: u64,
+        access: crate::agent::RemoteAccess,
+    ) -> Result<Vec<crate::transport::verbs::RangeKey>, AgentError> {
+        let mut a = Access::NONE;
+        if access.read {
+            a = a | Access::REMOTE_READ;
+        }
+        if access.write {
+            a = a | Access::REMOTE_WRITE;
+        }
+        self.rails
+            .iter()
+            .map(|r| {
+                crate::transport::verbs::RangeKey::register(
+                    &r.pd,
+                    buf,
+                    offset as usize,
+                    len as usize,
+                    a,
+                )
+                .map_err(|e| AgentError::InvalidMemory(format!("grant key on {}: {e}", r.name)))
+            })
             .collect()
     }
 
@@ -430,6 +465,7 @@ impl Verbs {
             local,
             remote,
             meta,
+            grants,
         } = req;
         let mut e = lock(&self.engine);
         let rails = e.live_rails(peer, self.rails.len());
@@ -464,6 +500,7 @@ impl Verbs {
             op,
             local: local.iter().map(|(r, _)| r.clone()).collect(),
             meta: meta.clone(),
+            grants: grants.to_vec(),
         };
         self.enqueue(&mut e, id, &run, &plan);
         e.runs.insert(id, run);
@@ -502,6 +539,12 @@ impl Verbs {
                 let Some(m) = run.meta.regions.iter().find(|m| m.id == sl.remote_region) else {
                     continue;
                 };
+                // fenced memory: the key of the grant range that holds the slice
+                let granted = run.grants.get(sl.desc).and_then(Option::as_ref).map(|g| {
+                    g.covering(sl.remote_region, sl.remote_off, sl.len)
+                        .and_then(|r| r.rkeys.get(peer_rail).copied())
+                        .unwrap_or_default()
+                });
                 q.queue.push_back(Pending {
                     xfer: id,
                     op: run.op,
@@ -510,7 +553,8 @@ impl Verbs {
                     remote: RemoteRegion {
                         addr: m.addr,
                         len: m.len,
-                        rkey: m.rkeys.get(peer_rail).copied().unwrap_or_default(),
+                        rkey: granted
+                            .unwrap_or_else(|| m.rkeys.get(peer_rail).copied().unwrap_or_default()),
                     },
                     remote_off: sl.remote_off,
                     len: sl.len,
@@ -630,6 +674,19 @@ impl Verbs {
 
     /// A pair's queue pair failed: every transfer with slices on it fails.
     fn kill_pair(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), why: &str) {
+        self.kill_pair_as(shared, e, key, why, false);
+    }
+
+    /// [`Verbs::kill_pair`]; `refused` (the peer's NIC refused a key): the transfers that
+    /// went through grants fail as [`XferError::GrantRevoked`](crate::agent::XferError).
+    fn kill_pair_as(
+        &self,
+        shared: &Shared,
+        e: &mut Engine,
+        key: &(String, usize),
+        why: &str,
+        refused: bool,
+    ) {
         let mut victims: Vec<u64> = Vec::new();
         e.mark_dead(key, why);
         if let Some(q) = e.pairs.get_mut(key) {
@@ -648,7 +705,16 @@ impl Verbs {
             q.queue.retain(|p| victims.binary_search(&p.xfer).is_err());
         }
         for id in victims {
-            if e.runs.remove(&id).is_some() {
+            let Some(run) = e.runs.remove(&id) else {
+                continue;
+            };
+            if refused && run.grants.iter().any(Option::is_some) {
+                let err = crate::agent::XferError::GrantRevoked {
+                    peer: run.peer,
+                    why: why.to_owned(),
+                };
+                shared.finish(id, Err(err));
+            } else {
                 shared.xfer_failed(id, why.to_owned());
             }
         }
@@ -670,7 +736,7 @@ impl Verbs {
             // A request fault would fail on any rail: the transfers fail. A path fault moves
             // the work to other rails (see WcError::is_request_fault).
             if err.is_request_fault() {
-                self.kill_pair(shared, e, &key, &why);
+                self.kill_pair_as(shared, e, &key, &why, err.is_remote_access());
             } else {
                 self.fail_over(shared, e, &key, &why);
             }

@@ -44,6 +44,12 @@ impl WcError {
         self.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR
     }
 
+    /// True for `IBV_WC_REM_ACCESS_ERR`: the peer's NIC refused the key or the range (a
+    /// revoked grant's key, say).
+    pub fn is_remote_access(&self) -> bool {
+        self.status == ffi::ibv_wc_status::IBV_WC_REM_ACCESS_ERR
+    }
+
     /// True when the request itself is wrong (lengths, keys, protections, remote access):
     /// it would fail on any rail. False for the path's faults — retries exhausted, flushes,
     /// a local queue-pair error when the link went away (what rxe reports), fatal errors —

@@ -31,6 +31,7 @@ mod error;
 mod mr;
 mod pd;
 mod qp;
+mod range_key;
 mod wr;
 
 pub use crate::mem::HostBuffer;
@@ -42,6 +43,7 @@ pub use error::{classify_device_list_errno, Error, Unavailable};
 pub use mr::{Access, DeregisterError, Mr, RemoteRegion};
 pub use pd::Pd;
 pub use qp::{ConnectOptions, Endpoint, Qp, QpOptions, QpState};
+pub use range_key::RangeKey;
 pub use wr::{OpKind, RecvWr, SendOp, SendWr, Sge};
 
 impl Context {

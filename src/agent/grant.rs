@@ -1,0 +1,512 @@
+//! Grants: revocable remote access to parts of fenced regions.
+//!
+//! A region registered [fenced](super::MemRegion::fenced) is never reachable through its
+//! own keys. Its owner hands a peer a [`Grant`] for the ranges the peer may READ or WRITE
+//! (a request's blocks) and revokes it when the memory is given back (completion, lease
+//! expiry, abort). From the moment [`Agent::revoke`] returns, nothing issued under the old
+//! grant touches the memory:
+//! - on verbs each range has its own remote key per rail (a `RangeKey`: a registration of
+//!   just that range), deregistered on revocation, so the NIC itself refuses a late READ or
+//!   WRITE with a remote access error, which the peer reports as
+//!   [`XferError::GrantRevoked`](super::XferError::GrantRevoked);
+//! - on TCP the target checks the grant for every chunk and copies fenced bytes under the
+//!   grant's gate, which revocation closes after the copies in progress (memory copies,
+//!   never a socket wait) are done; a refused chunk fails the transfer with the same error.
+//!
+//! The peer side keeps the grants it was given per peer ([`Agent::accept_grant`]) and
+//! names fenced memory with ordinary descriptors: the agent finds the grant that covers each
+//! one and uses its keys.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+use serde::{Deserialize, Serialize};
+
+use super::{lock, Agent, AgentError, Desc, RemoteAccess, Shared};
+
+/// The most ranges one grant may hold (a decoded token with more is refused).
+pub const MAX_GRANT_RANGES: usize = 1 << 16;
+
+/// What the TCP target's refusals start with; the initiator reports them as
+/// [`XferError::GrantRevoked`](super::XferError::GrantRevoked).
+pub(crate) const REVOKED: &str = "grant revoked: ";
+
+/// A grant as its owner hands it to a peer (serializable with [`Grant::encode`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// Its id (random, never 0).
+    pub id: u64,
+    /// The agent that made it (whose memory it opens).
+    pub owner: String,
+    /// Peers may READ the ranges.
+    pub read: bool,
+    /// Peers may WRITE the ranges.
+    pub write: bool,
+    /// The ranges, each with its remote key per rail of the owner (empty on TCP).
+    pub ranges: Vec<GrantRange>,
+}
+
+/// One range of a grant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantRange {
+    /// The owner's region.
+    pub region: u32,
+    /// Offset in it.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Remote key per rail, in the owner's `rails` order (empty on TCP).
+    pub rkeys: Vec<u32>,
+}
+
+impl Grant {
+    /// The token's bytes (msgpack).
+    pub fn encode(&self) -> Vec<u8> {
+        // a plain struct of integers, strings and vectors always serializes
+        rmp_serde::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parse a token.
+    ///
+    /// # Errors
+    /// [`AgentError::InvalidGrant`]: it does not decode, has id 0, no rights, no ranges or
+    /// too many, or a range that is empty or wraps.
+    pub fn decode(b: &[u8]) -> Result<Self, AgentError> {
+        let g: Self = rmp_serde::from_slice(b)
+            .map_err(|e| AgentError::InvalidGrant(format!("undecodable token: {e}")))?;
+        let bad = |why: String| Err(AgentError::InvalidGrant(why));
+        if g.id == 0 {
+            return bad("id 0".into());
+        }
+        if !g.read && !g.write {
+            return bad("it gives no rights".into());
+        }
+        if g.ranges.is_empty() || g.ranges.len() > MAX_GRANT_RANGES {
+            return bad(format!(
+                "{} ranges (1..={MAX_GRANT_RANGES})",
+                g.ranges.len()
+            ));
+        }
+        if let Some(r) = g
+            .ranges
+            .iter()
+            .find(|r| r.len == 0 || r.offset.checked_add(r.len).is_none())
+        {
+            return bad(format!(
+                "range [{}, +{}) of region {} is empty or wraps",
+                r.offset, r.len, r.region
+            ));
+        }
+        Ok(g)
+    }
+
+    /// The range that holds `[offset, offset + len)` of `region`, if any.
+    pub fn covering(&self, region: u32, offset: u64, len: u64) -> Option<&GrantRange> {
+        let end = offset.checked_add(len)?;
+        self.ranges
+            .iter()
+            .find(|r| r.region == region && r.offset <= offset && end <= r.offset + r.len)
+    }
+
+    /// True when it gives the right `write` (else READ) needs.
+    pub fn allows(&self, write: bool) -> bool {
+        if write {
+            self.write
+        } else {
+            self.read
+        }
+    }
+}
+
+/// A live grant, on its owner.
+pub(crate) struct Held {
+    read: bool,
+    write: bool,
+    ranges: Vec<(u32, u64, u64)>,
+    /// Open (true) until revoked; TCP copies of fenced bytes hold it for reading.
+    gate: Arc<RwLock<bool>>,
+    /// Each range's key on each rail (verbs): revocation deregisters them.
+    #[cfg(feature = "verbs")]
+    _keys: Vec<crate::transport::verbs::RangeKey>,
+}
+
+impl Held {
+    fn covers(&self, region: u32, offset: u64, len: u64) -> bool {
+        offset.checked_add(len).is_some_and(|end| {
+            self.ranges
+                .iter()
+                .any(|&(r, o, l)| r == region && o <= offset && end <= o + l)
+        })
+    }
+}
+
+/// `descs` as ranges: sorted, and joined where they touch or overlap in one region.
+pub(crate) fn merge(descs: &[Desc]) -> Vec<(u32, u64, u64)> {
+    let mut v: Vec<(u32, u64, u64)> = descs
+        .iter()
+        .filter(|d| d.len > 0)
+        .map(|d| (d.region.0, d.offset, d.len))
+        .collect();
+    v.sort_unstable();
+    let mut out: Vec<(u32, u64, u64)> = Vec::with_capacity(v.len());
+    for (r, o, l) in v {
+        match out.last_mut() {
+            Some((lr, lo, ll)) if *lr == r && o <= *lo + *ll => {
+                *ll = (*ll).max(o + l - *lo);
+            }
+            _ => out.push((r, o, l)),
+        }
+    }
+    out
+}
+
+/// Grants on an agent: the ones it made (by id) and the ones peers gave it (by peer).
+#[derive(Default)]
+pub(crate) struct Grants {
+    pub(crate) made: HashMap<u64, Held>,
+    pub(crate) given: HashMap<String, HashMap<u64, Arc<Grant>>>,
+}
+
+impl Agent {
+    /// Give peers `access` to the bytes of `descs` (local, in fenced regions) until
+    /// [`Agent::revoke`]. Hand the returned [`Grant`] (e.g. [`Grant::encode`]) to the peer,
+    /// which passes it to its [`Agent::accept_grant`]. Touching or overlapping descriptors
+    /// are joined; on verbs each range gets a remote key per rail.
+    ///
+    /// # Errors
+    /// [`AgentError::InvalidGrant`] (no rights asked, no bytes, a region that is not fenced
+    /// or does not give the rights, too many ranges), [`AgentError::NoRegion`],
+    /// [`AgentError::OutOfRange`]; [`AgentError::InvalidMemory`] when a key cannot be
+    /// registered.
+    pub fn grant(&self, descs: &[Desc], access: RemoteAccess) -> Result<Grant, AgentError> {
+        if !access.read && !access.write {
+            return Err(AgentError::InvalidGrant("no rights asked".into()));
+        }
+        let ranges = merge(descs);
+        if ranges.is_empty() || ranges.len() > MAX_GRANT_RANGES {
+            return Err(AgentError::InvalidGrant(format!(
+                "{} ranges after joining (1..={MAX_GRANT_RANGES})",
+                ranges.len()
+            )));
+        }
+        #[cfg(feature = "verbs")]
+        let mut keys = Vec::new();
+        let mut out = Vec::with_capacity(ranges.len());
+        for &(region, offset, len) in &ranges {
+            let r = self.shared.region(region)?;
+            if !r.fenced {
+                return Err(AgentError::InvalidGrant(format!(
+                    "region {region} is not fenced (its own keys already give access)"
+                )));
+            }
+            if (access.read && !r.access.read) || (access.write && !r.access.write) {
+                return Err(AgentError::InvalidGrant(format!(
+                    "region {region} gives at most {:?}",
+                    r.access
+                )));
+            }
+            if offset.checked_add(len).is_none_or(|e| e > r.len()) {
+                return Err(AgentError::OutOfRange {
+                    region,
+                    offset,
+                    len,
+                    size: r.len(),
+                });
+            }
+            #[allow(unused_mut)]
+            let mut rkeys = Vec::new();
+            #[cfg(feature = "verbs")]
+            if let (Some(v), Some(buf)) = (&self.shared.verbs, r.host()) {
+                for k in v.range_keys(buf, offset, len, access)? {
+                    rkeys.push(k.rkey());
+                    keys.push(k);
+                }
+            }
+            out.push(GrantRange {
+                region,
+                offset,
+                len,
+                rkeys,
+            });
+        }
+        let id = loop {
+            let mut b = [0u8; 8];
+            getrandom::fill(&mut b)
+                .map_err(|e| AgentError::Unsupported(format!("no randomness for an id: {e}")))?;
+            let id = u64::from_le_bytes(b);
+            if id != 0 && !lock(&self.shared.grants).made.contains_key(&id) {
+                break id;
+            }
+        };
+        let held = Held {
+            read: access.read,
+            write: access.write,
+            ranges,
+            gate: Arc::new(RwLock::new(true)),
+            #[cfg(feature = "verbs")]
+            _keys: keys,
+        };
+        lock(&self.shared.grants).made.insert(id, held);
+        tracing::debug!(agent = %self.shared.name, grant = id, ranges = out.len(), "grant made");
+        Ok(Grant {
+            id,
+            owner: self.shared.name.clone(),
+            read: access.read,
+            write: access.write,
+            ranges: out,
+        })
+    }
+
+    /// Revoke grant `id`: when this returns, no READ or WRITE under it reaches the memory
+    /// any more (the NIC refuses its keys; TCP copies under it have ended).
+    ///
+    /// # Errors
+    /// [`AgentError::NoGrant`].
+    pub fn revoke(&self, id: u64) -> Result<(), AgentError> {
+        let held = lock(&self.shared.grants)
+            .made
+            .remove(&id)
+            .ok_or(AgentError::NoGrant(id))?;
+        self.shared.close_grant(held);
+        tracing::debug!(agent = %self.shared.name, grant = id, "grant revoked");
+        Ok(())
+    }
+
+    /// Grants this agent made that are not revoked.
+    pub fn grants_live(&self) -> usize {
+        lock(&self.shared.grants).made.len()
+    }
+
+    /// Keep `grant` from peer `peer` (loaded): descriptors naming the peer's fenced memory
+    /// inside it use it from now on. A grant with the same id replaces the old one.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownPeer`]; [`AgentError::InvalidGrant`] when it was made by
+    /// another agent, or names regions the peer's metadata lacks, that are not fenced, that
+    /// it lies outside of, or has a key count that does not match the peer's rails.
+    pub fn accept_grant(&self, peer: &str, grant: Grant) -> Result<(), AgentError> {
+        let meta = self
+            .remote_metadata(peer)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
+        if grant.owner != peer {
+            return Err(AgentError::InvalidGrant(format!(
+                "made by {:?}, not by {peer:?}",
+                grant.owner
+            )));
+        }
+        let keys = if meta.backend == super::BackendKind::Verbs {
+            meta.rails.len()
+        } else {
+            0
+        };
+        for g in &grant.ranges {
+            let Some(m) = meta.regions.iter().find(|m| m.id == g.region) else {
+                return Err(AgentError::InvalidGrant(format!(
+                    "{peer} has no region {}",
+                    g.region
+                )));
+            };
+            if !m.fenced {
+                return Err(AgentError::InvalidGrant(format!(
+                    "region {} of {peer} is not fenced",
+                    g.region
+                )));
+            }
+            if g.offset.checked_add(g.len).is_none_or(|e| e > m.len) {
+                return Err(AgentError::InvalidGrant(format!(
+                    "[{}, +{}) lies outside region {} of {peer} ({} bytes)",
+                    g.offset, g.len, g.region, m.len
+                )));
+            }
+            if g.rkeys.len() != keys {
+                return Err(AgentError::InvalidGrant(format!(
+                    "{} keys for {keys} rails",
+                    g.rkeys.len()
+                )));
+            }
+        }
+        lock(&self.shared.grants)
+            .given
+            .entry(peer.to_owned())
+            .or_default()
+            .insert(grant.id, Arc::new(grant));
+        Ok(())
+    }
+
+    /// Drop grant `id` from `peer` (the request it was for is over). True when it was kept.
+    pub fn forget_grant(&self, peer: &str, id: u64) -> bool {
+        let mut g = lock(&self.shared.grants);
+        let Some(m) = g.given.get_mut(peer) else {
+            return false;
+        };
+        let had = m.remove(&id).is_some();
+        if m.is_empty() {
+            g.given.remove(peer);
+        }
+        had
+    }
+}
+
+impl Shared {
+    /// For each remote descriptor to `peer`'s memory, the grant that covers it when its
+    /// region is fenced (None for the others).
+    pub(crate) fn grants_for(
+        &self,
+        peer: &str,
+        meta: &super::AgentMetadata,
+        remote: &[Desc],
+        write: bool,
+    ) -> Result<Vec<Option<Arc<Grant>>>, AgentError> {
+        let g = lock(&self.grants);
+        let given = g.given.get(peer);
+        remote
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let fenced = meta.regions.iter().any(|m| m.id == d.region.0 && m.fenced);
+                if !fenced {
+                    return Ok(None);
+                }
+                given
+                    .into_iter()
+                    .flat_map(HashMap::values)
+                    .find(|g| g.allows(write) && g.covering(d.region.0, d.offset, d.len).is_some())
+                    .cloned()
+                    .map(Some)
+                    .ok_or_else(|| AgentError::InvalidDesc {
+                        side: "remote",
+                        index: i,
+                        reason: format!(
+                            "region {} of {peer} is fenced and no grant from it covers \
+                             [{}, +{}) for {}",
+                            d.region.0,
+                            d.offset,
+                            d.len,
+                            if write { "WRITE" } else { "READ" }
+                        ),
+                    })
+            })
+            .collect()
+    }
+
+    /// Run `f` (a copy of fenced bytes of `region`) if grant `id` is live and gives
+    /// `write` (else READ) over `[offset, offset + len)`; revocation waits for it.
+    ///
+    /// # Errors
+    /// The refusal, starting with [`REVOKED`].
+    pub(crate) fn under_grant<R>(
+        &self,
+        id: u64,
+        (region, offset, len): (u32, u64, u64),
+        write: bool,
+        f: impl FnOnce() -> R,
+    ) -> Result<R, String> {
+        let gate = {
+            let g = lock(&self.grants);
+            let Some(h) = g.made.get(&id) else {
+                return Err(format!("{REVOKED}no live grant {id:#x} on region {region}"));
+            };
+            if !h.covers(region, offset, len) || !(if write { h.write } else { h.read }) {
+                return Err(format!(
+                    "{REVOKED}grant {id:#x} does not give {} over [{offset}, +{len}) of \
+                     region {region}",
+                    if write { "WRITE" } else { "READ" }
+                ));
+            }
+            h.gate.clone()
+        };
+        let open = gate.read().unwrap_or_else(|p| p.into_inner());
+        if !*open {
+            return Err(format!("{REVOKED}grant {id:#x} was revoked"));
+        }
+        Ok(f())
+    }
+
+    /// A revoked grant: close its gate (after the copies under it) and drop its keys.
+    pub(crate) fn close_grant(&self, held: Held) {
+        *held.gate.write().unwrap_or_else(|p| p.into_inner()) = false;
+        drop(held);
+    }
+
+    /// Revoke every grant over `region` (it is being deregistered).
+    pub(crate) fn revoke_region_grants(&self, region: u32) {
+        let gone: Vec<Held> = {
+            let mut g = lock(&self.grants);
+            let ids: Vec<u64> = (g.made.iter())
+                .filter(|(_, h)| h.ranges.iter().any(|r| r.0 == region))
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter().filter_map(|id| g.made.remove(id)).collect()
+        };
+        for h in gone {
+            self.close_grant(h);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::RegionId;
+
+    #[test]
+    fn ranges_are_sorted_and_joined_where_they_touch() {
+        let d = |r, o, l| Desc::new(RegionId(r), o, l);
+        let m = merge(&[
+            d(1, 100, 50),
+            d(0, 0, 10),
+            d(1, 150, 10),
+            d(1, 120, 5),
+            d(1, 400, 1),
+            d(0, 20, 0),
+        ]);
+        assert_eq!(m, vec![(0, 0, 10), (1, 100, 60), (1, 400, 1)]);
+    }
+
+    #[test]
+    fn tokens_round_trip_and_bad_ones_are_refused() {
+        let g = Grant {
+            id: 7,
+            owner: "p".into(),
+            read: true,
+            write: false,
+            ranges: vec![GrantRange {
+                region: 1,
+                offset: 4096,
+                len: 8192,
+                rkeys: vec![0x11, 0x22],
+            }],
+        };
+        assert_eq!(Grant::decode(&g.encode()).unwrap(), g);
+        assert!(g.covering(1, 4096, 8192).is_some());
+        assert!(g.covering(1, 4095, 2).is_none());
+        assert!(g.covering(1, 12287, 2).is_none());
+        assert!(g.covering(2, 4096, 1).is_none());
+        assert!(g.covering(1, u64::MAX, 2).is_none());
+        for bad in [
+            Grant { id: 0, ..g.clone() },
+            Grant {
+                read: false,
+                ..g.clone()
+            },
+            Grant {
+                ranges: vec![],
+                ..g.clone()
+            },
+            Grant {
+                ranges: vec![GrantRange {
+                    offset: u64::MAX,
+                    ..g.ranges[0].clone()
+                }],
+                ..g.clone()
+            },
+        ] {
+            let e = Grant::decode(&bad.encode()).unwrap_err();
+            assert!(matches!(e, AgentError::InvalidGrant(_)), "{e}");
+        }
+        assert!(matches!(
+            Grant::decode(b"\xc1junk"),
+            Err(AgentError::InvalidGrant(_))
+        ));
+    }
+}
