@@ -228,6 +228,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         block_ids: vec![3, 4, 5],
         remote_engine_id: "prefill-0".into(),
         remote_request_id: "cmpl-p-0".into(),
+        grant: None,
     };
     out.push(("kvmsg", reg.encode()));
     out.push((

@@ -43,6 +43,8 @@ echo "=== tier 2: the NIXL-API program (python/tests) on kvrail.nixl over verbs"
 tools/lab/run.sh env LAB=1 bash python/run-tests.sh
 echo "=== tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) on verbs"
 cargo test --test connector_suite -- --test-threads=1
+echo "=== tier 2: fencing of freed blocks through the connector (late READ and WRITE) on verbs"
+cargo test --test connector_fence -- --test-threads=1
 echo "=== tier 2: heterogeneous TP, push_stream and swa_window_mode between multi-rank engines on verbs"
 cargo test --test connector_engines -- --test-threads=1
 echo "=== tier 2: link_down_exit_s with the real rxe links taken down"

@@ -85,8 +85,8 @@ pub struct RegionMeta {
     pub layer_len: u64,
     /// Fenced: peers reach it only through grants (see [`crate::agent::Grant`]); the
     /// region's own rkeys give no remote access, `remote_read`/`remote_write` say what a
-    /// grant may give.
-    #[serde(default)]
+    /// grant may give. Written only when set (metadata of unfenced regions is unchanged).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub fenced: bool,
 }
 

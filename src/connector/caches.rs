@@ -41,8 +41,8 @@ fn bad(key: &str, why: String) -> AgentError {
     AgentError::InvalidMemory(format!("{key}: {why}"))
 }
 
-/// Register `caches` for `layout` on `agent` with `access`: where each layer lies (layout
-/// order), and the regions registered.
+/// Register `caches` for `layout` on `agent` with `access` (`fenced`: reachable only
+/// through grants): where each layer lies (layout order), and the regions registered.
 ///
 /// # Errors
 /// [`AgentError::InvalidMemory`] naming the layer or `kv_buffer_device` when the caches do
@@ -52,14 +52,20 @@ pub(crate) fn register(
     cfg: &KvTransferConfig,
     layout: &KvLayout,
     caches: KvCaches,
-    access: RemoteAccess,
+    (access, fenced): (RemoteAccess, bool),
 ) -> Result<(Vec<LayerAt>, Vec<RegionId>), AgentError> {
+    let fence = |m: MemRegion| if fenced { m.fenced() } else { m };
     let regions = match caches {
         KvCaches::Allocate => {
             let ids = layout
                 .layers
                 .iter()
-                .map(|l| agent.register(layout.layer_bytes() as usize, access, vec![l.clone()]))
+                .map(|l| {
+                    let buf = crate::mem::HostBuffer::new(layout.layer_bytes() as usize)
+                        .map_err(|e| AgentError::InvalidMemory(e.to_string()))?;
+                    let m = MemRegion::host(buf).access(access).layers(vec![l.clone()]);
+                    agent.register_memory(fence(m))
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             let at = ids.iter().map(|&r| LayerAt::whole(r)).collect();
             return Ok((at, ids));
@@ -119,7 +125,7 @@ pub(crate) fn register(
     }
     let mut ids = Vec::with_capacity(regions.len());
     for m in regions {
-        match agent.register_memory(m.access(access)) {
+        match agent.register_memory(fence(m.access(access))) {
             Ok(id) => ids.push(id),
             Err(e) => {
                 for id in ids {

@@ -52,6 +52,11 @@ pub struct KvTransferConfig {
     pub link_down_exit_s: u64,
     /// `enforce_handshake_compat` (default true).
     pub enforce_handshake_compat: bool,
+    /// `fence_blocks` (default true): the KV cache peers reach (P's in pull mode, D's in
+    /// push mode) is fenced, reachable only through per-request grants revoked when the
+    /// blocks are given back (host memory; NPU caches move through the host bounce, which
+    /// checks access itself).
+    pub fence_blocks: bool,
     /// `cluster_secret`: the side channel's shared secret (see
     /// [`crate::agent::AgentConfig::cluster_secret`]).
     pub cluster_secret: Option<crate::agent::ClusterSecret>,
@@ -89,6 +94,7 @@ const EXTRA: &[&str] = &[
     "link_down_exit_s",
     "enforce_handshake_compat",
     "cluster_secret",
+    "fence_blocks",
 ];
 
 /// One prefill step's tokens when the engine does not say (vLLM's V1 default for serving).
@@ -273,6 +279,7 @@ impl KvTransferConfig {
             &x("enforce_handshake_compat"),
             true,
         )?;
+        let fence_blocks = boolean(extra, "fence_blocks", &x("fence_blocks"), true)?;
         let cluster_secret = match extra.get("cluster_secret") {
             None | Some(Value::Null) => None,
             Some(Value::String(k)) => Some(
@@ -326,6 +333,7 @@ impl KvTransferConfig {
             stripe_width,
             link_down_exit_s: link_down,
             enforce_handshake_compat: compat,
+            fence_blocks,
             cluster_secret,
         })
     }

@@ -14,6 +14,7 @@
 
 mod caches;
 pub mod config;
+mod fence;
 mod layout;
 pub mod linkwatch;
 mod meta;

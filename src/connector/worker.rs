@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::caches::KvCaches;
 use super::config::KvTransferConfig;
+use super::fence::{with_grant, Fence};
 use super::layout::{peer_kv, physical, KvLayout, LayerAt, Select};
 use super::linkwatch::{exit_process, LinkDownAction, LinkMonitor};
 use super::meta::{ConnectorMetadata, Finished, RecvReq};
@@ -19,7 +20,7 @@ use super::tp::{head_slices, rank_agent_name, HeadSlice};
 use super::writer::{Writer, WriterEvent};
 use crate::agent::{Agent, AgentError, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
 use crate::proto::handshake::Direction;
-use crate::proto::kvmsg::{Completion, KvMsg};
+use crate::proto::kvmsg::{Completion, GrantReq, KvMsg};
 use crate::proto::lease::{LeaseEvent, Leases};
 use crate::proto::push::PushReceiver;
 use crate::proto::select::chunk_tokens;
@@ -44,6 +45,16 @@ enum Withdrawn {
     Expired,
 }
 
+/// Where D stands with a fenced P rank's grant for a pull receive.
+enum Granted {
+    /// Asked; given up on at the instant.
+    Asked(Instant),
+    /// The token.
+    Token(Vec<u8>),
+    /// Refused, and why.
+    Refused(String),
+}
+
 /// A pull receive: one READ from each P rank whose heads this worker holds.
 struct Recv {
     req: RecvReq,
@@ -56,6 +67,8 @@ struct Recv {
     posted: bool,
     /// The first failure: reported once no READ still writes into the blocks.
     error: Option<String>,
+    /// Fenced P ranks' grants (asked once every rank is connected).
+    grants: HashMap<String, Granted>,
 }
 
 /// The worker side of a connector.
@@ -75,8 +88,11 @@ pub struct Worker {
     handshakes: (mpsc::Sender<Handshake>, mpsc::Receiver<Handshake>),
     /// Pull, D: receives by request id.
     recvs: HashMap<String, Recv>,
-    /// Heartbeats waiting for their P rank's handshake: (agent, message).
-    deferred_hb: Vec<(String, Vec<u8>)>,
+    /// Notifications waiting for their peer's handshake: heartbeats to P ranks, grant
+    /// answers to D ranks: (agent, message).
+    deferred: Vec<(String, Vec<u8>)>,
+    /// Grants over this worker's blocks (`fence_blocks`).
+    fence: Fence,
     /// Push, P: requests whose lease ended while a WRITE still reads their blocks.
     retiring: Vec<String>,
     /// Push, D.
@@ -169,7 +185,11 @@ impl Worker {
             Direction::Pull => RemoteAccess::READ,
             Direction::Push => RemoteAccess::WRITE,
         };
-        let (layers, regions) = super::caches::register(&agent, &cfg, &layout, caches, access)?;
+        // host caches are fenced; NPU caches move through the host bounce, which checks the
+        // regions' access itself
+        let fenced = cfg.fence_blocks && caches.npu_device().is_none();
+        let (layers, regions) =
+            super::caches::register(&agent, &cfg, &layout, caches, (access, fenced))?;
         let chunk = cfg.chunk_mode.then(|| {
             let bs = u64::from(layout.block_size);
             chunk_tokens(bs, cfg.chunk_tokens.unwrap_or(cfg.max_num_batched_tokens))
@@ -205,7 +225,8 @@ impl Worker {
             conns: HashMap::new(),
             handshakes: mpsc::channel(),
             recvs: HashMap::new(),
-            deferred_hb: Vec::new(),
+            deferred: Vec::new(),
+            fence: Fence::new(fenced),
             retiring: Vec::new(),
             writer: writer.transpose()?,
             done: Finished::default(),
@@ -351,6 +372,16 @@ impl Worker {
         }
         for s in &meta.reqs_to_send {
             self.leases.pin(&s.request_id, s.block_ids.clone(), now);
+            if self.fence.on && self.cfg.direction == Direction::Pull {
+                // D ranks ask for it before they READ; revoked when the lease ends
+                let blocks = physical(&s.block_ids, own);
+                let geo = (&self.layout, self.layers.as_slice());
+                if let Err(e) =
+                    (self.fence).grant(&self.agent, geo, &s.request_id, &blocks, RemoteAccess::READ)
+                {
+                    tracing::warn!(request = %s.request_id, "no grant over the blocks: {e}");
+                }
+            }
             if let Some(w) = &self.writer {
                 w.finished(&s.request_id, physical(&s.block_ids, own), s.tokens);
             }
@@ -377,13 +408,36 @@ impl Worker {
                         xfers: Vec::new(),
                         posted: false,
                         error: None,
+                        grants: HashMap::new(),
                     };
                     self.recvs.insert(r.request_id.clone(), recv);
                 }
                 Direction::Push => {
+                    // a fenced cache is written through D's grant over these blocks only,
+                    // revoked when D takes them back
+                    let grant = if self.fence.on {
+                        let blocks = physical(&r.local_block_ids, own);
+                        let geo = (&self.layout, self.layers.as_slice());
+                        match (self.fence).grant(
+                            &self.agent,
+                            geo,
+                            &r.request_id,
+                            &blocks,
+                            RemoteAccess::WRITE,
+                        ) {
+                            Ok(t) => Some(t),
+                            Err(e) => {
+                                tracing::warn!(request = %r.request_id, "KV receive failed: no grant over the blocks: {e}");
+                                self.done.failed_recving.push(r.request_id.clone());
+                                continue;
+                            }
+                        }
+                    } else {
+                        None
+                    };
                     self.receiver.registered(&r.request_id, now);
                     if let Some(w) = &self.writer {
-                        w.register(r.clone());
+                        w.register(r.clone(), grant);
                     }
                 }
             }
@@ -412,10 +466,10 @@ impl Worker {
                     .copied()
                     .unwrap_or(hb.port);
                 self.connect(&peer, &hb.host, port);
-                self.deferred_hb.push((peer, hb.message.clone()));
+                self.deferred.push((peer, hb.message.clone()));
             }
         }
-        self.pump();
+        self.pump(now);
         if let Some(w) = &self.writer {
             if !meta.is_empty() {
                 w.wake();
@@ -432,8 +486,8 @@ impl Worker {
     /// Nothing is in flight on the save path.
     pub fn wait_for_save(&self) {}
 
-    /// Start what waited for a handshake: READs, heartbeats.
-    fn pump(&mut self) {
+    /// Start what waited for a handshake: grant questions, READs, heartbeats and answers.
+    fn pump(&mut self, now: Instant) {
         while let Ok((peer, r)) = self.handshakes.1.try_recv() {
             let conn = match r {
                 Ok(()) => Conn::Up,
@@ -445,7 +499,7 @@ impl Worker {
             self.conns.insert(peer, conn);
         }
         // heartbeats whose P rank is up go now; a failed rank's are dropped
-        let hbs = std::mem::take(&mut self.deferred_hb);
+        let hbs = std::mem::take(&mut self.deferred);
         for (peer, msg) in hbs {
             match self.conns.get(&peer) {
                 Some(Conn::Up) => {
@@ -454,7 +508,7 @@ impl Worker {
                         self.conns.remove(&peer);
                     }
                 }
-                Some(Conn::Connecting) => self.deferred_hb.push((peer, msg)),
+                Some(Conn::Connecting) => self.deferred.push((peer, msg)),
                 _ => {}
             }
         }
@@ -477,7 +531,11 @@ impl Worker {
             if let Some(e) = failed {
                 self.fail_recv(&id, &e);
             } else if ready {
-                self.post_reads(&id);
+                match self.grants_ready(&id, now) {
+                    Ok(true) => self.post_reads(&id),
+                    Ok(false) => {}
+                    Err(e) => self.fail_recv(&id, &e),
+                }
             }
         }
         // what waited for a failed handshake has failed; the next request tries again
@@ -506,10 +564,17 @@ impl Worker {
             return;
         };
         let (req, sources, peer_heads) = (r.req.clone(), r.sources.clone(), r.peer_heads);
+        let tokens: HashMap<String, Vec<u8>> = (r.grants.iter())
+            .filter_map(|(p, g)| match g {
+                Granted::Token(t) => Some((p.clone(), t.clone())),
+                _ => None,
+            })
+            .collect();
         let mut xfers = Vec::new();
         let mut error = None;
         for (peer, slice) in &sources {
-            match self.post_read(&req, peer, slice, peer_heads) {
+            let token = tokens.get(peer).map(Vec::as_slice);
+            match self.post_read(&req, (peer, slice), peer_heads, token) {
                 Ok(x) => xfers.push(x),
                 Err(e) => {
                     error = Some(format!("READ from {peer}: {e}"));
@@ -527,9 +592,9 @@ impl Worker {
     fn post_read(
         &mut self,
         r: &RecvReq,
-        peer: &str,
-        slice: &HeadSlice,
+        (peer, slice): (&str, &HeadSlice),
         peer_heads: u64,
+        token: Option<&[u8]>,
     ) -> Result<XferId, String> {
         let p = &r.params;
         // both lists are logical: each side's blocks as physical ones, by its own ratio
@@ -574,20 +639,88 @@ impl Worker {
             tp_size: self.tp_size,
         }
         .encode();
-        let x = self
-            .agent
-            .create_xfer(XferOp::Read, local, peer, remote, Some(notif))
-            .map_err(|e| e.to_string())?;
-        if let Err(e) = self.agent.post(x) {
-            let _ = self.agent.release(x);
-            return Err(e.to_string());
-        }
+        // a fenced P rank's blocks are read through its grant
+        let agent = &self.agent;
+        let x = with_grant(agent, peer, token, || {
+            let x = (agent.create_xfer(XferOp::Read, local, peer, remote, Some(notif)))
+                .map_err(|e| e.to_string())?;
+            match agent.post(x) {
+                Ok(()) => Ok(x),
+                Err(e) => {
+                    let _ = agent.release(x);
+                    Err(e.to_string())
+                }
+            }
+        })?;
         self.read_bytes += bytes;
         Ok(x)
     }
 
-    fn handle_msg(&mut self, m: &[u8], now: Instant) {
+    /// Pull, D: whether every fenced P rank of receive `id` gave its grant (asking the ones
+    /// not asked yet: every rank is connected by now).
+    ///
+    /// # Errors
+    /// A rank refused, or did not answer within a lease.
+    fn grants_ready(&mut self, id: &str, now: Instant) -> Result<bool, String> {
+        let Some(r) = self.recvs.get_mut(id) else {
+            return Ok(false);
+        };
+        let mut ready = true;
+        for (peer, _) in &r.sources {
+            let fenced = (self.agent.remote_metadata(peer))
+                .is_some_and(|m| m.regions.iter().any(|m| m.fenced));
+            if !fenced {
+                continue;
+            }
+            match r.grants.get(peer) {
+                None => {
+                    let addr = self.agent.side_channel_addr();
+                    let ask = GrantReq {
+                        request_id: r.req.params.remote_request_id.clone(),
+                        host: addr.ip().to_string(),
+                        port: addr.port(),
+                    };
+                    self.agent
+                        .send_notif(peer, ask.encode())
+                        .map_err(|e| format!("asking {peer} for its grant: {e}"))?;
+                    let until = now + Duration::from_secs(self.cfg.lease_duration_s.max(1));
+                    r.grants.insert(peer.clone(), Granted::Asked(until));
+                    ready = false;
+                }
+                Some(Granted::Asked(until)) if now >= *until => {
+                    return Err(format!("{peer} gave no grant for the blocks in time"));
+                }
+                Some(Granted::Asked(_)) => ready = false,
+                Some(Granted::Refused(why)) => return Err(format!("{peer} gives no grant: {why}")),
+                Some(Granted::Token(_)) => {}
+            }
+        }
+        Ok(ready)
+    }
+
+    /// Pull, D: a P rank's answer about its blocks of P's request `request`.
+    fn granted(&mut self, peer: &str, request: &str, g: Granted) {
+        for r in self.recvs.values_mut() {
+            if r.req.params.remote_request_id == request && r.grants.contains_key(peer) {
+                r.grants.insert(peer.to_owned(), g);
+                return;
+            }
+        }
+    }
+
+    fn handle_msg(&mut self, from: &str, m: &[u8], now: Instant) {
         match KvMsg::decode(m) {
+            Ok(KvMsg::GrantReq(r)) => {
+                let wait = Duration::from_secs(self.cfg.lease_duration_s.max(1));
+                if let Some((peer, host, port, msg)) = self.fence.answer(from, r, now, wait) {
+                    self.connect(&peer, &host, port);
+                    self.deferred.push((peer, msg));
+                }
+            }
+            Ok(KvMsg::Grant(g)) => self.granted(from, &g.request_id, Granted::Token(g.token)),
+            Ok(KvMsg::GrantNone(g)) => {
+                self.granted(from, &g.request_id, Granted::Refused(g.reason));
+            }
             Ok(KvMsg::Heartbeat(ids)) => {
                 self.leases.handle_heartbeat(&ids, now);
             }
@@ -631,8 +764,8 @@ impl Worker {
     /// What finished since the last call (call once per step).
     pub fn get_finished(&mut self, now: Instant) -> Finished {
         // the agent routes PUSH_REG to the writer; everything else is the worker's
-        for (_, m) in self.agent.get_new_notifs() {
-            self.handle_msg(&m, now);
+        for (from, m) in self.agent.get_new_notifs() {
+            self.handle_msg(&from, &m, now);
         }
         let events = self.writer.as_ref().map(|w| {
             w.wake();
@@ -640,7 +773,7 @@ impl Worker {
         });
         for ev in events.into_iter().flatten() {
             match ev {
-                WriterEvent::Unparsed(m) => self.handle_msg(&m, now),
+                WriterEvent::Unparsed(from, m) => self.handle_msg(&from, &m, now),
                 WriterEvent::Refused => self.malformed += 1,
                 WriterEvent::Cancelled(id) => {
                     if let Some((_, how)) = self.cancels.remove(&id) {
@@ -661,7 +794,11 @@ impl Worker {
                 }
             }
         }
-        self.pump();
+        for (peer, host, port, msg) in self.fence.due(now) {
+            self.connect(&peer, &host, port);
+            self.deferred.push((peer, msg));
+        }
+        self.pump(now);
         // pull receives: done when every READ ended; failed when one failed
         let ids: Vec<String> = self
             .recvs
@@ -743,6 +880,15 @@ impl Worker {
             self.retiring = keep;
             self.done.sending.extend(free);
         }
+        // blocks given back to the engine: nothing reaches them through a grant any more
+        let d = &self.done;
+        let back = d.sending.iter().chain(&d.recving).chain(&d.failed_recving);
+        self.fence.release(&self.agent, back);
         std::mem::take(&mut self.done)
+    }
+
+    /// Grants over this worker's blocks not revoked yet (`fence_blocks`).
+    pub fn grants_live(&self) -> usize {
+        self.fence.live()
     }
 }

@@ -23,8 +23,9 @@ use crate::proto::push::{PushAction, PushMatcher};
 /// What the writer reports to its worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum WriterEvent {
-    /// A `PUSH_REG:` message that does not parse (the worker counts it malformed).
-    Unparsed(Vec<u8>),
+    /// A `PUSH_` message that does not parse (the worker counts it malformed), and its
+    /// sender.
+    Unparsed(String, Vec<u8>),
     /// P: a WRITE of this request (and its completion notification) is done, into a D
     /// worker of this TP size.
     Pushed(String, u32),
@@ -39,7 +40,8 @@ pub(crate) enum WriterEvent {
 #[derive(Default)]
 struct Inbox {
     woken: bool,
-    regs: VecDeque<RecvReq>,
+    /// D: registrations to send, each with D's grant over its blocks (fenced cache).
+    regs: VecDeque<(RecvReq, Option<Vec<u8>>)>,
     finished: VecDeque<(String, Vec<u64>, u64)>,
     stream: VecDeque<(String, Vec<u64>, u64)>,
     evict: VecDeque<String>,
@@ -123,8 +125,8 @@ impl Writer {
         self.shared.wake.notify_one();
     }
 
-    pub(crate) fn register(&self, r: RecvReq) {
-        self.push(|i| i.regs.push_back(r));
+    pub(crate) fn register(&self, r: RecvReq, grant: Option<Vec<u8>>) {
+        self.push(|i| i.regs.push_back((r, grant)));
     }
 
     pub(crate) fn finished(&self, id: &str, blocks: Vec<u64>, tokens: u64) {
@@ -210,6 +212,7 @@ enum Conn {
 /// cannot be reached fails it before any rank could WRITE into its blocks).
 struct Waiting {
     reg: RecvReq,
+    grant: Option<Vec<u8>>,
     peers: Vec<String>,
 }
 
@@ -393,7 +396,7 @@ impl Loop {
                     }
                     Ok(()) if self.all_up(&self.waiting[i].peers) => {
                         let w = self.waiting.swap_remove(i);
-                        self.send_regs(&w.peers, &w.reg);
+                        self.send_regs(&w.peers, &w.reg, w.grant.as_deref());
                     }
                     Ok(()) => i += 1,
                 }
@@ -414,7 +417,7 @@ impl Loop {
         for (id, report) in w.cancel.drain(..) {
             self.withdraw(&id, report);
         }
-        for reg in w.regs.drain(..) {
+        for (reg, grant) in w.regs.drain(..) {
             // one registration to each P rank whose heads this worker takes
             let p = &reg.params;
             let (rank, tp) = self.sh.tp;
@@ -430,7 +433,7 @@ impl Loop {
                 .map(|s| rank_agent_name(&p.remote_engine_id, s.peer_rank))
                 .collect();
             if self.all_up(&peers) {
-                self.send_regs(&peers, &reg);
+                self.send_regs(&peers, &reg, grant.as_deref());
                 continue;
             }
             for s in &slices {
@@ -438,7 +441,7 @@ impl Loop {
                 let addr = format!("{}:{}", p.remote_host, p.rank_port(s.peer_rank));
                 self.handshake(&peer, addr);
             }
-            self.waiting.push(Waiting { reg, peers });
+            self.waiting.push(Waiting { reg, grant, peers });
         }
         for (id, blocks, tokens) in w.stream.drain(..) {
             self.tokens.insert(id.clone(), tokens);
@@ -493,7 +496,7 @@ impl Loop {
                     self.cancelling.push((c.engine_id, c.request_id, addr));
                 }
                 Ok(KvMsg::PushCancelled(c)) => self.withdrawn(&from, &c.request_id),
-                _ => self.event(WriterEvent::Unparsed(m)),
+                _ => self.event(WriterEvent::Unparsed(from, m)),
             }
         }
         let before = self.matcher.dropped;
@@ -603,9 +606,9 @@ impl Loop {
     }
 
     /// Send the registration to every P rank it goes to.
-    fn send_regs(&mut self, peers: &[String], r: &RecvReq) {
+    fn send_regs(&mut self, peers: &[String], r: &RecvReq, grant: Option<&[u8]>) {
         for p in peers {
-            self.send_reg(p, r.clone());
+            self.send_reg(p, r.clone(), grant);
         }
         self.sent_to.insert(r.request_id.clone(), peers.to_vec());
     }
@@ -681,7 +684,7 @@ impl Loop {
         }
     }
 
-    fn send_reg(&self, peer: &str, r: RecvReq) {
+    fn send_reg(&self, peer: &str, r: RecvReq, grant: Option<&[u8]>) {
         if r.local_block_ids.is_empty() {
             // P refuses a registration without blocks: say so here instead of timing out
             self.event(WriterEvent::RegistrationFailed(
@@ -700,6 +703,7 @@ impl Loop {
             block_ids: r.local_block_ids.clone(),
             remote_engine_id: r.params.remote_engine_id.clone(),
             remote_request_id: r.params.remote_request_id.clone(),
+            grant: grant.map(<[u8]>::to_vec),
         };
         if let Err(e) = self.sh.agent.send_notif(peer, reg.encode()) {
             self.event(WriterEvent::RegistrationFailed(
@@ -800,11 +804,19 @@ impl Loop {
             e.0 += 1;
         }
         let attach = key.is_none().then_some(notif);
-        let posted = self
-            .sh
-            .agent
-            .create_xfer(XferOp::Write, l, &reg.engine_id, r, attach)
-            .and_then(|x| self.sh.agent.post(x).map(|()| x));
+        // D's blocks are fenced when its registration carries a grant: WRITE through it
+        let agent = &self.sh.agent;
+        let posted = super::fence::with_grant(agent, &reg.engine_id, reg.grant.as_deref(), || {
+            let x = (agent.create_xfer(XferOp::Write, l, &reg.engine_id, r, attach))
+                .map_err(|e| e.to_string())?;
+            match agent.post(x) {
+                Ok(()) => Ok(x),
+                Err(e) => {
+                    let _ = agent.release(x);
+                    Err(e.to_string())
+                }
+            }
+        });
         match posted {
             Ok(x) => {
                 let target = (reg.engine_id.clone(), reg.request_id.clone());
@@ -815,7 +827,7 @@ impl Loop {
             }
             Err(e) => {
                 self.ended(id);
-                Err(e.to_string())
+                Err(e)
             }
         }
     }

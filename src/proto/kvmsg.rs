@@ -4,11 +4,17 @@
 //! - heartbeat `HB:<msgpack array of request ids>`, one per P engine per interval;
 //! - push registration `PUSH_REG:<msgpack map>`;
 //! - its withdrawal `PUSH_CANCEL:<msgpack map>` (D → P, D aborted the request) and P's answer
-//!   `PUSH_CANCELLED:<msgpack map>` (no WRITE of it is in flight, none will start).
+//!   `PUSH_CANCELLED:<msgpack map>` (no WRITE of it is in flight, none will start);
+//! - pull fencing: `GRANT_REQ:`, `GRANT:` and `GRANT_NONE:` (see [`GrantReq`]).
 //!
 //! Decoding never panics: malformed input is a [`KvMsgError`] naming what is wrong.
 
 use serde::{Deserialize, Serialize};
+
+mod grants;
+pub use grants::{
+    GrantMsg, GrantNone, GrantReq, GRANT_NONE_PREFIX, GRANT_PREFIX, GRANT_REQ_PREFIX,
+};
 
 /// Prefix of a heartbeat.
 pub const HB_PREFIX: &[u8] = b"HB:";
@@ -131,6 +137,10 @@ pub struct PushReg {
     pub remote_engine_id: String,
     /// P's request id as the proxy handed it to D (matched exactly, then by base id).
     pub remote_request_id: String,
+    /// D's grant over `block_ids` (its KV cache is fenced): P WRITEs through it, and D
+    /// revokes it when it takes the blocks back. Absent: D's cache is not fenced.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "serde_bytes")]
+    pub grant: Option<Vec<u8>>,
 }
 
 impl PushReg {
@@ -243,6 +253,12 @@ pub enum KvMsg {
     PushCancel(PushCancel),
     /// `PUSH_CANCELLED:`.
     PushCancelled(PushCancelled),
+    /// `GRANT_REQ:`.
+    GrantReq(GrantReq),
+    /// `GRANT:`.
+    Grant(GrantMsg),
+    /// `GRANT_NONE:`.
+    GrantNone(GrantNone),
     /// `<request_id>:<tp_size>`.
     Completion(Completion),
 }
@@ -261,6 +277,12 @@ impl KvMsg {
             PushCancelled::decode(b).map(Self::PushCancelled)
         } else if b.starts_with(PUSH_CANCEL_PREFIX) {
             PushCancel::decode(b).map(Self::PushCancel)
+        } else if b.starts_with(GRANT_REQ_PREFIX) {
+            GrantReq::decode(b).map(Self::GrantReq)
+        } else if b.starts_with(GRANT_NONE_PREFIX) {
+            GrantNone::decode(b).map(Self::GrantNone)
+        } else if b.starts_with(GRANT_PREFIX) {
+            GrantMsg::decode(b).map(Self::Grant)
         } else {
             Completion::decode(b).map(Self::Completion)
         }

@@ -92,9 +92,14 @@ pub(super) struct Sim {
     pub(super) d_end: HashMap<String, (DEnd, Instant)>,
     /// When each fault fired.
     pub(super) fired: Vec<(Fault, Instant)>,
-    /// A READ that read blocks P had already freed (possible only when heartbeats were lost
-    /// longer than the lease extension: the protocol's known limit).
+    /// A READ that read blocks P had already freed (possible only without fencing, when
+    /// heartbeats were lost longer than the lease extension: the lease protocol's limit).
     pub(super) stale_reads: Vec<String>,
+    /// P's blocks are fenced (`fence_blocks`, the default): freeing them revokes the grant
+    /// D READs through, so a late READ fails instead.
+    fenced: bool,
+    /// READs refused because P had revoked the grant (fenced).
+    pub(super) revoked_reads: Vec<String>,
     pub(super) violations: Vec<String>,
 }
 
@@ -149,8 +154,16 @@ impl Sim {
             d_end: HashMap::new(),
             fired: Vec::new(),
             stale_reads: Vec::new(),
+            fenced: true,
+            revoked_reads: Vec::new(),
             violations: Vec::new(),
         }
+    }
+
+    /// Without fencing (`fence_blocks` false): what the lease protocol alone guarantees.
+    pub(super) fn unfenced(mut self) -> Self {
+        self.fenced = false;
+        self
     }
 
     /// Network latency and transfer time.
@@ -282,6 +295,7 @@ impl Sim {
                                 block_ids: vec![7, 8],
                                 remote_engine_id: "P".into(),
                                 remote_request_id: p.clone(),
+                                grant: None,
                             };
                             self.send(true, reg.encode());
                         } else {
@@ -344,6 +358,12 @@ impl Sim {
                         continue;
                     }
                     if !self.pinned.contains(&p) {
+                        if self.fenced {
+                            // the grant was revoked when P freed the blocks: the NIC refuses
+                            self.revoked_reads.push(d.clone());
+                            self.d_ends(&d, DEnd::Failed);
+                            continue;
+                        }
                         self.stale_reads.push(d.clone());
                     }
                     self.landed.insert(d.clone());
@@ -591,20 +611,33 @@ mod tests {
     }
 
     #[test]
-    fn a_partition_longer_than_the_extension_shows_the_lease_limit() {
-        // pull: heartbeats are lost for 60 s, P frees at expiry; D's later READ reads blocks
-        // P no longer holds. The lease protocol cannot see this (one-sided READ); it is the
-        // known limit a deployment sizes kv_lease_duration against.
-        let mut sim = Sim::new(
-            Mode::Pull,
-            vec![req(1.0, 2.0, 100.0)],
-            vec![(s(10.0), Fault::Partition(s(60.0)))],
-        );
-        sim.run(s(300.0));
-        sim.check().unwrap();
+    fn a_partition_longer_than_the_extension_is_fenced() {
+        // pull: heartbeats are lost for 60 s, P frees at expiry; D's later READ targets
+        // blocks P no longer holds. The lease protocol cannot see this (one-sided READ):
+        // without fencing the READ reads them; with it (the default) P revoked the grant
+        // when it freed them, the READ fails and D ends the request as failed.
+        let run = |sim: Sim| {
+            let mut sim = sim;
+            sim.run(s(300.0));
+            sim.check().unwrap();
+            sim
+        };
+        let make = || {
+            Sim::new(
+                Mode::Pull,
+                vec![req(1.0, 2.0, 100.0)],
+                vec![(s(10.0), Fault::Partition(s(60.0)))],
+            )
+        };
         let (p, d) = Sim::ids(0);
+        let sim = run(make().unfenced());
         assert_eq!(sim.p_freed[&p].0, FreeReason::Expired);
         assert_eq!(sim.stale_reads, vec![d.clone()]);
+        let sim = run(make());
+        assert_eq!(sim.p_freed[&p].0, FreeReason::Expired);
+        assert!(sim.stale_reads.is_empty());
+        assert_eq!(sim.revoked_reads, vec![d.clone()]);
+        assert_eq!(sim.d_end[&d].0, DEnd::Failed);
         // push: the registration is lost in the partition; P frees at expiry, never WRITEs
         // freed blocks; D's watchdog drops the registration
         let mut sim = Sim::new(
@@ -696,11 +729,17 @@ mod tests {
             let hb_outage = script.iter().any(|(_, f)| {
                 matches!(f, Fault::Partition(d) | Fault::HandshakesFail(d) if *d >= s(10.0))
             });
-            let mut sim = Sim::new(mode, reqs, script)
+            let make = || Sim::new(mode, reqs.clone(), script.clone())
                 .timing(Duration::from_millis(latency_ms), s(0.5));
+            let mut sim = make();
             sim.run(s(1200.0));
             prop_assert_eq!(sim.check(), Ok(()));
-            // a READ of freed blocks needs a heartbeat outage near the extension: the limit
+            // fenced (the default): no READ ever reads freed blocks
+            prop_assert!(sim.stale_reads.is_empty(), "{:?}", sim.stale_reads);
+            // unfenced, a READ of freed blocks needs a heartbeat outage near the extension
+            let mut sim = make().unfenced();
+            sim.run(s(1200.0));
+            prop_assert_eq!(sim.check(), Ok(()));
             prop_assert!(sim.stale_reads.is_empty() || hb_outage, "{:?}", sim.stale_reads);
             if clean {
                 for i in 0..n {

@@ -24,6 +24,7 @@ fn reg(d_req: &str, p_req: &str, blocks: Vec<u64>) -> PushReg {
         block_ids: blocks,
         remote_engine_id: "prefill-engine".into(),
         remote_request_id: p_req.into(),
+        grant: None,
     }
 }
 
@@ -79,6 +80,7 @@ fn golden_bytes() {
         block_ids: vec![3],
         remote_engine_id: "p".into(),
         remote_request_id: "q".into(),
+        grant: None,
     };
     let want: &[u8] =
         b"PUSH_REG:\x89\xaarequest_id\xa1d\xa9engine_id\xa1e\xa4host\xa1h\xa4port\x01\
@@ -333,9 +335,7 @@ impl Pair {
                 KvMsg::Completion(c) => {
                     self.p.handle_completion(&c);
                 }
-                KvMsg::PushReg(_) | KvMsg::PushCancel(_) | KvMsg::PushCancelled(_) => {
-                    unreachable!()
-                }
+                other => unreachable!("{other:?}"),
             }
         }
         self.p.handle_timeout(self.now);

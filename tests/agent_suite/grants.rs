@@ -62,8 +62,12 @@ fn a_late_read_and_a_late_write_under_a_revoked_grant_touch_nothing() {
     let open = p.register(4096, RemoteAccess::READ, vec![]).unwrap();
     let old = pattern(1, LEN as usize);
     p.write_region(fenced, 0, &old).unwrap();
-    let dst = d.register(LEN as usize, RemoteAccess::NONE, vec![]).unwrap();
-    let src = d.register(LEN as usize, RemoteAccess::NONE, vec![]).unwrap();
+    let dst = d
+        .register(LEN as usize, RemoteAccess::NONE, vec![])
+        .unwrap();
+    let src = d
+        .register(LEN as usize, RemoteAccess::NONE, vec![])
+        .unwrap();
     let wbytes = pattern(2, LEN as usize);
     d.write_region(src, 0, &wbytes).unwrap();
     let peer = {
@@ -166,7 +170,9 @@ fn a_late_read_and_a_late_write_under_a_revoked_grant_touch_nothing() {
     let new = pattern(3, LEN as usize);
     p.write_region(fenced, 0, &new).unwrap();
     // D still holds the old grant: its late READ and WRITE fail and touch nothing
-    let fresh = d.register(LEN as usize, RemoteAccess::NONE, vec![]).unwrap();
+    let fresh = d
+        .register(LEN as usize, RemoteAccess::NONE, vec![])
+        .unwrap();
     assert_revoked(&run(&d, &peer, XferOp::Read, Desc::new(fresh, 0, SPAN), r));
     assert!(
         read_local(&d, fresh, LEN).iter().all(|&b| b == 0),

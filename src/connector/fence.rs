@@ -1,0 +1,242 @@
+//! Fencing of the KV cache peers reach (`fence_blocks`): the grants a worker makes over a
+//! request's blocks, answered to the peers that ask, and revoked when the blocks go back to
+//! the engine.
+//!
+//! - Pull, P: a grant (READ) over the request's blocks is made when the lease is pinned; D
+//!   ranks ask for it (`GRANT_REQ:`) and get it (`GRANT:`), or hear why not
+//!   (`GRANT_NONE:`). When the lease ends (completion, expiry) the grant is revoked before
+//!   the blocks are reported free, so a READ that comes later fails on the NIC.
+//! - Push, D: a grant (WRITE) over D's blocks travels in the `PUSH_REG`; it is revoked when
+//!   D takes the blocks back (received, failed, withdrawn), so a P that WRITEs late fails.
+//!
+//! The peer accepts a grant only around the post that uses it (the posted transfer keeps
+//! its keys), so nothing is kept per request on the using side.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::layout::{KvLayout, LayerAt};
+use crate::agent::{Agent, Desc, RemoteAccess};
+use crate::proto::kvmsg::{GrantMsg, GrantNone, GrantReq};
+
+/// Recently freed requests remembered to answer a late `GRANT_REQ` at once.
+const FREED_MEMORY: usize = 4096;
+
+/// A `GRANT_REQ` for a request not granted (yet): answered when it is, or refused at
+/// `until`.
+struct Asked {
+    request: String,
+    peer: String,
+    host: String,
+    port: u16,
+    until: Instant,
+}
+
+/// An answer to send to a peer once connected to it: (peer, host, port, message).
+pub(crate) type Reply = (String, String, u16, Vec<u8>);
+
+/// A worker's grants.
+pub(crate) struct Fence {
+    /// This worker's cache is fenced.
+    pub(crate) on: bool,
+    /// Grants made, by request id: (grant id, token).
+    made: HashMap<String, (u64, Vec<u8>)>,
+    /// Requests whose grant could not be made, and why.
+    failed: HashMap<String, String>,
+    asked: Vec<Asked>,
+    freed: (VecDeque<String>, HashSet<String>),
+}
+
+/// Every byte of `blocks` (physical ids) in every layer: all planes of each block.
+fn block_descs(layout: &KvLayout, layers: &[LayerAt], blocks: &[u64]) -> Vec<Desc> {
+    let mut v = Vec::with_capacity(layers.len() * blocks.len() * layout.planes as usize);
+    for at in layers {
+        for p in 0..layout.planes {
+            for &b in blocks {
+                let off = at.base + layout.offset(p, b);
+                v.push(Desc::new(at.region, off, layout.block_bytes));
+            }
+        }
+    }
+    v
+}
+
+impl Fence {
+    pub(crate) fn new(on: bool) -> Self {
+        Self {
+            on,
+            made: HashMap::new(),
+            failed: HashMap::new(),
+            asked: Vec::new(),
+            freed: (VecDeque::new(), HashSet::new()),
+        }
+    }
+
+    /// Grant `access` over `blocks` (physical ids) of every layer for `request`: its token,
+    /// or why not (also kept, for the peers that ask).
+    pub(crate) fn grant(
+        &mut self,
+        agent: &Agent,
+        (layout, layers): (&KvLayout, &[LayerAt]),
+        request: &str,
+        blocks: &[u64],
+        access: RemoteAccess,
+    ) -> Result<Vec<u8>, String> {
+        if let Some((_, token)) = self.made.get(request) {
+            return Ok(token.clone());
+        }
+        let bounded: Vec<u64> = blocks
+            .iter()
+            .copied()
+            .filter(|b| *b < layout.num_blocks)
+            .collect();
+        if bounded.len() != blocks.len() {
+            let why = format!(
+                "block ids past the cache's {} blocks: {blocks:?}",
+                layout.num_blocks
+            );
+            self.failed.insert(request.to_owned(), why.clone());
+            return Err(why);
+        }
+        match agent.grant(&block_descs(layout, layers, blocks), access) {
+            Ok(g) => {
+                let token = g.encode();
+                self.made.insert(request.to_owned(), (g.id, token.clone()));
+                Ok(token)
+            }
+            Err(e) => {
+                let why = e.to_string();
+                self.failed.insert(request.to_owned(), why.clone());
+                Err(why)
+            }
+        }
+    }
+
+    /// P: a peer asks for `r`'s grant. The answer to send now, or None when the request is
+    /// not granted yet (answered by [`Fence::due`] when it is, or refused after `wait`).
+    pub(crate) fn answer(
+        &mut self,
+        peer: &str,
+        r: GrantReq,
+        now: Instant,
+        wait: Duration,
+    ) -> Option<Reply> {
+        let reply = |m: Vec<u8>| Some((peer.to_owned(), r.host.clone(), r.port, m));
+        if !self.on {
+            return reply(none(&r.request_id, "this P does not fence its blocks"));
+        }
+        if let Some(m) = self.settled(&r.request_id) {
+            return reply(m);
+        }
+        self.asked.push(Asked {
+            request: r.request_id,
+            peer: peer.to_owned(),
+            host: r.host,
+            port: r.port,
+            until: now + wait,
+        });
+        None
+    }
+
+    /// The answer about `request` if there is one: its grant, why it has none, or that its
+    /// blocks were given back.
+    fn settled(&self, request: &str) -> Option<Vec<u8>> {
+        if let Some((_, token)) = self.made.get(request) {
+            return Some(
+                GrantMsg {
+                    request_id: request.to_owned(),
+                    token: token.clone(),
+                }
+                .encode(),
+            );
+        }
+        if let Some(why) = self.failed.get(request) {
+            return Some(none(request, &format!("no grant could be made: {why}")));
+        }
+        if self.freed.1.contains(request) {
+            return Some(none(request, "its blocks were given back (lease over)"));
+        }
+        None
+    }
+
+    /// P: questions that can be answered now (granted since, or waited too long).
+    pub(crate) fn due(&mut self, now: Instant) -> Vec<Reply> {
+        let mut out = Vec::new();
+        let mut keep = Vec::new();
+        for a in std::mem::take(&mut self.asked) {
+            match self.settled(&a.request) {
+                Some(m) => out.push((a.peer, a.host, a.port, m)),
+                None if now >= a.until => {
+                    let m = none(&a.request, "this P rank holds no blocks of it");
+                    out.push((a.peer, a.host, a.port, m));
+                }
+                None => keep.push(a),
+            }
+        }
+        self.asked = keep;
+        out
+    }
+
+    /// The blocks of `requests` went back to the engine: revoke their grants first.
+    pub(crate) fn release<'a>(
+        &mut self,
+        agent: &Agent,
+        requests: impl Iterator<Item = &'a String>,
+    ) {
+        for id in requests {
+            self.failed.remove(id);
+            let Some((grant, _)) = self.made.remove(id) else {
+                continue;
+            };
+            if let Err(e) = agent.revoke(grant) {
+                tracing::error!(request = %id, error = %e, "grant not revoked");
+            }
+            let (order, set) = &mut self.freed;
+            if set.insert(id.clone()) {
+                order.push_back(id.clone());
+                if order.len() > FREED_MEMORY {
+                    if let Some(old) = order.pop_front() {
+                        set.remove(&old);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Grants not revoked yet.
+    pub(crate) fn live(&self) -> usize {
+        self.made.len()
+    }
+}
+
+fn none(request: &str, reason: &str) -> Vec<u8> {
+    GrantNone {
+        request_id: request.to_owned(),
+        reason: reason.to_owned(),
+    }
+    .encode()
+}
+
+/// D: use `token` (from `peer`) for the post `f` makes, and no longer: the posted transfer
+/// keeps its keys.
+///
+/// # Errors
+/// A token that does not decode or fit the peer; what `f` returns.
+pub(crate) fn with_grant<T>(
+    agent: &Agent,
+    peer: &str,
+    token: Option<&[u8]>,
+    f: impl FnOnce() -> Result<T, String>,
+) -> Result<T, String> {
+    let Some(token) = token else {
+        return f();
+    };
+    let g = crate::agent::Grant::decode(token).map_err(|e| e.to_string())?;
+    let id = g.id;
+    agent
+        .accept_grant(peer, g)
+        .map_err(|e| format!("the grant from {peer}: {e}"))?;
+    let r = f();
+    agent.forget_grant(peer, id);
+    r
+}

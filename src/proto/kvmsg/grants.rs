@@ -1,0 +1,70 @@
+//! The fencing messages of pull mode (P's KV cache fenced, see `crate::agent::grant`):
+//! D asks each P rank it reads from for the grant over the request's blocks
+//! (`GRANT_REQ:`), and the rank answers with the grant token (`GRANT:`) or says why it has
+//! none (`GRANT_NONE:`: the lease ran out, or it never held the request). P revokes the
+//! grant when it frees the blocks, so a READ that comes later fails instead of reading
+//! blocks that hold another request's KV.
+
+use serde::{Deserialize, Serialize};
+
+use super::{decode_named, encode_named, KvMsgError};
+
+/// Prefix of D's request for a grant.
+pub const GRANT_REQ_PREFIX: &[u8] = b"GRANT_REQ:";
+/// Prefix of P's grant.
+pub const GRANT_PREFIX: &[u8] = b"GRANT:";
+/// Prefix of P's refusal.
+pub const GRANT_NONE_PREFIX: &[u8] = b"GRANT_NONE:";
+
+/// D asks for the grant over P's blocks of `request_id` (P's id).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantReq {
+    /// P's request id (as in D's `kv_transfer_params`).
+    pub request_id: String,
+    /// D's side-channel host (P answers there, connecting first if it must).
+    pub host: String,
+    /// D's side-channel port.
+    pub port: u16,
+}
+
+/// P's grant over its blocks of `request_id` (P's id): an agent grant token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantMsg {
+    /// P's request id.
+    pub request_id: String,
+    /// `crate::agent::Grant::encode`'s bytes.
+    #[serde(with = "serde_bytes")]
+    pub token: Vec<u8>,
+}
+
+/// P holds no blocks of `request_id` (P's id) to grant, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantNone {
+    /// P's request id.
+    pub request_id: String,
+    /// Why (lease over, never held).
+    pub reason: String,
+}
+
+macro_rules! named {
+    ($t:ty, $prefix:expr, $kind:literal) => {
+        impl $t {
+            #[doc = concat!("`", $kind, ":` + msgpack map.")]
+            pub fn encode(&self) -> Vec<u8> {
+                encode_named($prefix, self)
+            }
+
+            /// Parse one (`b` includes the prefix).
+            ///
+            /// # Errors
+            /// [`KvMsgError`] for a missing prefix, bad msgpack or missing fields.
+            pub fn decode(b: &[u8]) -> Result<Self, KvMsgError> {
+                decode_named(b, $prefix, $kind)
+            }
+        }
+    };
+}
+
+named!(GrantReq, GRANT_REQ_PREFIX, "GRANT_REQ");
+named!(GrantMsg, GRANT_PREFIX, "GRANT");
+named!(GrantNone, GRANT_NONE_PREFIX, "GRANT_NONE");
