@@ -263,9 +263,10 @@ fn soak_with_random_kills_pull_and_push() {
         assert_eq!(num(" wrong bytes"), 0, "{line}");
         assert_eq!(num(" hung"), 0, "{line}");
         assert!(
-            line.contains("blocks leaked after the leases ran out: 0 "),
+            line.contains("blocks leaked after the leases ran out: 0,"),
             "{line}"
         );
+        assert!(line.contains("grants not revoked: 0 "), "{line}");
         assert!(
             num(" of D:") + num(" kills of P") > 0,
             "no kill happened: {line}"

@@ -280,7 +280,9 @@ pub(crate) fn run(a: &Args) -> Result<(), String> {
         let (ps, ds) = (stats(&mut p, Who::P, &rx)?, stats(&mut d, Who::D, &rx)?);
         let clean = ps["held"] == json!(0)
             && ps["free_blocks"] == json!(a.num_blocks)
-            && ds["free_blocks"] == json!(a.num_blocks);
+            && ds["free_blocks"] == json!(a.num_blocks)
+            && ps["grants"] == json!(0)
+            && ds["grants"] == json!(0);
         if clean || settle.elapsed() > Duration::from_secs(a.lease + 15) {
             break (ps, ds);
         }
@@ -291,12 +293,14 @@ pub(crate) fn run(a: &Args) -> Result<(), String> {
         .saturating_sub(ps["free_blocks"].as_u64().unwrap_or(0))
         + a.num_blocks
             .saturating_sub(ds["free_blocks"].as_u64().unwrap_or(0));
+    // grants over blocks given back must all be revoked (fence_blocks)
+    let grants = ps["grants"].as_u64().unwrap_or(0) + ds["grants"].as_u64().unwrap_or(0);
     for l in [&mut p, &mut d] {
         let _ = l.inst.send(json!({"cmd": "quit"}));
         let _ = l.inst.child.wait();
     }
     println!(
-        "soak: {} requests in {secs:.1} s with {} kills of P and {} of D: {} completed byte-exact ({:.1} MiB), {} failed cleanly, {} lost with a killed instance, {} wrong bytes, {} hung; blocks leaked after the leases ran out: {leaked} (P held {}, settled in {:.1} s)",
+        "soak: {} requests in {secs:.1} s with {} kills of P and {} of D: {} completed byte-exact ({:.1} MiB), {} failed cleanly, {} lost with a killed instance, {} wrong bytes, {} hung; blocks leaked after the leases ran out: {leaked}, grants not revoked: {grants} (P held {}, settled in {:.1} s)",
         reqs.len(),
         t.kills_p,
         t.kills_d,
@@ -309,8 +313,10 @@ pub(crate) fn run(a: &Args) -> Result<(), String> {
         ps["held"],
         settle.elapsed().as_secs_f64()
     );
-    if t.wrong_bytes > 0 || t.hung > 0 || leaked > 0 || t.completed == 0 {
-        return Err(format!("soak failed: {t:?}, {leaked} blocks leaked"));
+    if t.wrong_bytes > 0 || t.hung > 0 || leaked > 0 || grants > 0 || t.completed == 0 {
+        return Err(format!(
+            "soak failed: {t:?}, {leaked} blocks leaked, {grants} grants not revoked"
+        ));
     }
     Ok(())
 }
