@@ -3,6 +3,8 @@
 //! transfer and striped, notifications after the data, and two agents in two processes.
 //! Outside the lab every case is SKIPPED.
 
+#[path = "agent_lab/grant_cost.rs"]
+mod grant_cost;
 mod lab;
 
 use std::net::SocketAddr;
@@ -71,6 +73,7 @@ fn main() {
         "notif_channel_rail_down_resends_over_tcp_once_in_order_then_is_rebuilt",
         "idle_connected_agents_use_no_cpu",
         "lossy_slow_rail_single_and_striped_byte_exact",
+        "grant_cost_next_to_the_read_it_fences",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -88,6 +91,7 @@ fn main() {
     r.run(cases[6], || notif_rail_down(&t));
     r.run(cases[7], || idle_cpu(&t));
     r.run(cases[8], || lossy_rail(&t));
+    r.run(cases[9], || grant_cost::grant_cost(&t));
     r.finish();
 }
 

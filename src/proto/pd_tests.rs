@@ -468,7 +468,7 @@ fn push_matches_in_both_arrival_orders_with_the_handshake_ratio() {
                 first_block: 0,
                 last: true,
                 only: true,
-                reg: r,
+                reg: Box::new(r),
             }],
             "logical 5, 6 at 2 physical per logical"
         );

@@ -50,8 +50,8 @@ pub enum PushAction {
         last: bool,
         /// Its only WRITE.
         only: bool,
-        /// The registration.
-        reg: PushReg,
+        /// The registration (boxed: it is large next to the other variant).
+        reg: Box<PushReg>,
     },
 }
 
@@ -278,7 +278,7 @@ impl PushMatcher {
             first_block: first_block.unwrap_or(new),
             last,
             only: last && a.sent == 0,
-            reg: a.reg.clone(),
+            reg: Box::new(a.reg.clone()),
         });
         if last {
             self.active.swap_remove(i);
