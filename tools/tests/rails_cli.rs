@@ -117,7 +117,7 @@ fn explain_gives_reasons_and_checks() {
         "--numa",
         "1",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(1), "not usable: {}", stderr(&o));
     assert_eq!(
         stdout(&o),
         "mlx5_8:1, netdev eno1: NOT USABLE for NUMA node 1:\n\
@@ -154,12 +154,17 @@ fn explain_gives_reasons_and_checks() {
 #[test]
 fn bad_input_is_a_clear_error() {
     let o = rails(&["explain", "mlx5_9", "--sysfs-root", &fixture("port-down")]);
-    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(o.status.code(), Some(4), "no such port");
     assert_eq!(
         stderr(&o),
         "kvrail-rails: no RDMA port mlx5_9 (ports: mlx5_0:1, mlx5_1:1)\n"
     );
     let o = rails(&["explain", "mlx5_0:x", "--sysfs-root", &fixture("port-down")]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "a port that does not parse is usage"
+    );
     assert!(
         stderr(&o).contains("port must be a number"),
         "{}",
@@ -172,7 +177,7 @@ fn bad_input_is_a_clear_error() {
         "--devices",
         "mlx5_0,nope",
     ]);
-    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(o.status.code(), Some(4), "no such device");
     assert!(
         stderr(&o).contains("no RDMA device \"nope\""),
         "{}",
@@ -189,6 +194,11 @@ fn bad_input_is_a_clear_error() {
         stderr(&o).contains("cannot read ") && stderr(&o).contains("0000:00:00.9/numa_node"),
         "{}",
         stderr(&o)
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "an unreadable sysfs file is a runtime error"
     );
     let o = rails(&["list", "--numa", "0", "--accel", "0000:17:00.0"]);
     assert_eq!(o.status.code(), Some(2), "--numa and --accel conflict");
@@ -230,7 +240,11 @@ fn probe_of_an_address_nobody_serves_says_which_address() {
         "--sysfs-root",
         &fixture("one-nic"),
     ]);
-    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "an unreachable peer is a runtime error"
+    );
     let e = stderr(&o);
     assert!(
         e.starts_with(&format!("kvrail-rails: handshake with {peer} failed (")),
@@ -377,4 +391,86 @@ fn serve_survives_garbage_on_the_side_channel() {
     ]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("valid JSON after garbage");
     assert_eq!(v["pairs"].as_array().unwrap().len(), 1);
+}
+
+/// `gids` prints the GID table the way `show_gids` does, with kvrail's entry marked, as a
+/// table and as JSON; the exit statuses: 0 (an entry chosen), 1 (none usable), 4 (no such
+/// port), 2 (a port that does not parse).
+#[test]
+fn gids_table_json_and_exit_statuses() {
+    let root = fixture("soft-roce");
+    let o = rails(&["gids", "rxeA1/1", "--sysfs-root", &root]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("DEV        PORT INDEX GID"), "{out}");
+    assert!(
+        lines[2].starts_with("rxeA1      1    0     fe80:0000:0000:0000:0000:00ff:fe00:01c1")
+            && !lines[2].ends_with('*'),
+        "{out}"
+    );
+    assert!(
+        lines[3].starts_with(
+            "rxeA1      1    1     0000:0000:0000:0000:0000:ffff:c612:0101 198.18.1.1"
+        ) && lines[3].contains(" v2 ")
+            && lines[3].contains("vethA1")
+            && lines[3].ends_with(" *"),
+        "{out}"
+    );
+    assert_eq!(
+        lines[4],
+        "n_gids_found=2 (* = the entry kvrail's queue pairs use)"
+    );
+    let o = rails(&["gids", "--sysfs-root", &root, "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 8, "two entries on each of four ports");
+    let chosen: Vec<(&str, u64)> = rows
+        .iter()
+        .filter(|r| r["chosen"] == true)
+        .map(|r| (r["device"].as_str().unwrap(), r["index"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        chosen,
+        [("rxeA0", 1), ("rxeA1", 1), ("rxeB0", 1), ("rxeB1", 1)]
+    );
+    assert_eq!(rows[1]["ipv4"], "198.18.0.1");
+    assert_eq!(rows[0]["ipv4"], serde_json::Value::Null);
+    // IPv6-only tables: every entry listed, none kvrail would use
+    let o = rails(&["gids", "--sysfs-root", &fixture("no-ipv4")]);
+    assert_eq!(o.status.code(), Some(1), "{}{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains("2001:0db8:0000:0000:0000:0000:0000:0000"));
+    assert!(!stdout(&o).contains(" *\n"));
+    let o = rails(&["gids", "rxeZ9", "--sysfs-root", &root]);
+    assert_eq!(o.status.code(), Some(4));
+    assert_eq!(stderr(&o), "kvrail-rails: no RDMA port rxeZ9\n");
+    let o = rails(&["gids", "rxeA0/one", "--sysfs-root", &root]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+/// `explain --json`: the verdicts of the ports asked about; 1 when none is usable.
+#[test]
+fn explain_json_and_its_exit_status() {
+    let o = rails(&[
+        "explain",
+        "rxeA0/1",
+        "--json",
+        "--sysfs-root",
+        &fixture("soft-roce"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v[0]["usable"], true);
+    assert_eq!(v[0]["port"]["device"], "rxeA0");
+    let o = rails(&[
+        "explain",
+        "mlx5_1",
+        "--json",
+        "--sysfs-root",
+        &fixture("port-down"),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "the port is not usable");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v[0]["usable"], false);
+    assert!(!v[0]["reasons"].as_array().unwrap().is_empty(), "{v}");
 }

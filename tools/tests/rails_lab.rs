@@ -47,6 +47,7 @@ fn main() {
         "list_shows_host_a_rails_usable",
         "probe_connects_both_rail_pairs",
         "link_down_fails_that_pair_only",
+        "gids_match_ibv_devinfo",
     ];
     let Some(lab) = Lab::from_env() else {
         println!("rails_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -56,6 +57,7 @@ fn main() {
         r.finish();
     };
     r.run(cases[0], || list(&lab));
+    r.run(cases[3], || gids(&lab));
     let server = Server::start(&lab);
     match server {
         Ok(srv) => {
@@ -65,6 +67,77 @@ fn main() {
         Err(e) => r.run("start_kvrail_rails_serve", || Err(e)),
     }
     r.finish();
+}
+
+/// `(index, GID)` of every entry of `dev` port 1 as `ibv_devinfo -v` prints them
+/// (`GID[  1]:  ::ffff:198.18.0.1, RoCE v2`), the GID parsed whatever its form.
+fn devinfo_gids(dev: &str) -> Result<Vec<(u64, std::net::Ipv6Addr, String)>, String> {
+    let o = Command::new("ibv_devinfo")
+        .args(["-v", "-d", dev])
+        .output()
+        .map_err(|e| format!("ibv_devinfo: {e}"))?;
+    let text = String::from_utf8_lossy(&o.stdout);
+    let mut v = Vec::new();
+    for l in text
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("GID["))
+    {
+        let (idx, rest) = l["GID[".len()..]
+            .split_once("]:")
+            .ok_or_else(|| format!("unparsed: {l}"))?;
+        let (gid, kind) = rest.trim().split_once(", ").unwrap_or((rest.trim(), ""));
+        let index = idx.trim().parse().map_err(|_| format!("unparsed: {l}"))?;
+        let gid = gid.parse().map_err(|_| format!("unparsed GID: {l}"))?;
+        v.push((index, gid, kind.to_owned()));
+    }
+    Ok(v)
+}
+
+/// `kvrail-rails gids` shows each lab port's GID table as the verbs library reads it
+/// (`ibv_devinfo -v`), with the IPv4 entry (RoCE v2) marked.
+fn gids(lab: &Lab) -> R {
+    for dev in lab.a_devs.iter().chain(&lab.b_devs) {
+        let o = rails(&["gids", &format!("{dev}/1")]);
+        print!("{}", String::from_utf8_lossy(&o.stdout));
+        ensure(o.status.success(), || {
+            String::from_utf8_lossy(&o.stderr).into_owned()
+        })?;
+        let v = json(&rails(&["gids", &format!("{dev}/1"), "--json"]))?;
+        let mine: Vec<(u64, std::net::Ipv6Addr, String)> = (v.as_array().ok_or("no rows")?)
+            .iter()
+            .map(|r| {
+                let gid = r["gid"]
+                    .as_str()
+                    .unwrap_or("")
+                    .parse()
+                    .unwrap_or(std::net::Ipv6Addr::UNSPECIFIED);
+                let kind = match r["version"].as_str() {
+                    Some("v2") => "RoCE v2",
+                    Some("v1") => "RoCE v1",
+                    _ => "",
+                };
+                (
+                    r["index"].as_u64().unwrap_or(u64::MAX),
+                    gid,
+                    kind.to_owned(),
+                )
+            })
+            .collect();
+        let theirs = devinfo_gids(dev)?;
+        ensure(!theirs.is_empty() && mine == theirs, || {
+            format!("{dev}: kvrail-rails {mine:?}, ibv_devinfo {theirs:?}")
+        })?;
+        let chosen: Vec<&serde_json::Value> = (v.as_array().ok_or("no rows")?)
+            .iter()
+            .filter(|r| r["chosen"] == true)
+            .collect();
+        ensure(
+            chosen.len() == 1 && chosen[0]["ipv4"].is_string() && chosen[0]["version"] == "v2",
+            || format!("{dev}: chosen {chosen:?}"),
+        )?;
+    }
+    Ok(())
 }
 
 fn list(lab: &Lab) -> R {

@@ -2,20 +2,13 @@
 
 use std::process::ExitCode;
 
+use super::fail::{dev_port, usable, Fail};
+use super::list::Row;
 use super::HostArgs;
 
-pub(crate) fn run(host: &HostArgs, target: &str) -> Result<ExitCode, String> {
-    // DEV/PORT as rdma(8) writes it, or DEV:PORT
-    let (dev, port) = match target.split_once(['/', ':']) {
-        Some((d, p)) => (
-            d,
-            Some(
-                p.parse::<u8>()
-                    .map_err(|_| format!("{target:?}: port must be a number"))?,
-            ),
-        ),
-        None => (target, None),
-    };
+/// Exit status: 0 when a port asked about is usable, 1 when none is.
+pub(crate) fn run(host: &HostArgs, target: &str, json: bool) -> Result<ExitCode, Fail> {
+    let (dev, port) = dev_port(target)?;
     let (numa, verdicts) = host.verdicts()?;
     let all: Vec<String> = verdicts.iter().map(|v| v.port.name()).collect();
     let picked: Vec<_> = verdicts
@@ -23,14 +16,26 @@ pub(crate) fn run(host: &HostArgs, target: &str) -> Result<ExitCode, String> {
         .filter(|v| v.port.device == dev && port.is_none_or(|p| v.port.port == p))
         .collect();
     if picked.is_empty() {
-        return Err(format!(
+        return Err(Fail::not_found(format!(
             "no RDMA port {target} (ports: {})",
             if all.is_empty() {
                 "none".into()
             } else {
                 all.join(", ")
             }
-        ));
+        )));
+    }
+    let status = usable(picked.iter().any(|v| v.usable()));
+    if json {
+        let rows: Vec<Row<'_>> = (picked.iter())
+            .map(|v| Row {
+                usable: v.usable(),
+                verdict: v,
+            })
+            .collect();
+        let s = serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?;
+        println!("{s}");
+        return Ok(status);
     }
     let node = if numa < 0 {
         "any NUMA node".to_string()
@@ -60,5 +65,5 @@ pub(crate) fn run(host: &HostArgs, target: &str) -> Result<ExitCode, String> {
             println!("  note: {n}");
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(status)
 }

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use kvrail::rails::{RailError, Verdict};
 use serde::Serialize;
 
+use super::fail::{usable, Fail};
 use super::HostArgs;
 
 /// One row of `list --json`.
@@ -22,13 +23,9 @@ struct Listing<'a> {
 }
 
 /// Exit status: 0 when some port is usable, 1 when none is (the listing says why).
-pub(crate) fn run(host: &HostArgs, json: bool) -> Result<ExitCode, String> {
+pub(crate) fn run(host: &HostArgs, json: bool) -> Result<ExitCode, Fail> {
     let (numa, verdicts, searched) = host.verdicts_in()?;
-    let status = if verdicts.iter().any(|v| v.usable()) {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    };
+    let status = usable(verdicts.iter().any(|v| v.usable()));
     if json {
         let l = Listing {
             numa,

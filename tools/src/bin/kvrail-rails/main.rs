@@ -3,13 +3,17 @@
 //!
 //! ```text
 //! kvrail-rails list [--numa N | --accel BDF] [--devices D1,D2] [--json]
-//! kvrail-rails explain DEV[:PORT] [--numa N | --accel BDF]
+//! kvrail-rails explain DEV[/PORT] [--numa N | --accel BDF] [--json]
+//! kvrail-rails gids [DEV[/PORT]] [--json]
 //! kvrail-rails serve [--listen ADDR:PORT] [--devices ...]
 //! kvrail-rails probe --peer HOST:PORT [--devices ...] [--all-pairs] [--json]
 //! ```
 //! Every subcommand takes `--sysfs-root DIR` (default `/`) so it runs on fixture trees.
+//! Exit statuses: see [`fail`].
 
 mod explain;
+mod fail;
+mod gids;
 mod list;
 #[path = "../../logging.rs"]
 mod logging;
@@ -20,12 +24,24 @@ mod wire;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use fail::Fail;
 use kvrail::rails::{discover, judge_all, pci_numa_node, AddrSource, SysfsRoot, Verdict};
 
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "kvrail's rail diagnostics: list, explain, serve, probe"
+    about = "kvrail's rail diagnostics: list, explain, gids, serve, probe",
+    after_help = concat!(
+        "Examples:\n",
+        "  kvrail-rails list --accel 0000:b1:00.0      # rails for the NPU at that PCI address\n",
+        "  kvrail-rails explain mlx5_0/1 --numa 1      # why a port is (not) usable\n",
+        "  kvrail-rails gids rxeA0                     # the GID table, kvrail's entry marked\n",
+        "  kvrail-rails serve          # on host B, then on host A:\n",
+        "  kvrail-rails probe --peer hostB:18515       # move bytes over every rail pair\n\n",
+        "Exit status: 0 success; 1 nothing usable (no usable port among those asked about; ",
+        "probe: a pair failed); 2 usage; 3 runtime error (discovery, sysfs, the network, the ",
+        "peer); 4 no such device or port."
+    )
 )]
 struct Cli {
     #[command(flatten)]
@@ -46,8 +62,22 @@ enum Cmd {
     },
     /// Why a port is (not) usable, in plain words, with the command that checks each reason.
     Explain {
-        /// DEVICE or DEVICE:PORT.
+        /// DEVICE, DEVICE/PORT (as rdma(8) writes it) or DEVICE:PORT.
         target: String,
+        /// Print JSON instead of the words.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        host: HostArgs,
+    },
+    /// Every GID table entry (index, GID, IPv4, RoCE version, netdev) like `show_gids`,
+    /// with the entry kvrail's queue pairs use marked.
+    Gids {
+        /// DEVICE or DEVICE/PORT (default: every port).
+        target: Option<String>,
+        /// Print JSON instead of the table.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         host: HostArgs,
     },
@@ -97,21 +127,21 @@ impl HostArgs {
         SysfsRoot::new(&self.sysfs_root)
     }
 
-    fn numa(&self) -> Result<i32, String> {
+    fn numa(&self) -> Result<i32, Fail> {
         match (&self.accel, self.numa) {
-            (Some(bdf), _) => pci_numa_node(&self.root(), bdf),
+            (Some(bdf), _) => Ok(pci_numa_node(&self.root(), bdf)?),
             (None, Some(n)) => Ok(n),
             (None, None) => Ok(-1),
         }
     }
 
     /// The verdicts on the selected devices' ports.
-    fn verdicts(&self) -> Result<(i32, Vec<Verdict>), String> {
+    fn verdicts(&self) -> Result<(i32, Vec<Verdict>), Fail> {
         self.verdicts_in().map(|(n, v, _)| (n, v))
     }
 
     /// The verdicts, and where the devices were looked for.
-    fn verdicts_in(&self) -> Result<(i32, Vec<Verdict>, String), String> {
+    fn verdicts_in(&self) -> Result<(i32, Vec<Verdict>, String), Fail> {
         let root = self.root();
         let host = discover(&root, &AddrSource::for_root(&root))
             .map_err(|e| format!("discovery failed: {e}"))?;
@@ -120,7 +150,8 @@ impl HostArgs {
         if !self.devices.is_empty() {
             for d in &self.devices {
                 if !v.iter().any(|v| &v.port.device == d) {
-                    return Err(format!("no RDMA device {d:?} under {}", host.searched));
+                    let e = format!("no RDMA device {d:?} under {}", host.searched);
+                    return Err(Fail::not_found(e));
                 }
             }
             v.retain(|v| self.devices.contains(&v.port.device));
@@ -134,7 +165,8 @@ fn main() -> ExitCode {
     logging::init(&cli.log);
     let res = match cli.cmd {
         Cmd::List { host, json } => list::run(&host, json),
-        Cmd::Explain { target, host } => explain::run(&host, &target),
+        Cmd::Explain { target, json, host } => explain::run(&host, &target, json),
+        Cmd::Gids { target, json, host } => gids::run(&host, target.as_deref(), json),
         Cmd::Serve { listen, host } => serve::run(&host, &listen),
         Cmd::Probe {
             peer,
@@ -146,8 +178,8 @@ fn main() -> ExitCode {
     match res {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("kvrail-rails: {e}");
-            ExitCode::from(2)
+            eprintln!("kvrail-rails: {}", e.msg);
+            ExitCode::from(e.code)
         }
     }
 }

@@ -62,14 +62,14 @@ pub(crate) fn run(
     peer: &str,
     all_pairs: bool,
     json: bool,
-) -> Result<ExitCode, String> {
+) -> Result<ExitCode, super::fail::Fail> {
     let (_, local) = host.verdicts()?;
     let mut ch = handshake(peer)?;
     ch.send(&Request::Hello { version: VERSION })?;
     let peer_ports = match ch.recv::<Response>()? {
         Some(Response::Hello { version, ports }) if version == VERSION => ports,
-        Some(Response::Error { message }) => return Err(format!("peer {peer}: {message}")),
-        other => return Err(format!("peer {peer}: unexpected hello reply {other:?}")),
+        Some(Response::Error { message }) => return Err(format!("peer {peer}: {message}").into()),
+        other => return Err(format!("peer {peer}: unexpected hello reply {other:?}").into()),
     };
     let locals = port_descs(&local);
     let mut results = Vec::new();
@@ -92,13 +92,9 @@ pub(crate) fn run(
     } else {
         print_table(peer, &results);
     }
-    Ok(
-        if !results.is_empty() && results.iter().all(|r| r.connected) {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::from(1)
-        },
-    )
+    Ok(super::fail::usable(
+        !results.is_empty() && results.iter().all(|r| r.connected),
+    ))
 }
 
 fn handshake(peer: &str) -> Result<Channel, String> {

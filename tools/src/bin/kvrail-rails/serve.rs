@@ -21,7 +21,7 @@ pub(crate) fn port_descs(v: &[Verdict]) -> Vec<PortDesc> {
         .collect()
 }
 
-pub(crate) fn run(host: &HostArgs, listen: &str) -> Result<ExitCode, String> {
+pub(crate) fn run(host: &HostArgs, listen: &str) -> Result<ExitCode, super::fail::Fail> {
     host.verdicts()?; // fail early on a bad root or device list
     let l = TcpListener::bind(listen).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
     println!(
@@ -65,7 +65,7 @@ fn session(host: &HostArgs, s: TcpStream) -> Result<(), String> {
                         ports: port_descs(&verdicts),
                     }
                 }
-                Err(message) => Response::Error { message },
+                Err(f) => Response::Error { message: f.msg },
             },
             Request::Open { name, size } => match open_port(&verdicts, &name, size) {
                 Ok((o, resp)) => {
