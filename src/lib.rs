@@ -14,7 +14,8 @@
 //!   event-driven waits, RC queue pairs, batched posting); [`rails`], which finds the RDMA
 //!   ports of a host, judges each one usable as a data-plane rail or not (with every reason),
 //!   and selects the rails for an accelerator's NUMA node; [`mem`] and [`bounce`] for
-//!   accelerator memory.
+//!   accelerator memory; [`metrics`], the counters and gauges of an agent (a JSON snapshot
+//!   and a Prometheus endpoint).
 //!
 //! The C ABI is the `kvrail-ffi` crate; the Python package (`kvrail`, `kvrail.nixl`,
 //! `kvrail.vllm`) is `python/`.
@@ -34,6 +35,7 @@ pub mod agent;
 pub mod bounce;
 pub mod connector;
 pub mod mem;
+pub mod metrics;
 pub mod proto;
 pub mod rails;
 pub mod transport;

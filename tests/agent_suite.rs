@@ -9,6 +9,8 @@
 #[path = "agent_suite/grants.rs"]
 mod grants;
 mod lab;
+#[path = "agent_suite/metrics.rs"]
+mod metrics;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};

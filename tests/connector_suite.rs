@@ -246,6 +246,19 @@ fn move_six_requests(mut p: Engine, mut d: Engine) {
     }
     assert_eq!(p.sched.held(), 0, "P freed every request on completion");
     assert_eq!(p.worker.leased(), 0);
+    // the workers' counters say the same (the agents' registries)
+    let count = |e: &Engine, outcome: &str| {
+        let a = e.worker.agent();
+        let l = [("agent", a.name()), ("outcome", outcome)];
+        a.metrics().value("kvrail_connector_requests_total", &l)
+    };
+    assert_eq!(count(&p, "freed"), Some(6.0));
+    assert_eq!(count(&d, "received"), Some(6.0));
+    assert_eq!(count(&d, "failed"), Some(0.0));
+    let held = [("agent", p.worker.agent().name())];
+    let m = p.worker.agent().metrics();
+    assert_eq!(m.value("kvrail_connector_leases_held", &held), Some(0.0));
+    assert_eq!(m.value("kvrail_connector_grants_live", &held), Some(0.0));
     assert_eq!(
         d.sched.heartbeating(),
         0,

@@ -95,6 +95,26 @@ int main(int argc, char **argv) {
     CHECK(kvrail_xfer_wait(x, 120000));
     CHECK(kvrail_xfer_free(x));
 
+    /* the counters moved: one READ and one WRITE done (the JSON snapshot and the
+     * Prometheus text; a small buffer first, to learn the size) */
+    size_t need = 0;
+    kvrail_result r = kvrail_agent_metrics(d, NULL, 0, &need);
+    if (r != KVRAIL_RESULT_BUFFER_TOO_SMALL) return fail("kvrail_agent_metrics(NULL)", r);
+    char *m = malloc(1 << 20);
+    size_t mlen = 0;
+    CHECK(kvrail_agent_metrics(d, (uint8_t *)m, (1 << 20) - 1, &mlen));
+    m[mlen] = 0;
+    if (!strstr(m, "\"name\":\"kvrail_transfers_total\"")) { fprintf(stderr, "no transfers in %s\n", m); return 1; }
+    CHECK(kvrail_agent_metrics_prometheus(d, (uint8_t *)m, (1 << 20) - 1, &mlen));
+    m[mlen] = 0;
+    if (!strstr(m, "kvrail_transfers_total{agent=\"decode-0\",op=\"read\",outcome=\"done\"} 1\n") ||
+        !strstr(m, "kvrail_transfers_total{agent=\"decode-0\",op=\"write\",outcome=\"done\"} 1\n")) {
+        fprintf(stderr, "the transfer counters did not move:\n%s", m);
+        return 1;
+    }
+    printf("metrics: %zu bytes of Prometheus text, one READ and one WRITE counted\n", mlen);
+    free(m);
+
     free(buf);
     free(back);
     kvrail_agent_free(d);

@@ -810,6 +810,32 @@ kvrail_result kvrail_agent_register_memory(const kvrail_agent *agent,
                                            uint32_t *out_region);
 
 /**
+ * Every counter and gauge of `agent` now, as JSON text into `buf`:
+ * `[{"name": "kvrail_transfers_total", "kind": "counter", "labels": {"agent": "d", "op":
+ * "read", "outcome": "done"}, "value": 3.0}, …]`; [`kvrail_result::BufferTooSmall`] if it
+ * does not fit (`kvrail_last_error` says how many bytes are needed).
+ *
+ * # Safety
+ * `agent` from `kvrail_agent_new`; `buf` valid for `len` bytes; `out_len` writable.
+ */
+kvrail_result kvrail_agent_metrics(const kvrail_agent *agent,
+                                   uint8_t *buf,
+                                   size_t len,
+                                   size_t *out_len);
+
+/**
+ * The same series in the Prometheus text exposition format (0.0.4) into `buf`, for an
+ * engine that serves its own `/metrics`; [`kvrail_result::BufferTooSmall`] as above.
+ *
+ * # Safety
+ * As [`kvrail_agent_metrics`].
+ */
+kvrail_result kvrail_agent_metrics_prometheus(const kvrail_agent *agent,
+                                              uint8_t *buf,
+                                              size_t len,
+                                              size_t *out_len);
+
+/**
  * The library's version, "MAJOR.MINOR.PATCH" (a static NUL-terminated string).
  */
 const char *kvrail_version(void);

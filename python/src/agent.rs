@@ -334,4 +334,14 @@ impl Agent {
     fn rail_bytes(&self) -> Vec<(String, u64)> {
         self.core.rail_bytes()
     }
+
+    /// Every counter and gauge now, as JSON text (a list of {name, kind, labels, value}).
+    fn metrics_json(&self) -> String {
+        self.core.metrics().to_json().to_string()
+    }
+
+    /// The same in the Prometheus text exposition format.
+    fn metrics_prometheus(&self) -> String {
+        self.core.metrics().render_prometheus()
+    }
 }

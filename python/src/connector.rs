@@ -360,4 +360,9 @@ impl Worker {
     fn payload_bytes_copied(&self) -> u64 {
         self.agent.payload_bytes_copied()
     }
+
+    /// The worker's and its agent's counters and gauges, as JSON text.
+    fn metrics_json(&self) -> String {
+        self.agent.metrics().to_json().to_string()
+    }
 }

@@ -1,6 +1,7 @@
 """The native agent through the package: configuration errors name the key, exceptions
 follow the fault groups, Python-owned memory (numpy, bytearray) moves in place byte-exact."""
 
+import json
 import time
 
 import numpy as np
@@ -57,6 +58,16 @@ def test_numpy_and_bytearray_move_in_place_byte_exact():
     p.post(x2)
     assert p.wait(x2, 60) == "DONE"
     assert np.array_equal(src[900_000:904_096], src[:4096])
+    # the counters moved with the two transfers (JSON snapshot and Prometheus text)
+    m = json.loads(p.metrics_json())
+    done = {(x["labels"]["op"]): x["value"] for x in m
+            if x["name"] == "kvrail_transfers_total" and x["labels"]["outcome"] == "done"}
+    assert done == {"read": 1.0, "write": 1.0}, m
+    tcp = {x["labels"]["op"]: x["value"] for x in m if x["name"] == "kvrail_tcp_bytes_total"}
+    assert tcp == {"read": 4096.0, "write": float(sum(l for _, l in descs))}, tcp
+    text = p.metrics_prometheus()
+    assert '# TYPE kvrail_transfers_total counter\n' in text
+    assert 'kvrail_transfers_total{agent="p",op="write",outcome="done"} 1\n' in text
 
 
 def test_errors_by_fault_group():

@@ -56,6 +56,10 @@ pub struct AgentConfig {
     /// before it gets metadata or queue pairs; unset, anyone who reaches the side channel
     /// can (the agent warns at start when it listens beyond loopback).
     pub cluster_secret: Option<super::ClusterSecret>,
+    /// `metrics_listen`: serve the agent's counters and gauges (a connector worker's too)
+    /// in the Prometheus text format at `http://<addr>/metrics` (None: no endpoint; read
+    /// them with [`super::Agent::metrics`]). Port 0 picks one ([`super::Agent::metrics_addr`]).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Default for AgentConfig {
@@ -84,6 +88,7 @@ impl Default for AgentConfig {
             sysfs_root: None,
             bounce: crate::bounce::BounceConfig::default(),
             cluster_secret: None,
+            metrics_listen: None,
         }
     }
 }

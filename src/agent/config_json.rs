@@ -23,6 +23,7 @@ struct ConfigJson {
     kv_layout: Option<String>,
     block_size: Option<u32>,
     cluster_secret: Option<String>,
+    metrics_listen: Option<String>,
 }
 
 fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
@@ -39,7 +40,8 @@ impl AgentConfig {
     /// (RDMA devices to use), `numa` (the accelerator's NUMA node, -1 any),
     /// `enforce_handshake_compat`, and what the compatibility hash covers: `model`, `dtype`,
     /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`; `cluster_secret` (at least
-    /// 16 bytes; see [`AgentConfig::cluster_secret`]).
+    /// 16 bytes; see [`AgentConfig::cluster_secret`]); `metrics_listen` ("ip:port" of the
+    /// Prometheus endpoint, see [`AgentConfig::metrics_listen`]).
     ///
     /// # Errors
     /// [`ConfigError`] naming the key: an unknown key, a value of the wrong type, a bad
@@ -106,6 +108,12 @@ impl AgentConfig {
                 return Err(bad("block_size", "must be at least 1"));
             }
             c.block_size = b;
+        }
+        if let Some(m) = j.metrics_listen {
+            c.metrics_listen = Some(
+                m.parse()
+                    .map_err(|e| bad("metrics_listen", format!("{m:?}: {e}")))?,
+            );
         }
         if let Some(k) = j.cluster_secret {
             c.cluster_secret =

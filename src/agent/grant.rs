@@ -247,6 +247,7 @@ impl Agent {
             _keys: keys,
         };
         lock(&self.shared.grants).made.insert(id, held);
+        self.shared.stats.grants_made.inc();
         tracing::debug!(agent = %self.shared.name, grant = id, ranges = out.len(), "grant made");
         Ok(Grant {
             id,
@@ -426,6 +427,7 @@ impl Shared {
     pub(crate) fn close_grant(&self, held: Held) {
         *held.gate.write().unwrap_or_else(|p| p.into_inner()) = false;
         drop(held);
+        self.stats.grants_revoked.inc();
     }
 
     /// Revoke every grant over `region` (it is being deregistered).

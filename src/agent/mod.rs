@@ -30,10 +30,12 @@ mod error;
 mod grant;
 mod local;
 pub mod metadata;
+mod metrics_http;
 pub(crate) mod notifs;
 mod region;
 mod register;
 mod route;
+mod stats;
 mod table;
 mod tcp;
 mod tcp_io;
@@ -146,6 +148,8 @@ pub(crate) struct Shared {
     routes: Mutex<Vec<Arc<route::RouteQueue>>>,
     /// Grants made here and grants peers gave (see [`grant`]).
     grants: Mutex<grant::Grants>,
+    /// Counters and gauges (see [`crate::metrics`]).
+    stats: stats::AgentStats,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -294,12 +298,30 @@ impl Agent {
             bounce: std::sync::OnceLock::new(),
             routes: Mutex::new(Vec::new()),
             grants: Mutex::new(grant::Grants::default()),
+            stats: stats::AgentStats::new(name),
         });
+        shared.stats.watch(&shared);
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &shared.verbs {
+            v.count_into(&shared.stats.registry, name);
+        }
         #[cfg(feature = "verbs")]
         if let Some(v) = &shared.verbs {
             v.run(shared.clone())?;
         }
         let guard = Arc::new(control::serve(shared.clone(), listener, local)?);
+        if let Some(at) = shared.config.metrics_listen {
+            let ep =
+                metrics_http::serve(at, Arc::downgrade(&shared.stats.registry)).map_err(|e| {
+                    AgentError::Connection {
+                        what: "cannot serve metrics on",
+                        addr: at.to_string(),
+                        message: e.to_string(),
+                    }
+                })?;
+            tracing::info!(agent = name, metrics = %ep.addr(), "Prometheus metrics served");
+            let _ = guard.metrics.set(ep);
+        }
         tracing::info!(agent = name, side_channel = %addr, "kvrail agent up");
         if shared.config.cluster_secret.is_none() && !local.ip().is_loopback() {
             tracing::warn!(agent = name, side_channel = %local,
@@ -328,6 +350,16 @@ impl Agent {
             shared: Arc::downgrade(&self.shared),
             guard: Arc::downgrade(&self._guard),
         }
+    }
+
+    /// The agent's counters and gauges (a connector worker on it adds its own).
+    pub fn metrics(&self) -> Arc<crate::metrics::Registry> {
+        self.shared.stats.registry.clone()
+    }
+
+    /// Where the Prometheus endpoint listens (`AgentConfig::metrics_listen`), if it runs.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self._guard.metrics.get().map(metrics_http::Endpoint::addr)
     }
 
     /// The agent's name.
@@ -414,9 +446,16 @@ impl Agent {
     /// (including a loopback address advertised to a peer on another host);
     /// [`AgentError::Metadata`].
     pub fn load_remote(&self, addr: SocketAddr) -> Result<String, AgentError> {
-        crate::proto::handshake::check_advertised(self.shared.addr.ip(), addr.ip())?;
-        let bytes = control::fetch_metadata(addr, self.shared.config.cluster_secret.as_ref())?;
-        self.load_remote_metadata(&bytes, Some(addr))
+        let r = crate::proto::handshake::check_advertised(self.shared.addr.ip(), addr.ip())
+            .map_err(AgentError::from)
+            .and_then(|()| {
+                control::fetch_metadata(addr, self.shared.config.cluster_secret.as_ref())
+            })
+            .and_then(|bytes| self.load(&bytes, Some(addr)));
+        if r.is_err() {
+            self.shared.stats.handshake_failures.inc();
+        }
+        r
     }
 
     /// Load a peer's metadata given as bytes (exchanged some other way) and connect to the
@@ -429,6 +468,14 @@ impl Agent {
         bytes: &[u8],
         via: Option<SocketAddr>,
     ) -> Result<String, AgentError> {
+        let r = self.load(bytes, via);
+        if r.is_err() {
+            self.shared.stats.handshake_failures.inc();
+        }
+        r
+    }
+
+    fn load(&self, bytes: &[u8], via: Option<SocketAddr>) -> Result<String, AgentError> {
         let meta = AgentMetadata::decode(bytes)?;
         crate::proto::handshake::check(
             &self.shared.handshake,
@@ -716,6 +763,7 @@ impl Agent {
         if !lock(&self.shared.peers).contains_key(peer) {
             return Err(AgentError::UnknownPeer(peer.into()));
         }
+        self.shared.stats.notifs_sent.inc();
         // Lock order: the verbs engine is taken without `peers` held.
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
@@ -979,7 +1027,12 @@ impl Shared {
     /// A transfer ended: set its status and release its regions.
     fn finish(&self, id: u64, res: Result<(), XferError>) {
         let mut xfers = lock(&self.xfers);
+        let op = xfers.op_of(id);
+        let outcome = res.clone();
         if let Some(held) = xfers.finish(id, res) {
+            if let Some(op) = op {
+                self.stats.ended(&self.name, op, &outcome);
+            }
             for r in held {
                 r.release();
             }
@@ -1029,6 +1082,7 @@ impl Shared {
     /// Queue a notification for its consumer: the route of its kind, else the engine's
     /// queue.
     fn deliver_user_notif(&self, from: &str, bytes: Vec<u8>) {
+        self.stats.notifs_received.inc();
         if let Err(bytes) = self.route_notif(from, bytes) {
             lock(&self.notifs).push_back((from.to_owned(), bytes));
             self.notif_cv.notify_all();

@@ -261,6 +261,11 @@ impl<R: Held> XferTable<R> {
 
     /// Transfer `id` ended: its status is set and the regions it held come back to be
     /// released. `None` when it was not in progress (a late or duplicate outcome).
+    /// The operation of transfer `id`.
+    pub(crate) fn op_of(&self, id: u64) -> Option<XferOp> {
+        self.xfers.get(&id).map(|x| x.op)
+    }
+
     pub(crate) fn finish(&mut self, id: u64, res: Result<(), XferError>) -> Option<Vec<R>> {
         let x = self.xfers.get_mut(&id)?;
         if x.status != XferStatus::InProgress {

@@ -60,6 +60,7 @@ pub(crate) fn send_write(
                 shared.count_copy(n);
             }
             at += n;
+            shared.stats.tcp_bytes[super::stats::op_index(super::XferOp::Write)].add(n);
         }
     }
     send(w, &Msg::WriteEnd { xfer: id, notif })
@@ -124,6 +125,7 @@ pub(crate) fn on_read_data(
 /// (on `tx`) before the transfer is done — an engine that sees it done may release it at
 /// once.
 fn read_arrived(shared: &Shared, tx: &mpsc::Sender<Work>, xfer: u64, n: u64) {
+    shared.stats.tcp_bytes[super::stats::op_index(super::XferOp::Read)].add(n);
     if shared.read_arrived(xfer, n) {
         if let Some((_, n)) = shared.xfer_notif(xfer) {
             let _ = tx.send(Work::Notif(n));

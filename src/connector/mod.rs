@@ -22,6 +22,7 @@ pub mod placement;
 mod scheduler;
 pub mod tp;
 mod worker;
+mod worker_stats;
 mod writer;
 
 pub use caches::KvCaches;

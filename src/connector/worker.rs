@@ -93,6 +93,8 @@ pub struct Worker {
     deferred: Vec<(String, Vec<u8>)>,
     /// Grants over this worker's blocks (`fence_blocks`).
     fence: Fence,
+    /// This worker's series in its agent's registry.
+    stats: super::worker_stats::WorkerStats,
     /// Push, P: requests whose lease ended while a WRITE still reads their blocks.
     retiring: Vec<String>,
     /// Push, D.
@@ -208,6 +210,7 @@ impl Worker {
                 },
             )
         });
+        let stats = super::worker_stats::WorkerStats::new(&agent.metrics(), agent.name());
         let mut w = Self {
             leases: Leases::new(Duration::from_secs(cfg.lease_duration_s), tp_size),
             // the scheduler runs the registration watchdog; this one never fires first
@@ -227,6 +230,7 @@ impl Worker {
             recvs: HashMap::new(),
             deferred: Vec::new(),
             fence: Fence::new(fenced),
+            stats,
             retiring: Vec::new(),
             writer: writer.transpose()?,
             done: Finished::default(),
@@ -466,6 +470,7 @@ impl Worker {
                     .copied()
                     .unwrap_or(hb.port);
                 self.connect(&peer, &hb.host, port);
+                self.stats.heartbeats_out.inc();
                 self.deferred.push((peer, hb.message.clone()));
             }
         }
@@ -722,6 +727,7 @@ impl Worker {
                 self.granted(from, &g.request_id, Granted::Refused(g.reason));
             }
             Ok(KvMsg::Heartbeat(ids)) => {
+                self.stats.heartbeats_in.inc();
                 self.leases.handle_heartbeat(&ids, now);
             }
             Ok(KvMsg::Completion(c)) => match self.cfg.direction {
@@ -884,6 +890,15 @@ impl Worker {
         let d = &self.done;
         let back = d.sending.iter().chain(&d.recving).chain(&d.failed_recving);
         self.fence.release(&self.agent, back);
+        let step = super::worker_stats::Step {
+            finished: &self.done,
+            leases: self.leases.len(),
+            grants: self.fence.live(),
+            bytes_posted: self.bytes_posted(),
+            push_dropped: self.push_dropped(),
+            malformed: self.malformed,
+        };
+        self.stats.step(&step);
         std::mem::take(&mut self.done)
     }
 

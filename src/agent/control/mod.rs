@@ -343,6 +343,8 @@ pub(crate) struct Shutdown {
     shared: Arc<Shared>,
     wake: SocketAddr,
     conns: Conns,
+    /// The Prometheus endpoint, when configured (stops with the agent).
+    pub(crate) metrics: std::sync::OnceLock<super::metrics_http::Endpoint>,
 }
 
 /// The attached connections being served (a clone of each, to close them at shutdown),
@@ -441,6 +443,7 @@ pub(crate) fn serve(
         shared,
         wake,
         conns,
+        metrics: std::sync::OnceLock::new(),
     })
 }
 

@@ -83,6 +83,15 @@ pub(crate) struct Verbs {
     waker: Waker,
     poll: Mutex<Option<Poll>>,
     posters: poster::Posters,
+    /// Per-rail series (see [`Verbs::count_into`]).
+    stats: std::sync::OnceLock<RailStats>,
+}
+
+/// Per-rail counters: bytes by operation, failovers, queue-pair rebuilds.
+struct RailStats {
+    bytes: Vec<[crate::metrics::Counter; 2]>,
+    failovers: Vec<crate::metrics::Counter>,
+    rebuilds: Vec<crate::metrics::Counter>,
 }
 
 /// A transfer to post: `local[i]` pairs with `remote[i]` (regions of the peer, as its
@@ -319,6 +328,7 @@ impl Verbs {
             waker,
             poll: Mutex::new(Some(poll)),
             posters,
+            stats: std::sync::OnceLock::new(),
         })
     }
 
@@ -341,6 +351,43 @@ impl Verbs {
             .iter()
             .map(|r| Mr::register(&r.pd, buf, access).map_err(verr))
             .collect()
+    }
+
+    /// Make this backend's per-rail series in `r` (once, at start).
+    pub(crate) fn count_into(&self, r: &crate::metrics::Registry, agent: &str) {
+        let names: Vec<&str> = self.rails.iter().map(|x| x.name.as_str()).collect();
+        let s = RailStats {
+            bytes: (names.iter())
+                .map(|n| {
+                    ["read", "write"].map(|op| {
+                        r.counter(
+                            "kvrail_rail_bytes_total",
+                            "Bytes moved by completed RDMA work requests, by rail and operation.",
+                            &[("agent", agent), ("rail", n), ("op", op)],
+                        )
+                    })
+                })
+                .collect(),
+            failovers: (names.iter())
+                .map(|n| {
+                    r.counter(
+                        "kvrail_rail_failovers_total",
+                        "Queue pairs that failed on the path, their work moved to other rails.",
+                        &[("agent", agent), ("rail", n)],
+                    )
+                })
+                .collect(),
+            rebuilds: (names.iter())
+                .map(|n| {
+                    r.counter(
+                        "kvrail_qp_rebuilds_total",
+                        "Dead queue pairs replaced by new ones.",
+                        &[("agent", agent), ("rail", n)],
+                    )
+                })
+                .collect(),
+        };
+        let _ = self.stats.set(s);
     }
 
     /// A grant's keys over `[offset, offset + len)` of `buf`, one per rail in rail order.
@@ -568,6 +615,9 @@ impl Verbs {
     /// transfers fail. The queue pair stays dead; later transfers use the survivors.
     fn fail_over(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), why: &str) {
         let (peer, rail) = (key.0.clone(), key.1);
+        if let Some(s) = self.stats.get() {
+            s.failovers[rail].inc();
+        }
         e.mark_dead(key, why);
         if let Some(q) = e.pairs.get_mut(key) {
             // Stop the device working on it before its work is redone elsewhere.
@@ -759,6 +809,9 @@ impl Verbs {
                 e.done_bytes.resize(rail + 1, 0);
             }
             e.done_bytes[rail] += b;
+            if let Some(s) = self.stats.get() {
+                s.bytes[rail][crate::agent::stats::op_index(run.op)].add(b);
+            }
             done = run.progress.state() == XferState::Done;
         }
         if done {

@@ -99,6 +99,9 @@ impl Verbs {
                 Ok(()) => {
                     tracing::info!(rail = %self.rails[rail].name, %peer, "queue pair rebuilt; rail back in service");
                     e.install(peer, rail, peer_rail, qp);
+                    if let Some(s) = self.stats.get() {
+                        s.rebuilds[rail].inc();
+                    }
                 }
                 Err(err) => {
                     tracing::warn!(rail = %self.rails[rail].name, %peer, "rebuild: connect failed: {err}")
