@@ -45,8 +45,14 @@ pub struct AgentConfig {
     pub physical_per_logical: u32,
     /// The accelerator's NUMA node for rail selection (-1: any).
     pub numa: i32,
-    /// Use only these RDMA devices as rails (empty: every usable one).
+    /// Use only these RDMA devices as rails (empty: every usable one): `DEV` (every port
+    /// of it), `DEV/PORT` or `DEV:PORT`.
     pub devices: Vec<String>,
+    /// Use this GID table index on every rail instead of kvrail's choice (perftest's `-x`);
+    /// a rail without that entry fails the start, naming what its table holds.
+    pub gid_index: Option<u32>,
+    /// At most this path MTU in bytes (256, 512, 1024, 2048, 4096; perftest's `-m`).
+    pub mtu: Option<u32>,
     /// Where rail discovery reads sysfs and `/proc/net/route` (None: the running system;
     /// a fixture tree in tests, see `tests/fixtures/make_sysfs.py`).
     pub sysfs_root: Option<std::path::PathBuf>,
@@ -85,10 +91,38 @@ impl Default for AgentConfig {
             physical_per_logical: 1,
             numa: -1,
             devices: Vec::new(),
+            gid_index: None,
+            mtu: None,
             sysfs_root: None,
             bounce: crate::bounce::BounceConfig::default(),
             cluster_secret: None,
             metrics_listen: None,
         }
+    }
+}
+
+/// Whether device filter entry `want` (`DEV`, `DEV/PORT` or `DEV:PORT`) names port `port`
+/// of `device`.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+pub(crate) fn device_matches(want: &str, device: &str, port: u8) -> bool {
+    match want.split_once(['/', ':']) {
+        Some((d, p)) => d == device && p.parse::<u8>().is_ok_and(|p| p == port),
+        None => want == device,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::device_matches;
+
+    #[test]
+    fn device_filters_name_a_device_or_one_port_of_it() {
+        assert!(device_matches("mlx5_0", "mlx5_0", 1));
+        assert!(device_matches("mlx5_0", "mlx5_0", 2));
+        assert!(device_matches("mlx5_0/2", "mlx5_0", 2));
+        assert!(device_matches("mlx5_0:2", "mlx5_0", 2));
+        assert!(!device_matches("mlx5_0/1", "mlx5_0", 2));
+        assert!(!device_matches("mlx5_0/x", "mlx5_0", 1));
+        assert!(!device_matches("mlx5_1", "mlx5_10", 1));
     }
 }

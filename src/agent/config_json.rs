@@ -24,6 +24,8 @@ struct ConfigJson {
     block_size: Option<u32>,
     cluster_secret: Option<String>,
     metrics_listen: Option<String>,
+    gid_index: Option<u32>,
+    mtu: Option<u32>,
 }
 
 fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
@@ -41,7 +43,8 @@ impl AgentConfig {
     /// `enforce_handshake_compat`, and what the compatibility hash covers: `model`, `dtype`,
     /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`; `cluster_secret` (at least
     /// 16 bytes; see [`AgentConfig::cluster_secret`]); `metrics_listen` ("ip:port" of the
-    /// Prometheus endpoint, see [`AgentConfig::metrics_listen`]).
+    /// Prometheus endpoint, see [`AgentConfig::metrics_listen`]); `gid_index`, `mtu` (see
+    /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]).
     ///
     /// # Errors
     /// [`ConfigError`] naming the key: an unknown key, a value of the wrong type, a bad
@@ -108,6 +111,13 @@ impl AgentConfig {
                 return Err(bad("block_size", "must be at least 1"));
             }
             c.block_size = b;
+        }
+        c.gid_index = j.gid_index;
+        if let Some(m) = j.mtu {
+            if ![256, 512, 1024, 2048, 4096].contains(&m) {
+                return Err(bad("mtu", format!("{m}: use 256, 512, 1024, 2048 or 4096")));
+            }
+            c.mtu = Some(m);
         }
         if let Some(m) = j.metrics_listen {
             c.metrics_listen = Some(

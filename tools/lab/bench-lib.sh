@@ -101,7 +101,7 @@ kvrail() {
     timeout 300 "$PERF" --server --listen 127.0.0.1:$port --transport verbs --rails "$sr" "$@" > "$T/kv.srv" 2>&1 &
     local spid=$!
     wait_listen $port || die "kvrail-perf server did not start"
-    timeout 300 "$PERF" --client 127.0.0.1:$port --transport verbs --rails "$cr" -o "$op" \
+    timeout 300 "$PERF" --client 127.0.0.1:$port --transport verbs --rails "$cr" --op "$op" \
         -s "$size" -n "$n" -t "$depth" "$@" > "$T/kv" 2> "$T/kv.err" \
         || { cat "$T/kv" "$T/kv.err" "$T/kv.srv" >&2; die "kvrail-perf failed"; }
     wait $spid || { cat "$T/kv.srv" >&2; die "kvrail-perf server failed"; }

@@ -7,7 +7,7 @@
 #   API, two processes) with 32 transfers in flight and with one;
 #   rails: kvrail one rail vs striped over two (1 MiB WRITE), next to two ib_write_bw at once;
 #   TCP: kvrail-perf --transport tcp --loopback vs iperf3 over loopback (inside the VM);
-#   latency: ib_send_lat vs kvrail-perf -o lat (64 B); and a verbs --loopback -a sweep.
+#   latency: ib_send_lat vs kvrail-perf --op lat (64 B); and a verbs --loopback -a sweep.
 # Prints one table of MB/s (2^20 bytes/s) and ratios and writes it as JSON to $BENCH_JSON
 # (default target/bench.json). Under TCG timings vary ±30 %: compare only rows of one run.
 #   BENCH_SIZES ("65536 262144 1048576 8388608")  BENCH_MB (200: MiB moved per run)
@@ -57,7 +57,7 @@ kt=$(avg_of "$T/kvtcp")
 printf 'tcp loopback: iperf3 %s MB/s, kvrail-perf --transport tcp (1 MiB WRITE, 32 in flight) %s MB/s (x%s)\n' "$ip" "$kt" "$(ratio "$kt" "$ip")"
 TCP="{\"iperf3_mbps\":$ip,\"kvrail_tcp_mbps\":$kt,\"ratio\":$(ratio "$kt" "$ip")}"
 
-# latency: ib_send_lat (64 B) vs kvrail-perf -o lat (a notification round trip / 2, 64 B)
+# latency: ib_send_lat (64 B) vs kvrail-perf --op lat (a notification round trip / 2, 64 B)
 port=$(next_port)
 timeout 120 ib_send_lat -d "${B[0]}" -p "$port" -x "$G" -s 64 -n 1000 > "$T/lat.srv" 2>&1 &
 wait_listen "$port" || die "ib_send_lat server did not start"
@@ -67,11 +67,11 @@ pl=$(grep -E '^ *64 +[0-9]+' "$T/lat" | tail -n 1 | awk '{print $5}')
 port=$(next_port)
 timeout 300 "$PERF" --server --listen 127.0.0.1:$port --transport verbs --rails "${B[0]}" > "$T/kl.srv" 2>&1 &
 wait_listen "$port" || die "kvrail-perf server did not start"
-timeout 300 "$PERF" --client 127.0.0.1:$port --transport verbs --rails "${A[0]}" -o lat -s 64 -n 1000 > "$T/kl" 2>&1 \
-    || { cat "$T/kl" "$T/kl.srv" >&2; die "kvrail-perf -o lat failed"; }
+timeout 300 "$PERF" --client 127.0.0.1:$port --transport verbs --rails "${A[0]}" --op lat -s 64 -n 1000 > "$T/kl" 2>&1 \
+    || { cat "$T/kl" "$T/kl.srv" >&2; die "kvrail-perf --op lat failed"; }
 wait || true
 kl=$(grep -E '^ *64 +[0-9]+' "$T/kl" | tail -n 1 | awk '{print $5}')
-printf 'latency 64 B (t_typical, usec): ib_send_lat %s, kvrail-perf -o lat %s\n' "${pl:-?}" "${kl:-?}"
+printf 'latency 64 B (t_typical, usec): ib_send_lat %s, kvrail-perf --op lat %s\n' "${pl:-?}" "${kl:-?}"
 LAT="{\"ib_send_lat_typical_us\":${pl:-null},\"kvrail_notif_typical_us\":${kl:-null}}"
 
 # every mode works on verbs: a loopback sweep (two agents in one process, one per host)

@@ -35,7 +35,7 @@ fn loopback_write_table_with_data_check() {
     assert!(out.contains("kvrail-perf: RDMA WRITE bandwidth"), "{out}");
     assert!(out.contains(" Transport        : tcp"), "{out}");
     assert!(
-        out.contains("#bytes     #iterations    BW peak[MB/sec]"),
+        out.contains("#bytes     #iterations    BW peak[MiB/sec]"),
         "{out}"
     );
     let line = out
@@ -57,7 +57,7 @@ fn json_read_with_many_descriptors() {
         "--loopback",
         "--transport",
         "tcp",
-        "-o",
+        "--op",
         "read",
         "-s",
         "1M",
@@ -116,7 +116,7 @@ fn notification_latency() {
         "--loopback",
         "--transport",
         "tcp",
-        "-o",
+        "--op",
         "lat",
         "-s",
         "32",
@@ -160,17 +160,13 @@ fn no_verify_says_nothing_about_a_check() {
 fn bad_arguments_are_refused_with_the_flag_named() {
     for (args, want) in [
         (
-            &["-s", "1M"][..],
-            "say --server, --client HOST:PORT or --loopback",
-        ),
-        (
             &["--loopback", "-s", "0"][..],
             "size must be at least 1 byte",
         ),
         (&["--loopback", "-s", "12Q"][..], "is not a size"),
         (
             &["--loopback", "-t", "0"][..],
-            "-t/--depth must be at least 1",
+            "-t/--tx-depth must be at least 1",
         ),
         (
             &["--loopback", "--descs", "0"][..],
@@ -232,7 +228,7 @@ fn server_and_client_in_two_processes() {
         &listen,
         "--transport",
         "tcp",
-        "-o",
+        "--op",
         "write",
         "-s",
         "256K",
@@ -284,8 +280,8 @@ fn log_output_follows_the_flags_and_rust_log() {
     assert!(lines
         .iter()
         .any(|j| j["level"] == "INFO" && j["fields"]["agent"] == "kvrail-perf-server"));
-    let (_, err) = run(&["-q"], Some("kvrail=debug"));
-    assert!(err.contains("DEBUG"), "RUST_LOG should win over -q: {err}");
+    let (_, err) = run(&["--quiet"], Some("kvrail=debug"));
+    assert!(err.contains("DEBUG"), "RUST_LOG should win over --quiet: {err}");
 }
 
 /// Defects: the server registered whatever a client asked (`-s 2G` aborted it), exited on
@@ -341,7 +337,7 @@ fn the_server_survives_strangers_and_a_client_notices_its_death() {
     // a real client still gets served; then the server dies under a latency run, and the
     // client says so within seconds (it waited out 30 s per message)
     let mut client = Command::new(env!("CARGO_BIN_EXE_kvrail-perf"))
-        .args(["--client", &listen, "--transport", "tcp", "-o", "lat"])
+        .args(["--client", &listen, "--transport", "tcp", "--op", "lat"])
         .args(["-s", "64", "-D", "120"])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -369,4 +365,158 @@ fn the_server_survives_strangers_and_a_client_notices_its_death() {
     std::io::Read::read_to_string(&mut client.stderr.take().unwrap(), &mut err).unwrap();
     assert!(!status.success(), "{err}");
     assert!(err.contains("closed"), "{err}");
+}
+
+/// A perftest command line works as it is: the server is the one without a host (port `-p`),
+/// the client names the host positionally; `--out_json_file` gets perftest's keys.
+#[test]
+fn a_perftest_command_line_and_its_json_file() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let common = ["--transport", "tcp", "-s", "1M", "-n", "100", "-p", &port];
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvrail-perf"))
+        .args(common)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("server");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains(&format!(":{port}")), "{line}");
+    let dir = std::env::temp_dir().join(format!("kvrail-perf-json-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("out.json");
+    let f = file.to_str().unwrap();
+    let o = perf(
+        &[
+            &common[..],
+            &[
+                "--perform_warm_up",
+                "--out_json",
+                "--out_json_file",
+                f,
+                "127.0.0.1",
+            ],
+        ]
+        .concat(),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("BW average[MiB/sec]"), "{out}");
+    assert!(server.wait().unwrap().success(), "server failed");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let r = &v["results"];
+    assert_eq!(r["MsgSize"], 1 << 20, "{v}");
+    assert_eq!(
+        r["n_iterations"], 100,
+        "warm-up transfers are not counted: {v}"
+    );
+    assert!(r["BW_average"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(
+        r["BW_peak"].as_f64().unwrap() >= r["BW_average"].as_f64().unwrap() - 0.01,
+        "{v}"
+    );
+    assert!(r["MsgRate"].as_f64().unwrap() > 0.0, "{v}");
+    assert_eq!(v["test_info"]["test"], "RDMA_Write_BW_Test");
+    assert_eq!(v["test_info"]["TX_depth"], 32);
+    // the table's average is the file's
+    let row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("1048576 "))
+        .unwrap();
+    let avg: f64 = row.split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert!(
+        (avg - r["BW_average"].as_f64().unwrap()).abs() < 0.01,
+        "{row} vs {v}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// SIGINT stops a client's run: what it measured is printed, then exit 130; the server ends
+/// too. `--run_infinitely` prints a line per period meanwhile.
+#[test]
+fn sigint_prints_what_was_measured_and_exits_130() {
+    let (mut server, listen) = server();
+    let mut client = Command::new(env!("CARGO_BIN_EXE_kvrail-perf"))
+        .args([
+            "--client",
+            &listen,
+            "--transport",
+            "tcp",
+            "-s",
+            "64K",
+            "-t",
+            "4",
+        ])
+        .args(["-D", "1", "--run_infinitely"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(3500));
+    assert!(
+        client.try_wait().unwrap().is_none(),
+        "the run ended by itself"
+    );
+    let pid = client.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let o = client.wait_with_output().unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(130), "{out}\n{err}");
+    let rows = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with("65536 "))
+        .count();
+    assert!(rows >= 3, "a line per second before the signal: {out}");
+    assert!(
+        out.contains("# interrupted: the numbers above are what was measured"),
+        "{out}"
+    );
+    assert!(
+        server.wait().unwrap().success(),
+        "the server did not end with its client"
+    );
+}
+
+/// perftest flags kvrail cannot honour are refused by name (exit 2), never ignored.
+#[test]
+fn perftest_flags_kvrail_cannot_honour_are_refused() {
+    for (args, want) in [
+        (
+            &["--loopback", "-q", "2"][..],
+            "-q 2: kvrail connects one RC queue pair",
+        ),
+        (
+            &["--loopback", "-b"][..],
+            "-b: kvrail-perf measures one direction",
+        ),
+        (&["--loopback", "-m", "1000"][..], "-m 1000: use 256"),
+        (&["--loopback", "-i", "0"][..], "-i 0"),
+        (
+            &["--loopback", "-a", "--run_infinitely"][..],
+            "--run_infinitely measures one size",
+        ),
+        (&["somehost", "--loopback"][..], "cannot be used with"),
+        (&["nowhere.invalid", "-p", "1"][..], "HOST: cannot resolve"),
+    ] {
+        let o = perf(args);
+        let (out, err) = text(&o);
+        assert!(!o.status.success(), "{args:?} succeeded: {out}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        if !want.contains("resolve") {
+            assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        }
+    }
 }

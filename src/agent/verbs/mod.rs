@@ -85,6 +85,8 @@ pub(crate) struct Verbs {
     posters: poster::Posters,
     /// Per-rail series (see [`Verbs::count_into`]).
     stats: std::sync::OnceLock<RailStats>,
+    /// `AgentConfig::mtu`: the largest path MTU of this agent's queue pairs.
+    max_mtu: Option<crate::transport::verbs::Mtu>,
 }
 
 /// Per-rail counters: bytes by operation, failovers, queue-pair rebuilds.
@@ -265,7 +267,10 @@ pub(crate) fn config_rails(config: &AgentConfig) -> Result<Vec<crate::rails::Rai
     let mut rails =
         select(&host, config.numa).map_err(|e| OpenError::NoUsableRail(e.to_string()))?;
     if !config.devices.is_empty() {
-        rails.retain(|r| config.devices.contains(&r.port.device));
+        rails.retain(|r| {
+            (config.devices.iter())
+                .any(|d| super::config::device_matches(d, &r.port.device, r.port.port))
+        });
         if rails.is_empty() {
             return Err(OpenError::NoUsableRail(format!(
                 "none of the configured devices {:?} is a usable rail",
@@ -284,6 +289,13 @@ impl Verbs {
 
     fn open_rails(config: &AgentConfig, rails: Vec<crate::rails::Rail>) -> Result<Self, String> {
         let mode = StripeMode::from_stripe_width(config.stripe_width)?;
+        let max_mtu = match config.mtu {
+            None => None,
+            Some(b) => Some(
+                crate::transport::verbs::Mtu::from_bytes(b)
+                    .ok_or_else(|| format!("mtu {b}: use 256, 512, 1024, 2048 or 4096"))?,
+            ),
+        };
         let mut out = Vec::new();
         let poll = Poll::new().map_err(|e| e.to_string())?;
         for (i, r) in rails.iter().enumerate() {
@@ -296,15 +308,37 @@ impl Verbs {
                 .register(&mut SourceFd(&fd), Token(i), Interest::READABLE)
                 .map_err(|e| e.to_string())?;
             let ipv4 = r.port.ipv4.first().copied();
+            // perftest's -x: the entry asked for, where the table has it
+            let (gid_index, gid) = match config.gid_index {
+                None => (r.gid.index, r.gid.gid.0),
+                Some(i) => match r.port.gids.iter().find(|g| g.index == i) {
+                    Some(g) => (i, g.gid.0),
+                    None => {
+                        let have: Vec<String> = (r.port.gids.iter())
+                            .map(|g| format!("[{}] {}", g.index, g.gid))
+                            .collect();
+                        return Err(format!(
+                            "gid_index {i}: {} has no such GID entry (it has {})",
+                            r.port.name(),
+                            if have.is_empty() {
+                                "none".into()
+                            } else {
+                                have.join(", ")
+                            }
+                        ));
+                    }
+                },
+            };
+            let active = attr.active_mtu.map_or(1024, |m| m.bytes());
             out.push(LocalRail {
                 name: r.port.name(),
                 port: r.port.port,
-                gid_index: r.gid.index,
+                gid_index,
                 addr: RailAddr {
                     name: r.port.name(),
-                    gid: r.gid.gid.0,
+                    gid,
                     lid: attr.lid,
-                    mtu: attr.active_mtu.map_or(1024, |m| m.bytes()),
+                    mtu: config.mtu.map_or(active, |m| m.min(active)),
                     ipv4: ipv4.map(|a| a.to_string()),
                 },
                 ipv4,
@@ -329,6 +363,7 @@ impl Verbs {
             poll: Mutex::new(Some(poll)),
             posters,
             stats: std::sync::OnceLock::new(),
+            max_mtu,
         })
     }
 
@@ -439,6 +474,7 @@ impl Verbs {
     pub(crate) fn new_qp(&self, rail: usize, remote_access: Access) -> Result<Qp, AgentError> {
         let r = &self.rails[rail];
         let mut o = QpOptions::new(r.port, r.gid_index);
+        o.max_mtu = self.max_mtu;
         o.max_send_wr = DEPTH;
         o.max_recv_wr = 1;
         o.remote_access = remote_access;

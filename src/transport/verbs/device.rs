@@ -217,6 +217,11 @@ impl Mtu {
     pub fn bytes(self) -> u32 {
         128 << (self as u32)
     }
+
+    /// From bytes: 256, 512, 1024, 2048 or 4096.
+    pub fn from_bytes(b: u32) -> Option<Self> {
+        (1..=5).filter_map(Self::from_raw).find(|m| m.bytes() == b)
+    }
 }
 
 /// What kvrail uses of `ibv_port_attr`.

@@ -35,6 +35,9 @@ pub struct QpOptions {
     /// What peers may do to this side's memory through this QP (least access: a pull
     /// producer needs REMOTE_READ only, a push consumer REMOTE_WRITE only).
     pub remote_access: Access,
+    /// At most this path MTU (None: the port's active MTU). The path MTU is the smaller of
+    /// both ends' values.
+    pub max_mtu: Option<Mtu>,
 }
 
 impl QpOptions {
@@ -49,6 +52,7 @@ impl QpOptions {
             max_send_sge: 4,
             max_recv_sge: 4,
             remote_access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+            max_mtu: None,
         }
     }
 }
@@ -312,7 +316,10 @@ impl Qp {
                     psn: random_psn(),
                     gid,
                     lid: port.lid,
-                    mtu: port.active_mtu.unwrap_or(Mtu::Mtu1024),
+                    mtu: {
+                        let active = port.active_mtu.unwrap_or(Mtu::Mtu1024);
+                        opts.max_mtu.map_or(active, |m| m.min(active))
+                    },
                 },
                 link_layer: port.link_layer,
                 max_rd_atomic: dev.max_qp_init_rd_atom.clamp(1, 16) as u8,

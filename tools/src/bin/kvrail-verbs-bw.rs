@@ -156,7 +156,7 @@ fn run(a: &Args) -> Result<(), String> {
     );
     println!(
         "{:>10} {:>12} {:>18} {:>21} {:>16}",
-        "#bytes", "#iterations", "BW peak[MB/sec]", "BW average[MB/sec]", "MsgRate[Mpps]"
+        "#bytes", "#iterations", "BW peak[MiB/sec]", "BW average[MiB/sec]", "MsgRate[Mpps]"
     );
     let mut done = Vec::with_capacity(64);
     let (mut posted, mut completed) = (0usize, 0usize);

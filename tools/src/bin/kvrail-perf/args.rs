@@ -35,29 +35,56 @@ pub(crate) enum Transport {
     Tcp,
 }
 
-/// kvrail-perf: bandwidth and latency of kvrail's agent API, with perftest's columns.
+/// perftest's default side-channel port.
+pub(crate) const DEFAULT_PORT: u16 = 18515;
+
+/// kvrail-perf: bandwidth and latency of kvrail's agent API, with perftest's flags and
+/// columns.
 #[derive(Parser, Debug, Clone)]
-#[command(version, about)]
+#[command(
+    version,
+    about,
+    after_help = concat!(
+        "Examples (perftest's command lines work as they are):\n",
+        "  kvrail-perf -d mlx5_0 -x 3 -s 1M -n 1000                 # server, host B\n",
+        "  kvrail-perf -d mlx5_0 -x 3 -s 1M -n 1000 hostB           # client, host A: WRITE\n",
+        "  kvrail-perf --op read -a hostB                           # READ, every size\n",
+        "  kvrail-perf --loopback -a                                # both agents here\n",
+        "  kvrail-perf -D 2 --run_infinitely hostB                  # a line every 2 s until ^C\n",
+        "  kvrail-perf -s 1M hostB --out_json --out_json_file r.json\n\n",
+        "Without HOST (and without --loopback or --client) it is the server: it serves one ",
+        "client, then exits. SIGINT or SIGTERM stops a run after printing what was measured. ",
+        "Exit status: 0 success; 1 the run failed (a wrong byte, a failed transfer, the ",
+        "peer); 2 usage; 130 interrupted."
+    )
+)]
 pub(crate) struct Args {
     #[command(flatten)]
-    pub(crate) log: crate::logging::LogArgs,
-    /// Serve one client, then exit.
+    pub(crate) log: crate::logging::PerfLogArgs,
+    /// The server's host (perftest's positional argument): run as its client.
+    #[arg(value_name = "HOST", conflicts_with_all = ["client", "loopback", "server"])]
+    pub(crate) host: Option<String>,
+    /// Side-channel port: the server listens there, the client connects there.
+    #[arg(short = 'p', long, default_value_t = DEFAULT_PORT)]
+    pub(crate) port: u16,
+    /// Serve one client, then exit (the default without HOST).
     #[arg(long, conflicts_with_all = ["client", "loopback"])]
     pub(crate) server: bool,
-    /// Run against the server whose side channel is at HOST:PORT.
+    /// Run against the server whose side channel is at HOST:PORT (kvrail's long form).
     #[arg(long, value_name = "HOST:PORT", conflicts_with = "loopback")]
     pub(crate) client: Option<String>,
     /// Both agents in this process.
     #[arg(long)]
     pub(crate) loopback: bool,
-    /// Side-channel listen address (the server's default port is 18515).
+    /// Side-channel listen address (default: 0.0.0.0 and -p for the server).
     #[arg(long, value_name = "ADDR:PORT")]
     pub(crate) listen: Option<String>,
     /// Address advertised to the peer (`side_channel_host`); needed across hosts.
     #[arg(long, value_name = "IP")]
     pub(crate) side_channel_host: Option<String>,
-    /// Operation.
-    #[arg(short = 'o', long, value_enum, default_value = "write")]
+    /// Operation (perftest's tool name: ib_write_bw, ib_read_bw; lat: notification round
+    /// trip).
+    #[arg(long, value_enum, default_value = "write")]
     pub(crate) op: Op,
     /// Message size in bytes (K/M/G suffixes allowed).
     #[arg(short = 's', long, value_parser = parse_size, default_value = "65536")]
@@ -71,27 +98,72 @@ pub(crate) struct Args {
     /// Run each size for this many seconds instead of --iters.
     #[arg(short = 'D', long)]
     pub(crate) duration: Option<f64>,
+    /// Measure again and again, a line every -D seconds (default 5), until SIGINT.
+    #[arg(long = "run_infinitely", alias = "run-infinitely")]
+    pub(crate) run_infinitely: bool,
+    /// A round of the same transfers before each measurement, not counted.
+    #[arg(long = "perform_warm_up", alias = "perform-warm-up")]
+    pub(crate) warm_up: bool,
     /// Transfer requests in flight (`-t 1`: one at a time).
-    #[arg(short = 't', long, default_value_t = 32)]
+    #[arg(short = 't', long = "tx-depth", alias = "depth", default_value_t = 32)]
     pub(crate) depth: usize,
     /// Descriptors per transfer request (the message split into this many pieces).
     #[arg(long, default_value_t = 1)]
     pub(crate) descs: u64,
-    /// Report Gb/s instead of MB/s.
+    /// Report Gb/s instead of MiB/s.
     #[arg(long = "report_gbits", alias = "report-gbits")]
     pub(crate) report_gbits: bool,
-    /// One JSON document on stdout instead of the table.
+    /// One JSON document on stdout (kvrail's keys) instead of the table.
     #[arg(long)]
     pub(crate) json: bool,
+    /// Also write the results as JSON with perftest's keys (`test_info`, `results`:
+    /// `MsgSize`, `n_iterations`, `BW_peak`, `BW_average`, `MsgRate`) to --out_json_file.
+    #[arg(long = "out_json", alias = "out-json")]
+    pub(crate) out_json: bool,
+    /// Where --out_json writes (implies --out_json).
+    #[arg(
+        long = "out_json_file",
+        alias = "out-json-file",
+        value_name = "FILE",
+        default_value = "perftest_out.json"
+    )]
+    pub(crate) out_json_file: String,
     /// Data path.
     #[arg(long, value_enum, default_value = "auto")]
     pub(crate) transport: Transport,
-    /// RDMA devices this agent may use as rails (comma separated; default: every usable one).
-    #[arg(long, value_delimiter = ',')]
-    pub(crate) rails: Vec<String>,
+    /// RDMA devices this agent may use as rails (comma separated `DEV` or `DEV/PORT`;
+    /// default: every usable one).
+    #[arg(
+        short = 'd',
+        long = "devices",
+        aliases = ["ib-dev", "rails"],
+        value_delimiter = ','
+    )]
+    pub(crate) devices: Vec<String>,
+    /// The port of each -d device (perftest's -i).
+    #[arg(short = 'i', long = "ib-port")]
+    pub(crate) ib_port: Option<u8>,
+    /// GID table index on every rail (perftest's -x; default: kvrail's choice, the RoCEv2
+    /// IPv4 entry).
+    #[arg(short = 'x', long = "gid-index")]
+    pub(crate) gid_index: Option<u32>,
+    /// Largest path MTU: 256, 512, 1024, 2048 or 4096 (default: the ports' active MTU).
+    #[arg(short = 'm', long)]
+    pub(crate) mtu: Option<u32>,
+    /// Queue pairs per rail (perftest's -q): kvrail connects one per rail pair per peer.
+    #[arg(short = 'q', long = "qp", default_value_t = 1)]
+    pub(crate) qps: u32,
+    /// Both directions at once (perftest's -b): not supported.
+    #[arg(short = 'b', long)]
+    pub(crate) bidirectional: bool,
     /// Loopback: RDMA devices of the second agent.
-    #[arg(long, value_delimiter = ',', requires = "loopback")]
-    pub(crate) peer_rails: Vec<String>,
+    #[arg(
+        long = "peer-devices",
+        alias = "peer-rails",
+        value_delimiter = ',',
+        requires = "loopback"
+    )]
+    pub(crate) peer_devices: Vec<String>,
     /// `stripe_width`: unset = one rail per transfer; 0 = every transfer striped over all rails.
     #[arg(long)]
     pub(crate) stripe_width: Option<i64>,
@@ -101,6 +173,9 @@ pub(crate) struct Args {
     /// Skip the data check after the timed loop.
     #[arg(long)]
     pub(crate) no_verify: bool,
+    /// Serve the agent's metrics in the Prometheus format at ADDR:PORT while it runs.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub(crate) metrics_listen: Option<String>,
 }
 
 impl Args {
@@ -113,13 +188,75 @@ impl Args {
         }
     }
 
+    /// The server's side channel, for a client (HOST or --client).
+    pub(crate) fn server_addr(&self) -> Option<String> {
+        match (&self.host, &self.client) {
+            (Some(h), _) if h.parse::<std::net::Ipv6Addr>().is_ok() => {
+                Some(format!("[{h}]:{}", self.port))
+            }
+            (Some(h), _) => Some(format!("{h}:{}", self.port)),
+            (None, Some(c)) => Some(c.clone()),
+            (None, None) => None,
+        }
+    }
+
+    /// The server role: no HOST, no --client, no --loopback (or --server).
+    pub(crate) fn is_server(&self) -> bool {
+        self.server || (self.host.is_none() && self.client.is_none() && !self.loopback)
+    }
+
+    /// The -d devices, each on -i's port when given.
+    pub(crate) fn device_list(&self, devs: &[String]) -> Vec<String> {
+        match self.ib_port {
+            None => devs.to_vec(),
+            Some(p) => devs
+                .iter()
+                .map(|d| match d.split_once(['/', ':']) {
+                    Some(_) => d.clone(),
+                    None => format!("{d}/{p}"),
+                })
+                .collect(),
+        }
+    }
+
+    /// --out_json, or a --out_json_file named on the command line.
+    pub(crate) fn wants_out_json(&self) -> bool {
+        self.out_json || self.out_json_file != "perftest_out.json"
+    }
+
     /// Check what clap cannot.
     pub(crate) fn validate(&self) -> Result<(), String> {
-        if !self.server && !self.loopback && self.client.is_none() {
-            return Err("say --server, --client HOST:PORT or --loopback".into());
+        if self.qps != 1 {
+            return Err(format!(
+                "-q {}: kvrail connects one RC queue pair per rail pair per peer; for more \
+                 queue pairs use more rails (-d) and --stripe-width 0",
+                self.qps
+            ));
+        }
+        if self.bidirectional {
+            return Err(
+                "-b: kvrail-perf measures one direction; run a second kvrail-perf the other \
+                 way at the same time"
+                    .into(),
+            );
+        }
+        if let Some(m) = self.mtu {
+            if ![256, 512, 1024, 2048, 4096].contains(&m) {
+                return Err(format!("-m {m}: use 256, 512, 1024, 2048 or 4096"));
+            }
+        }
+        if self.ib_port == Some(0) {
+            return Err("-i 0: ports are numbered from 1".into());
+        }
+        if self.run_infinitely && (self.all || self.json) {
+            return Err(
+                "--run_infinitely measures one size and prints a line per period: \
+                        not with -a or --json"
+                    .into(),
+            );
         }
         if self.depth == 0 {
-            return Err("-t/--depth must be at least 1".into());
+            return Err("-t/--tx-depth must be at least 1".into());
         }
         if self.descs == 0 {
             return Err("--descs must be at least 1".into());

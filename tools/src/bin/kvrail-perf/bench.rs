@@ -75,6 +75,11 @@ pub(crate) fn split(region: RegionId, base: u64, size: u64, n: u64) -> Vec<Desc>
         .collect()
 }
 
+/// SIGINT or SIGTERM arrived (see `HALT`).
+fn halted() -> bool {
+    crate::HALT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn status(a: &Agent, x: XferId) -> Result<XferStatus, String> {
     a.status(x).map_err(|e| e.to_string())
 }
@@ -120,7 +125,8 @@ pub(crate) fn bandwidth(s: &BwSpec<'_>) -> Result<Bw, String> {
         if st == XferStatus::InProgress {
             return Err("a transfer is still in progress after 120 s".into());
         }
-        let stopped = matches!(s.stop, Stop::For(d) if start.elapsed() >= d);
+        // a signal ends the run like its time running out: what is in flight finishes
+        let stopped = matches!(s.stop, Stop::For(d) if start.elapsed() >= d) || halted();
         let mut still = VecDeque::with_capacity(flight.len());
         let mut again = Vec::new();
         for k in flight.drain(..) {
@@ -197,6 +203,7 @@ pub(crate) fn latency(a: &Agent, peer: &str, size: u64, stop: Stop) -> Result<La
         match stop {
             Stop::Iters(n) if i >= n => break,
             Stop::For(d) if start.elapsed() >= d => break,
+            _ if halted() && i > 0 => break,
             _ => {}
         }
         let tag = i.to_le_bytes();

@@ -3,10 +3,15 @@
 //! `ib_write_bw` / `ib_read_bw`.
 //!
 //! ```text
-//! kvrail-perf --server [--listen 0.0.0.0:18515]                 # on host B
-//! kvrail-perf --client HOST:18515 -o write -s 1M -t 32           # on host A
+//! kvrail-perf -d mlx5_0 -x 3 -s 1M                               # on host B (server)
+//! kvrail-perf -d mlx5_0 -x 3 -s 1M -t 32 hostB                   # on host A: WRITE
 //! kvrail-perf --loopback -a                                     # both agents here
 //! ```
+//!
+//! perftest's flags mean what they mean there (`-d -i -x -m -p -s -n -D -a -t`,
+//! `--run_infinitely`, `--perform_warm_up`, `--report_gbits`, `--out_json[_file]`); kvrail's
+//! own are long (`--op`, `--descs`, `--stripe-width`, `--transport`, `--no-verify`).
+//! SIGINT or SIGTERM stops a client's run: it prints what it measured and exits 130.
 //!
 //! Every run checks its data after the timed loop (`--no-verify` skips it): WRITE — the
 //! server compares its memory with the client's pattern; READ — the client compares what
@@ -23,6 +28,8 @@ mod report;
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
@@ -38,18 +45,47 @@ const SLOT_BYTES: u64 = 64 << 20;
 const READ_SEED: u64 = 7;
 const ANSWER: Duration = Duration::from_secs(120);
 
+/// Set by SIGINT or SIGTERM: the client stops its run and prints what it measured.
+pub(crate) static HALT: std::sync::LazyLock<Arc<AtomicBool>> =
+    std::sync::LazyLock::new(|| Arc::new(AtomicBool::new(false)));
+
+/// Exit status of an interrupted run (128 + SIGINT, as a shell reports it).
+const INTERRUPTED: u8 = 130;
+
 fn main() -> ExitCode {
     let args = Args::parse();
-    logging::init(&args.log);
+    logging::init(&(&args.log).into());
     if let Err(e) = args.validate() {
         eprintln!("kvrail-perf: {e}");
         return ExitCode::from(2);
     }
-    match run(&args) {
+    if !args.is_server() {
+        // the first signal stops the run (its numbers are printed); a second one ends the
+        // process at once
+        for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+            let h = HALT.clone();
+            let ok = signal_hook::flag::register_conditional_shutdown(
+                sig,
+                INTERRUPTED.into(),
+                h.clone(),
+            )
+            .and_then(|_| signal_hook::flag::register(sig, h));
+            if let Err(e) = ok {
+                eprintln!("kvrail-perf: cannot handle signal {sig}: {e}");
+            }
+        }
+    }
+    let res = run(&args);
+    let halted = HALT.load(Ordering::Relaxed);
+    match res {
+        Ok(()) if halted => {
+            println!("# interrupted: the numbers above are what was measured until then");
+            ExitCode::from(INTERRUPTED)
+        }
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvrail-perf: {e}");
-            ExitCode::FAILURE
+            ExitCode::from(if halted { INTERRUPTED } else { 1 })
         }
     }
 }
@@ -64,10 +100,18 @@ fn config(args: &Args, devices: &[String], listen: &str) -> Result<AgentConfig, 
             Transport::Verbs => BackendChoice::Verbs,
             Transport::Tcp => BackendChoice::Tcp,
         },
-        devices: devices.to_vec(),
+        devices: args.device_list(devices),
         stripe_width: args.stripe_width,
+        gid_index: args.gid_index,
+        mtu: args.mtu,
         ..AgentConfig::default()
     };
+    if let Some(m) = &args.metrics_listen {
+        c.metrics_listen = Some(
+            m.parse()
+                .map_err(|_| format!("--metrics-listen: {m:?} is not ADDR:PORT"))?,
+        );
+    }
     if let Some(h) = &args.side_channel_host {
         c.side_channel_host = h
             .parse()
@@ -77,9 +121,12 @@ fn config(args: &Args, devices: &[String], listen: &str) -> Result<AgentConfig, 
 }
 
 fn run(args: &Args) -> Result<(), String> {
-    if args.server {
-        let listen = args.listen.as_deref().unwrap_or("0.0.0.0:18515");
-        let a = Agent::new("kvrail-perf-server", config(args, &args.rails, listen)?)
+    if args.is_server() {
+        let listen = args
+            .listen
+            .clone()
+            .unwrap_or_else(|| format!("0.0.0.0:{}", args.port));
+        let a = Agent::new("kvrail-perf-server", config(args, &args.devices, &listen)?)
             .map_err(|e| e.to_string())?;
         println!(
             "kvrail-perf server: side channel on {}",
@@ -91,7 +138,7 @@ fn run(args: &Args) -> Result<(), String> {
     if args.loopback {
         let server = Agent::new(
             "kvrail-perf-server",
-            config(args, &args.peer_rails, "127.0.0.1:0")?,
+            config(args, &args.peer_devices, "127.0.0.1:0")?,
         )
         .map_err(|e| e.to_string())?;
         let addr = server.side_channel_addr();
@@ -102,16 +149,21 @@ fn run(args: &Args) -> Result<(), String> {
             .map_err(|_| "the server thread panicked".to_string())?;
         return res.and(served);
     }
-    let to = args.client.as_deref().unwrap_or_default();
+    let to = args.server_addr().unwrap_or_default();
+    let what = if args.host.is_some() {
+        "HOST"
+    } else {
+        "--client"
+    };
     let addr: SocketAddr = to
         .parse()
         .or_else(|_| {
-            std::net::ToSocketAddrs::to_socket_addrs(to)
+            std::net::ToSocketAddrs::to_socket_addrs(&to)
                 .ok()
                 .and_then(|mut a| a.next())
                 .ok_or(())
         })
-        .map_err(|()| format!("--client: cannot resolve {to:?} (HOST:PORT)"))?;
+        .map_err(|()| format!("{what}: cannot resolve {to:?} (HOST:PORT)"))?;
     client(args, addr)
 }
 
@@ -123,7 +175,7 @@ fn client(args: &Args, server: SocketAddr) -> Result<(), String> {
         "0.0.0.0:0"
     };
     let listen = args.listen.as_deref().unwrap_or(any);
-    let a = Agent::new("kvrail-perf-client", config(args, &args.rails, listen)?)
+    let a = Agent::new("kvrail-perf-client", config(args, &args.devices, listen)?)
         .map_err(|e| e.to_string())?;
     let res = drive(args, &a, server);
     // tell the server we are done whatever happened, so it exits too; its answer means it
@@ -188,43 +240,83 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
         Some(d) => Stop::For(Duration::from_secs_f64(d)),
         None => Stop::Iters(args.iters),
     };
+    let stop = if args.run_infinitely {
+        Stop::For(Duration::from_secs_f64(args.duration.unwrap_or(5.0)))
+    } else {
+        stop
+    };
     let bar = args.all && human && std::io::stdout().is_terminal();
     let (mut bws, mut lats) = (Vec::new(), Vec::new());
-    for (i, &size) in sizes.iter().enumerate() {
-        if bar {
-            report::progress(i, sizes.len(), size);
-        }
-        if args.op == Op::Lat {
-            let l = bench::latency(a, &peer, size, stop)?;
-            if human {
-                println!("{}", report::lat_line(&l));
+    let halted = || HALT.load(Ordering::Relaxed);
+    let regions = (local, remote);
+    let res: Result<(), String> = (|| {
+        for (i, &size) in sizes.iter().enumerate() {
+            if halted() {
+                break;
             }
-            lats.push(l);
-            continue;
-        }
-        let (bw, wrong) = bw_run(args, a, &peer, (local, remote), len, size, stop)?;
-        if human {
-            println!("{}", report::bw_line(&bw, args.report_gbits));
-            if !args.all {
-                if let Some(c) = bw.ctx_switches_per_xfer {
-                    println!("# context switches per transfer (this process): {c:.1}");
+            if bar {
+                report::progress(i, sizes.len(), size);
+            }
+            loop {
+                if args.op == Op::Lat {
+                    if args.warm_up {
+                        bench::latency(a, &peer, size, Stop::Iters(100))?;
+                    }
+                    let l = bench::latency(a, &peer, size, stop)?;
+                    if human {
+                        println!("{}", report::lat_line(&l));
+                    }
+                    lats.push(l);
+                } else {
+                    if args.warm_up {
+                        let w = Stop::Iters((2 * args.depth as u64).max(16));
+                        bw_run(args, a, &peer, regions, (len, size), (w, false))?;
+                    }
+                    let verify = !args.no_verify;
+                    let (bw, wrong) = bw_run(args, a, &peer, regions, (len, size), (stop, verify))?;
+                    if human {
+                        println!("{}", report::bw_line(&bw, args.report_gbits));
+                        if !args.all && !args.run_infinitely {
+                            if let Some(c) = bw.ctx_switches_per_xfer {
+                                println!("# context switches per transfer (this process): {c:.1}");
+                            }
+                        }
+                    }
+                    bws.push((bw, wrong));
+                    if let Some(w) = wrong.filter(|w| *w > 0) {
+                        return Err(format!("data check failed at {size} B: {w} wrong bytes"));
+                    }
+                }
+                let _ = std::io::stdout().flush();
+                if !args.run_infinitely || halted() {
+                    break;
                 }
             }
         }
-        bws.push((bw, wrong));
-        if let Some(w) = wrong.filter(|w| *w > 0) {
-            return Err(format!("data check failed at {size} B: {w} wrong bytes"));
-        }
-    }
+        Ok(())
+    })();
     if bar {
         report::progress(sizes.len(), sizes.len(), max);
     }
+    // what was measured is reported even when the run ended early (a signal, a failure)
+    if args.wants_out_json() {
+        let doc = report::perftest_json(args, a, &peer, &bws, &lats);
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(&args.out_json_file, text + "\n")
+            .map_err(|e| format!("--out_json_file {}: {e}", args.out_json_file))?;
+        if human {
+            println!(
+                "# results written to {} (perftest's keys)",
+                args.out_json_file
+            );
+        }
+    }
     if args.json {
         println!("{}", report::json(args, a, &peer, &bws, &lats));
-    } else if !args.no_verify && args.op != Op::Lat {
+    } else if res.is_ok() && !halted() && !args.no_verify && args.op != Op::Lat {
         println!("# data check: every byte of every size verified");
     }
-    Ok(())
+    res
 }
 
 /// One size: prepare the buffers, run, check. Returns the numbers and the wrong-byte count
@@ -234,9 +326,8 @@ fn bw_run(
     a: &Agent,
     peer: &str,
     (local, remote): (RegionId, RegionId),
-    len: u64,
-    size: u64,
-    stop: Stop,
+    (len, size): (u64, u64),
+    (stop, verify): (Stop, bool),
 ) -> Result<(Bw, Option<u64>), String> {
     let e = |e: kvrail::agent::AgentError| e.to_string();
     let slots = (args.depth as u64).min(len / size).max(1);
@@ -251,7 +342,7 @@ fn bw_run(
         Stop::For(_) => args.depth as u64,
     };
     let used = slots.min(posted) * size;
-    if !args.no_verify {
+    if verify {
         let fill = if op == XferOp::Write {
             pattern(write_seed, used)
         } else {
@@ -271,7 +362,7 @@ fn bw_run(
         slots,
         stop,
     })?;
-    if args.no_verify {
+    if !verify {
         return Ok((bw, None));
     }
     let wrong = if op == XferOp::Write {

@@ -54,7 +54,7 @@ pub(crate) fn header(args: &Args, a: &Agent, peer: &str) -> String {
 
 /// The bandwidth column titles.
 pub(crate) fn bw_titles(gbits: bool) -> String {
-    let u = if gbits { "Gb/sec" } else { "MB/sec" };
+    let u = if gbits { "Gb/sec" } else { "MiB/sec" };
     format!(" #bytes     #iterations    BW peak[{u}]    BW average[{u}]   MsgRate[Mpps]")
 }
 
@@ -140,6 +140,78 @@ pub(crate) fn json(
         "results": results,
         "latency": lat,
     })
+}
+
+/// The `--out_json_file` document, with perftest's keys: `test_info` (the run) and
+/// `results` (one object for one size, a list for a sweep; BW in MiB/s, or Gb/s with
+/// `--report_gbits`, as the table). Unlike perftest's file it is valid JSON.
+pub(crate) fn perftest_json(
+    args: &Args,
+    a: &Agent,
+    peer: &str,
+    bw: &[(Bw, Option<u64>)],
+    lat: &[Lat],
+) -> serde_json::Value {
+    let m = a.metadata();
+    let used = a.peer_rails(peer);
+    let rails: Vec<_> = m.rails.iter().filter(|r| used.contains(&r.name)).collect();
+    let test = match args.op {
+        Op::Write => "RDMA_Write_BW_Test",
+        Op::Read => "RDMA_Read_BW_Test",
+        Op::Lat => "Notification_Lat_Test",
+    };
+    let devices: Vec<&str> = rails.iter().map(|r| r.name.as_str()).collect();
+    let test_info = serde_json::json!({
+        "test": test,
+        "Dual_port": "OFF",
+        "Device": if devices.is_empty() { "tcp".to_owned() } else { devices.join(",") },
+        "Number_of_qps": rails.len().max(1),
+        "Transport_type": if rails.is_empty() { "TCP" } else { "IB" },
+        "Connection_type": if rails.is_empty() { "TCP" } else { "RC" },
+        "Using_SRQ": "OFF",
+        "TX_depth": args.depth,
+        "Mtu": rails.iter().map(|r| r.mtu).min(),
+        "Link_type": if rails.is_empty() { "TCP" } else { "Ethernet" },
+        "GID": rails.first().map(|r| Ipv6Addr::from(r.gid).to_string()),
+        "Data_ex_method": "kvrail side channel (TCP)",
+        "Descriptors_per_transfer": args.descs,
+        "Data_check": if args.no_verify { "OFF" } else { "ON" },
+    });
+    let mut results: Vec<serde_json::Value> = bw
+        .iter()
+        .map(|(b, _)| {
+            serde_json::json!({
+                "MsgSize": b.bytes,
+                "n_iterations": b.iterations,
+                "BW_peak": round2(bw_unit(b.peak_bps, args.report_gbits)),
+                "BW_average": round2(bw_unit(b.avg_bps, args.report_gbits)),
+                "MsgRate": b.msg_rate_mpps,
+            })
+        })
+        .collect();
+    results.extend(lat.iter().map(|l| {
+        serde_json::json!({
+            "MsgSize": l.bytes,
+            "n_iterations": l.iterations,
+            "t_min": l.t_min,
+            "t_max": l.t_max,
+            "t_typical": l.t_typical,
+            "t_avg": l.t_avg,
+            "t_stdev": l.t_stdev,
+            "percentile_99": l.p99,
+            "percentile_99.9": l.p999,
+        })
+    }));
+    let results = if results.len() == 1 {
+        results.remove(0)
+    } else {
+        serde_json::Value::Array(results)
+    };
+    serde_json::json!({"test_info": test_info, "results": results})
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
 }
 
 /// A progress bar on stderr for sweeps (`done` of `total` sizes).
