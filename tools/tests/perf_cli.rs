@@ -281,7 +281,10 @@ fn log_output_follows_the_flags_and_rust_log() {
         .iter()
         .any(|j| j["level"] == "INFO" && j["fields"]["agent"] == "kvrail-perf-server"));
     let (_, err) = run(&["--quiet"], Some("kvrail=debug"));
-    assert!(err.contains("DEBUG"), "RUST_LOG should win over --quiet: {err}");
+    assert!(
+        err.contains("DEBUG"),
+        "RUST_LOG should win over --quiet: {err}"
+    );
 }
 
 /// Defects: the server registered whatever a client asked (`-s 2G` aborted it), exited on

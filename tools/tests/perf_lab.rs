@@ -1,0 +1,150 @@
+//! `kvrail-perf` with perftest's command lines inside the kvrail lab, on real queue pairs:
+//! the server is `kvrail-perf -d rxeB0 -x 1 -s 1M -n 100`, the client the same with the
+//! host; `--out_json_file` names the device, the GID of index 1 and the MTU; `-m 1024`
+//! caps the MTU; a GID index the table lacks fails the start naming the table. Outside the
+//! lab every case is SKIPPED.
+
+#[path = "../../tests/lab/mod.rs"]
+mod lab;
+
+use std::io::BufRead;
+use std::process::{Command, Output, Stdio};
+
+use lab::runner::Runner;
+use lab::Topology as Lab;
+
+type R = Result<(), String>;
+
+fn ensure(c: bool, msg: impl FnOnce() -> String) -> R {
+    if c {
+        Ok(())
+    } else {
+        Err(msg())
+    }
+}
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port().to_string())
+        .unwrap_or_else(|_| "18515".into())
+}
+
+/// Server and client with `common` flags each, the client with `client` too; the client's
+/// output and its `--out_json_file`.
+fn pair(
+    server_dev: &str,
+    client_dev: &str,
+    extra: &[&str],
+) -> Result<(Output, serde_json::Value), String> {
+    let port = free_port();
+    let bin = env!("CARGO_BIN_EXE_kvrail-perf");
+    let common = ["-x", "1", "-s", "1M", "-n", "100", "-p", &port];
+    let mut server = Command::new(bin)
+        .args(["-d", server_dev])
+        .args(common)
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    let out = server.stdout.take().ok_or("no stdout")?;
+    std::io::BufReader::new(out)
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    ensure(line.contains("side channel on"), || {
+        format!("server said {line:?}")
+    })?;
+    let file = std::env::temp_dir().join(format!("perf-lab-{port}.json"));
+    let f = file.to_str().unwrap_or_default().to_owned();
+    let o = Command::new(bin)
+        .args(["-d", client_dev])
+        .args(common)
+        .args(extra)
+        .args(["--out_json_file", &f, "127.0.0.1"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let status = server.wait().map_err(|e| e.to_string())?;
+    print!("{}", String::from_utf8_lossy(&o.stdout));
+    ensure(o.status.success() && status.success(), || {
+        format!(
+            "client {:?}: {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })?;
+    let text = std::fs::read_to_string(&file).map_err(|e| format!("{f}: {e}"))?;
+    let _ = std::fs::remove_file(&file);
+    let v = serde_json::from_str(&text).map_err(|e| format!("{f}: {e}: {text}"))?;
+    Ok((o, v))
+}
+
+fn main() {
+    let mut r = Runner::new("perf_lab");
+    let cases = [
+        "perftest_command_line_on_rail_0",
+        "mtu_cap_and_a_missing_gid_index",
+    ];
+    let Some(lab) = Lab::from_env() else {
+        println!("perf_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
+        for c in cases {
+            r.skip(c);
+        }
+        r.finish();
+    };
+    r.run(cases[0], || command_line(&lab));
+    r.run(cases[1], || mtu_and_gid(&lab));
+    r.finish();
+}
+
+fn command_line(lab: &Lab) -> R {
+    let (o, v) = pair(&lab.b_devs[0], &lab.a_devs[0], &[])?;
+    let out = String::from_utf8_lossy(&o.stdout);
+    ensure(out.contains(" Transport        : verbs"), || {
+        out.to_string()
+    })?;
+    ensure(
+        out.contains("# data check: every byte of every size verified"),
+        || out.to_string(),
+    )?;
+    let t = &v["test_info"];
+    let want_gid = format!("::ffff:{}", lab.a_ips[0]);
+    ensure(
+        t["Device"] == format!("{}:1", lab.a_devs[0]).as_str()
+            && t["GID"] == want_gid.as_str()
+            && t["Mtu"] == 4096
+            && t["Connection_type"] == "RC",
+        || format!("test_info {t}"),
+    )?;
+    let res = &v["results"];
+    ensure(
+        res["MsgSize"] == 1 << 20
+            && res["n_iterations"] == 100
+            && res["BW_average"].as_f64() > Some(0.0),
+        || format!("results {res}"),
+    )
+}
+
+fn mtu_and_gid(lab: &Lab) -> R {
+    let (_, v) = pair(&lab.b_devs[0], &lab.a_devs[0], &["-m", "1024"])?;
+    ensure(v["test_info"]["Mtu"] == 1024, || format!("{v}"))?;
+    let o = Command::new(env!("CARGO_BIN_EXE_kvrail-perf"))
+        .args([
+            "--loopback",
+            "-d",
+            &lab.a_devs[0],
+            "--peer-devices",
+            &lab.b_devs[0],
+        ])
+        .args(["-x", "7", "--transport", "verbs", "-n", "10"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure(
+        o.status.code() == Some(1)
+            && err.contains("gid_index 7")
+            && err.contains("has no such GID entry"),
+        || format!("{:?}: {err}", o.status),
+    )
+}
