@@ -61,8 +61,25 @@ fn header_matches_a_fresh_generation() {
     );
 }
 
+/// The soname link next to the cdylib (what a program linked against it loads), as an
+/// installation makes it (see `ffi/install.sh`).
+fn soname_link() {
+    let link = lib_dir().join(env!("KVRAIL_SONAME"));
+    let target = Path::new("libkvrail_ffi.so");
+    if std::fs::read_link(&link).is_ok_and(|t| t == target) {
+        return;
+    }
+    let _ = std::fs::remove_file(&link);
+    match std::os::unix::fs::symlink(target, &link) {
+        // another test made it meanwhile
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        r => r.expect("the soname link"),
+    }
+}
+
 /// Compile `examples/<name>.c` against the header and the cdylib; returns the binary.
 fn compile(name: &str) -> PathBuf {
+    soname_link();
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("c-{name}"));
     let st = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-o"])
@@ -240,4 +257,70 @@ fn loads_and_runs_on_tcp_where_libibverbs_is_absent() {
         o.status.success() && text.contains("libibverbs hidden") && text.contains("backend tcp"),
         "{text}"
     );
+}
+
+/// The library installs like a distribution's (`ffi/install.sh`): a versioned soname, its
+/// links, the header and a generated pkg-config file; a program built with
+/// `pkg-config --cflags --libs kvrail` against the installation records the soname and runs.
+#[test]
+fn installed_with_a_versioned_soname_and_pkg_config() {
+    let prefix = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("c-prefix");
+    let _ = std::fs::remove_dir_all(&prefix);
+    let st = Command::new("bash")
+        .arg(crate_dir().join("install.sh"))
+        .arg(&prefix)
+        .arg(lib_dir())
+        .status()
+        .expect("install.sh");
+    assert!(st.success(), "install.sh failed");
+    let lib = prefix.join("lib");
+    let soname = env!("KVRAIL_SONAME");
+    assert_eq!(
+        std::fs::read_link(lib.join("libkvrail_ffi.so")).unwrap(),
+        PathBuf::from(soname)
+    );
+    let pc = std::fs::read_to_string(lib.join("pkgconfig/kvrail.pc")).unwrap();
+    assert!(
+        pc.contains(&format!("Version: {}", env!("CARGO_PKG_VERSION"))),
+        "{pc}"
+    );
+    let flags = Command::new("pkg-config")
+        .args(["--cflags", "--libs", "kvrail"])
+        .env("PKG_CONFIG_PATH", lib.join("pkgconfig"))
+        .output()
+        .expect("pkg-config (tools/lab/setup.sh installs it)");
+    assert!(
+        flags.status.success(),
+        "{}",
+        String::from_utf8_lossy(&flags.stderr)
+    );
+    let flags = String::from_utf8(flags.stdout).unwrap();
+    assert!(
+        flags.contains("-lkvrail_ffi") && flags.contains("/include"),
+        "{flags}"
+    );
+    let bin = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("c-installed");
+    let st = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-std=c11", "-Wall", "-Werror", "-o"])
+        .arg(&bin)
+        .arg(crate_dir().join("examples/transfer.c"))
+        .arg("-I")
+        .arg(crate_dir().join("examples"))
+        .args(flags.split_whitespace())
+        .status()
+        .expect("cc");
+    assert!(st.success(), "cc with pkg-config's flags failed");
+    let needed = Command::new("readelf")
+        .arg("-d")
+        .arg(&bin)
+        .output()
+        .unwrap();
+    let needed = String::from_utf8_lossy(&needed.stdout);
+    assert!(
+        needed.contains(&format!("Shared library: [{soname}]")),
+        "{needed}"
+    );
+    let (a, b) = lab_config();
+    let out = run_env(&bin, &[&a, &b], &[("LD_LIBRARY_PATH", &lib)]);
+    assert!(out.contains("all bytes match"), "{out}");
 }

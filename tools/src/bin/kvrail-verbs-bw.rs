@@ -27,7 +27,14 @@ enum Op {
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "RDMA WRITE/READ bandwidth between two local RDMA devices (perftest columns)"
+    about = "RDMA WRITE/READ bandwidth between two local RDMA devices (perftest columns)",
+    after_help = concat!(
+        "The verbs layer alone (no agent): kvrail-perf measures what an engine gets.\n\n",
+        "Examples:\n",
+        "  kvrail-verbs-bw --dev-a rxeA0 --dev-b rxeB0 -s 1M -t 32     # WRITE\n",
+        "  kvrail-verbs-bw --rail 1 --op read -s 64K                   # the lab's rail 1\n\n",
+        "Exit status: 0 every byte checked; 1 a failed run; 2 usage."
+    )
 )]
 struct Args {
     #[command(flatten)]

@@ -84,8 +84,8 @@ impl Rng {
 /// Start an instance and a thread that forwards its answers as events.
 fn start(a: &Args, who: Who, gen: u64, tx: &mpsc::Sender<Event>) -> Result<Live, String> {
     let (name, role, devs) = match who {
-        Who::P => ("prefill-0", "kv_producer", &a.p_devices),
-        Who::D => ("decode-0", "kv_consumer", &a.d_devices),
+        Who::P => ("prefill-0", "kv_producer", a.devices_of(true)),
+        Who::D => ("decode-0", "kv_consumer", a.devices_of(false)),
     };
     let mut inst = spawn(a, name, role, devs)?;
     let mut lines = std::mem::replace(
