@@ -642,6 +642,8 @@ impl Agent {
                 }
             };
         let x = xfers.begin(id, held)?;
+        let _span = tracing::debug_span!("xfer", agent = %self.shared.name, id = id.0, op = ?x.op, peer = %x.peer)
+            .entered();
         let posted = backend::Posted {
             id: id.0,
             op: x.op,

@@ -93,7 +93,7 @@ pub(crate) struct State {
 
 fn send(agent: &Agent, peer: &str, w: &Wire) {
     if let Err(e) = agent.send_notif(peer, w.encode()) {
-        tracing::warn!(%peer, "host bounce: sending {w:?} failed: {e}");
+        tracing::warn!(%peer, message = ?w, error = %e, "host bounce: sending failed");
     }
 }
 
@@ -257,7 +257,7 @@ pub(crate) fn run(core: &Arc<Core>) {
                 Decoded::Theirs => {}
                 Decoded::Malformed(e) => {
                     core.malformed.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(peer = %from, "host bounce: malformed message dropped: {e}");
+                    tracing::warn!(peer = %from, error = %e, "host bounce: malformed message dropped");
                 }
                 Decoded::Ours(w) => handle(core, &agent, &from, w),
             }
@@ -397,13 +397,13 @@ fn hello_from(
             .map_err(|_| format!("bad address {addr:?}"))
             .and_then(|a| agent.load_remote(a).map_err(|e| e.to_string()));
         if let Err(e) = loaded {
-            tracing::warn!(peer = %from, "host bounce: cannot link back: {e}");
+            tracing::warn!(peer = %from, error = %e, "host bounce: cannot link back");
             return;
         }
     }
     let mut st = core.lock();
     if let Err(e) = ensure_link(core, agent, &mut st, from) {
-        tracing::warn!(peer = %from, "host bounce: staging buffers: {e}");
+        tracing::warn!(peer = %from, error = %e, "host bounce: staging buffers");
         return;
     }
     let slots = slots.min(core.config.slots);

@@ -383,7 +383,7 @@ impl Worker {
                 if let Err(e) =
                     (self.fence).grant(&self.agent, geo, &s.request_id, &blocks, RemoteAccess::READ)
                 {
-                    tracing::warn!(request = %s.request_id, "no grant over the blocks: {e}");
+                    tracing::warn!(request = %s.request_id, error = %e, "no grant over the blocks");
                 }
             }
             if let Some(w) = &self.writer {
@@ -396,7 +396,7 @@ impl Worker {
                 Ok(v) => v,
                 Err(e) => {
                     self.done.failed_recving.push(r.request_id.clone());
-                    tracing::warn!(request = %r.request_id, "KV receive failed: {e}");
+                    tracing::warn!(request = %r.request_id, error = %e, "KV receive failed");
                     continue;
                 }
             };
@@ -431,7 +431,7 @@ impl Worker {
                         ) {
                             Ok(t) => Some(t),
                             Err(e) => {
-                                tracing::warn!(request = %r.request_id, "KV receive failed: no grant over the blocks: {e}");
+                                tracing::warn!(request = %r.request_id, error = %e, "KV receive failed: no grant over the blocks");
                                 self.done.failed_recving.push(r.request_id.clone());
                                 continue;
                             }
@@ -497,7 +497,7 @@ impl Worker {
             let conn = match r {
                 Ok(()) => Conn::Up,
                 Err(e) => {
-                    tracing::warn!(%peer, "handshake failed: {e}");
+                    tracing::warn!(%peer, error = %e, "handshake failed");
                     Conn::Failed(e)
                 }
             };
@@ -509,7 +509,7 @@ impl Worker {
             match self.conns.get(&peer) {
                 Some(Conn::Up) => {
                     if let Err(e) = self.agent.send_notif(&peer, msg) {
-                        tracing::warn!(%peer, "heartbeat: {e}");
+                        tracing::warn!(%peer, error = %e, "heartbeat");
                         self.conns.remove(&peer);
                     }
                 }
@@ -549,7 +549,8 @@ impl Worker {
     }
 
     fn fail_recv(&mut self, id: &str, why: &str) {
-        tracing::warn!(request = %id, "KV receive failed: {why}");
+        let _span = tracing::info_span!("request", id = %id).entered();
+        tracing::warn!(request = %id, error = %why, "KV receive failed");
         if let Some(r) = self.recvs.remove(id) {
             // handshake again before the next READ from those ranks: their connections may
             // be gone (a restarted P at the same address is then found again)
@@ -565,6 +566,7 @@ impl Worker {
     /// Post one READ per source rank. A rank whose READ cannot be posted fails the receive,
     /// reported once the READs already posted have ended.
     fn post_reads(&mut self, id: &str) {
+        let _span = tracing::info_span!("request", id = %id).entered();
         let Some(r) = self.recvs.get(id) else {
             return;
         };
@@ -741,7 +743,7 @@ impl Worker {
             Ok(KvMsg::PushReg(_) | KvMsg::PushCancel(_) | KvMsg::PushCancelled(_)) => {}
             Err(e) => {
                 self.malformed += 1;
-                tracing::warn!("dropped a malformed notification: {e}");
+                tracing::warn!(error = %e, "dropped a malformed notification");
             }
         }
     }
@@ -795,7 +797,7 @@ impl Worker {
                     });
                 }
                 WriterEvent::RegistrationFailed(id, why) => {
-                    tracing::warn!(request = %id, "push registration failed: {why}");
+                    tracing::warn!(request = %id, error = %why, "push registration failed");
                     self.receiver.send_failed(&id);
                 }
             }

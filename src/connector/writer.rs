@@ -110,7 +110,10 @@ impl Writer {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("kvrail-push-writer".into())
-            .spawn(move || Loop::new(s, reg_ttl).run())
+            .spawn(move || {
+                let _span = tracing::info_span!("agent", name = %s.agent.name()).entered();
+                Loop::new(s, reg_ttl).run();
+            })
             .map_err(|e| AgentError::Unsupported(format!("spawning the push writer: {e}")))?;
         Ok(Self {
             shared,
@@ -371,7 +374,7 @@ impl Loop {
                     self.conns.insert(engine.clone(), Conn::Up);
                 }
                 Err(e) => {
-                    tracing::warn!(%engine, "push handshake failed: {e}");
+                    tracing::warn!(%engine, error = %e, "push handshake failed");
                     self.conns.remove(&engine);
                     // P: withdrawals of this D cannot be confirmed (D gives its blocks back
                     // after its timeout)
@@ -530,7 +533,7 @@ impl Loop {
                     };
                     let r = self.write(&request_id, &local_blocks, &remote_blocks, part, &reg);
                     if let Err(e) = r {
-                        tracing::warn!(request = %request_id, "push WRITE not submitted: {e}");
+                        tracing::warn!(request = %request_id, error = %e, "push WRITE not submitted");
                         self.matcher.write_failed();
                         self.sh.dropped.fetch_add(1, Ordering::Relaxed);
                         let key = pair_key(&request_id, &reg);
@@ -630,7 +633,7 @@ impl Loop {
         for peer in self.sent_to.remove(id).unwrap_or_default() {
             match self.sh.agent.send_notif(&peer, msg.clone()) {
                 Ok(()) => left.push(peer),
-                Err(e) => tracing::warn!(request = %id, %peer, "PUSH_CANCEL not sent: {e}"),
+                Err(e) => tracing::warn!(request = %id, %peer, error = %e, "PUSH_CANCEL not sent"),
             }
         }
         if left.is_empty() {
@@ -679,7 +682,7 @@ impl Loop {
                 tp_size: self.sh.tp.1,
             };
             if let Err(e) = self.sh.agent.send_notif(&d, ack.encode()) {
-                tracing::warn!(request = %id, peer = %d, "PUSH_CANCELLED not sent: {e}");
+                tracing::warn!(request = %id, peer = %d, error = %e, "PUSH_CANCELLED not sent");
             }
         }
     }
@@ -734,7 +737,7 @@ impl Loop {
         match self.sh.agent.send_notif(&s.engine, s.completion) {
             Ok(()) => self.event(WriterEvent::Pushed(key.0.clone(), s.d_tp)),
             Err(e) => {
-                tracing::warn!(request = %key.0, "push completion not sent: {e}");
+                tracing::warn!(request = %key.0, error = %e, "push completion not sent");
                 self.sh.dropped.fetch_add(1, Ordering::Relaxed);
             }
         }

@@ -285,6 +285,22 @@ fn log_output_follows_the_flags_and_rust_log() {
         err.contains("DEBUG"),
         "RUST_LOG should win over --quiet: {err}"
     );
+    // the agent's registration and handshake lines, errors and ids as fields
+    assert!(err.contains("memory registered"), "{err}");
+    assert!(err.contains("handshake done; peer connected"), "{err}");
+    let (_, err) = run(&["--log-json"], Some("kvrail=debug"));
+    let lines: Vec<serde_json::Value> = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|j| j["fields"]["message"] == "memory registered"
+                && j["fields"]["agent"].is_string()
+                && j["fields"]["len"].is_u64()),
+        "{err}"
+    );
 }
 
 /// Defects: the server registered whatever a client asked (`-s 2G` aborted it), exited on

@@ -135,7 +135,7 @@ fn accept_all(
             Err(e) if e.kind() == ErrorKind::WouldBlock => return,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => {
-                tracing::warn!(agent = %shared.name, "side channel: accept failed: {e}");
+                tracing::warn!(agent = %shared.name, error = %e, "side channel: accept failed");
                 return;
             }
         };
@@ -249,7 +249,7 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
 fn refused(shared: &Shared, p: &Pending, why: &str) {
     shared.auth_refused.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(agent = %shared.name, peer = ?p.s.peer_addr().ok(),
-        "side channel: authentication refused: {why}");
+        error = %why, "side channel: authentication refused");
 }
 
 /// Read one whole frame (the prefix, then the body it announces) and decode it; `Err` says
@@ -279,7 +279,7 @@ fn read_frame(shared: &Shared, p: &mut Pending) -> Result<Msg, Step> {
         }
     }
     let m = rmp_serde::from_slice(&p.got[PREFIX..]).map_err(|e| {
-        tracing::warn!(agent = %shared.name, "side channel: malformed first message: {e}");
+        tracing::warn!(agent = %shared.name, error = %e, "side channel: malformed first message");
         Step::Close
     });
     p.got.clear();

@@ -164,6 +164,8 @@ impl PeerConn {
             std::thread::Builder::new()
                 .name(format!("kvrail-rd-{name}"))
                 .spawn(move || {
+                    let _span =
+                        tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
                     initiator_reader(&shared, reader, &tx, &name);
                     // Nothing will answer on this connection again: stop it both ways, so the
                     // writer fails (and fails what is queued) instead of sending into a
@@ -177,7 +179,11 @@ impl PeerConn {
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name(format!("kvrail-wr-{name}"))
-                .spawn(move || writer(&shared, w, rx, &name))
+                .spawn(move || {
+                    let _span =
+                        tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
+                    writer(&shared, w, rx, &name);
+                })
                 .map_err(|e| conn_err("thread for", addr, e))?;
         }
         Ok(Self {
@@ -413,6 +419,7 @@ pub(crate) fn serve(
         std::thread::Builder::new()
             .name(format!("kvrail-listen-{}", shared.name))
             .spawn(move || {
+                let _span = tracing::info_span!("agent", name = %shared.name).entered();
                 let mut serial = 0u64;
                 let res = accept::run(&shared, listener, |shared, s, first| {
                     serial += 1;
@@ -424,8 +431,9 @@ pub(crate) fn serve(
                     let spawned = std::thread::Builder::new()
                         .name("kvrail-serve".into())
                         .spawn(move || {
+                            let _span = tracing::info_span!("agent", name = %shared.name).entered();
                             if let Err(e) = target(&shared, s, first) {
-                                tracing::warn!(agent = %shared.name, "data connection: {e}");
+                                tracing::warn!(agent = %shared.name, error = %e, "data connection");
                             }
                             lock(&mine).remove(&key);
                         });
@@ -434,7 +442,7 @@ pub(crate) fn serve(
                     }
                 });
                 if let Err(e) = res {
-                    tracing::error!(agent = %shared.name, "side channel listener stopped: {e}");
+                    tracing::error!(agent = %shared.name, error = %e, "side channel listener stopped");
                 }
             })
             .map_err(|e| conn_err("cannot start the listener thread for", local, e))?;

@@ -871,6 +871,7 @@ impl Verbs {
         std::thread::Builder::new()
             .name(format!("kvrail-progress-{}", shared.name))
             .spawn(move || {
+                let _span = tracing::info_span!("agent", name = %shared.name).entered();
                 let mut events = Events::with_capacity(16);
                 let mut cs = Vec::with_capacity(64);
                 loop {
@@ -889,7 +890,7 @@ impl Verbs {
                         if e.kind() == std::io::ErrorKind::Interrupted {
                             continue;
                         }
-                        tracing::error!("kvrail progress thread: poll failed: {e}");
+                        tracing::error!(error = %e, "kvrail progress thread: poll failed");
                         return;
                     }
                     if shared.shutdown.load(std::sync::atomic::Ordering::Acquire) {
@@ -907,7 +908,7 @@ impl Verbs {
                         let _ = cq.consume_event();
                         cs.clear();
                         if let Err(err) = cq.poll(&mut cs) {
-                            tracing::error!("kvrail: polling {}: {err}", me.rails[rail].name);
+                            tracing::error!(rail = %me.rails[rail].name, error = %err, "kvrail: polling the completion queue failed");
                             continue;
                         }
                         let mut e = lock(&me.engine);

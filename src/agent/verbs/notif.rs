@@ -164,7 +164,7 @@ impl Verbs {
                     e.chan_rebuilding.insert(peer, NewChan { rail, qp, ch });
                 }
                 Err(err) => {
-                    tracing::warn!(%peer, rail = %self.rails[rail].name, "cannot rebuild the notification channel: {err}");
+                    tracing::warn!(%peer, rail = %self.rails[rail].name, error = %err, "cannot rebuild the notification channel");
                 }
             }
         }
@@ -184,7 +184,7 @@ impl Verbs {
                 .map_err(|err| err.to_string())
         });
         if let Err(why) = connected {
-            tracing::warn!(%peer, rail = %self.rails[rail].name, "notification channel not rebuilt: {why}");
+            tracing::warn!(%peer, rail = %self.rails[rail].name, error = %why, "notification channel not rebuilt");
             return;
         }
         let key = ChanKey::Out(peer.to_owned());
@@ -355,7 +355,7 @@ impl Verbs {
                 }
                 if let Err(err) = i.ch.handle(c) {
                     // the sender sees its side fail too and resends over TCP
-                    tracing::warn!(from = %i.from, "notification channel failed: {err}");
+                    tracing::warn!(from = %i.from, error = %err, "notification channel failed");
                     i.dead = true;
                 }
                 while let Some(m) = i.ch.recv() {

@@ -66,7 +66,10 @@ impl Verbs {
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name(format!("kvrail-post-{}", self.rails[rail].name))
-                .spawn(move || me.poster(&shared, rail, &rx))
+                .spawn(move || {
+                    let _span = tracing::info_span!("agent", name = %shared.name).entered();
+                    me.poster(&shared, rail, &rx);
+                })
                 .map_err(|e| AgentError::Unsupported(format!("verbs: poster thread: {e}")))?;
         }
         Ok(())

@@ -45,7 +45,7 @@ impl Verbs {
             let qp = match self.new_qp(rail, Access::NONE) {
                 Ok(qp) => qp,
                 Err(err) => {
-                    tracing::warn!(rail = %self.rails[rail].name, %peer, "cannot rebuild the queue pair: {err}");
+                    tracing::warn!(rail = %self.rails[rail].name, %peer, error = %err, "cannot rebuild the queue pair");
                     continue;
                 }
             };
@@ -90,7 +90,7 @@ impl Verbs {
                 return;
             }
             Err(why) => {
-                tracing::warn!(%peer, "rebuild refused by the peer: {why}");
+                tracing::warn!(%peer, error = %why, "rebuild refused by the peer");
                 return;
             }
         };
@@ -104,7 +104,7 @@ impl Verbs {
                     }
                 }
                 Err(err) => {
-                    tracing::warn!(rail = %self.rails[rail].name, %peer, "rebuild: connect failed: {err}")
+                    tracing::warn!(rail = %self.rails[rail].name, %peer, error = %err, "rebuild: connect failed")
                 }
             }
         }

@@ -164,7 +164,7 @@ impl Drop for MrInner {
         if let Err(e) = self.dereg() {
             // The NIC may still reference the pages: keep them mapped forever.
             std::mem::forget(self.buf.clone());
-            tracing::error!(device = %self.pd.ctx.name, "{e} (memory leaked, not unmapped)");
+            tracing::error!(device = %self.pd.ctx.name, error = %e, "deregistration failed (memory leaked, not unmapped)");
         }
     }
 }
