@@ -108,6 +108,9 @@ pub struct PortInfo {
     pub port: u8,
     /// Port state word (`ACTIVE`, `DOWN`, …) from `ports/<p>/state` (`4: ACTIVE`).
     pub state: String,
+    /// Physical state word (`LinkUp`, `Disabled`, `Polling`, …) from
+    /// `ports/<p>/phys_state` (`5: LinkUp`); None when the file is not there.
+    pub phys_state: Option<String>,
     /// `Ethernet`, `InfiniBand`, or what the file says.
     pub link_layer: String,
     /// The RoCE active MTU derived from the netdev MTU (the largest IB MTU that fits a frame
@@ -223,6 +226,12 @@ pub fn discover(root: &SysfsRoot, addrs: &AddrSource) -> io::Result<HostView> {
             let state = root
                 .port_state(&dev, port)
                 .unwrap_or_else(|| "UNKNOWN".into());
+            let phys_state = root.read(&format!("{pb}/phys_state")).map(|s| {
+                s.split_once(':')
+                    .map_or(s.as_str(), |(_, w)| w)
+                    .trim()
+                    .to_owned()
+            });
             let link_layer = root
                 .read(&format!("{pb}/link_layer"))
                 .unwrap_or_else(|| "unknown".into());
@@ -295,6 +304,7 @@ pub fn discover(root: &SysfsRoot, addrs: &AddrSource) -> io::Result<HostView> {
                 device: dev.clone(),
                 port,
                 state,
+                phys_state,
                 link_layer,
                 active_mtu,
                 netdev,

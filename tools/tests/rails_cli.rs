@@ -472,5 +472,13 @@ fn explain_json_and_its_exit_status() {
     assert_eq!(o.status.code(), Some(1), "the port is not usable");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v[0]["usable"], false);
+    assert_eq!(v[0]["port"]["phys_state"], "Disabled", "{v}");
+    // the words say the physical state too (read from sysfs, where the file is)
+    let o = rails(&["explain", "mlx5_1", "--sysfs-root", &fixture("port-down")]);
+    assert!(
+        stdout(&o).contains("  link: port DOWN, physical Disabled, active MTU 4096\n"),
+        "{}",
+        stdout(&o)
+    );
     assert!(!v[0]["reasons"].as_array().unwrap().is_empty(), "{v}");
 }

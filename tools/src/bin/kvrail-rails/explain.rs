@@ -49,13 +49,24 @@ pub(crate) fn run(host: &HostArgs, target: &str, json: bool) -> Result<ExitCode,
             .as_ref()
             .map(|n| format!(", netdev {n}"))
             .unwrap_or_default();
+        let link = |p: &kvrail::rails::PortInfo| {
+            if let Some(ph) = &p.phys_state {
+                let mtu = p
+                    .active_mtu
+                    .map(|m| format!(", active MTU {m}"))
+                    .unwrap_or_default();
+                println!("  link: port {}, physical {ph}{mtu}", p.state);
+            }
+        };
         if v.usable() {
             println!("{}{nd}: USABLE as a data-plane rail for {node}", p.name());
+            link(p);
             if let Some(g) = &v.gid {
                 println!("  queue pairs use {}", g.reason);
             }
         } else {
             println!("{}{nd}: NOT USABLE for {node}:", p.name());
+            link(p);
             for r in &v.reasons {
                 println!("  - {r}");
                 println!("    check: {}", r.check_command(p));
