@@ -39,9 +39,19 @@ static int wait_notif(const kvrail_agent *a, const char *want_from, const char *
     return 1;
 }
 
+/* kvrail's DEBUG records: the registration and handshake lines must reach the callback */
+static int seen_registered, seen_handshake;
+static void on_log(uint32_t level, const char *target, const char *message, void *userdata) {
+    (void)level; (void)target; (void)userdata;
+    if (strstr(message, "memory registered")) seen_registered++;
+    if (strstr(message, "handshake done; peer connected")) seen_handshake++;
+}
+
 int main(int argc, char **argv) {
     const char *cfg_a = argc > 1 ? argv[1] : "{\"backend\":\"tcp\",\"listen\":\"127.0.0.1:0\"}";
     const char *cfg_b = argc > 2 ? argv[2] : cfg_a;
+    kvrail_set_log_callback(on_log, NULL);
+    kvrail_set_log_level(KVRAIL_LOG_DEBUG);
     kvrail_agent *p = NULL, *d = NULL;
     CHECK(kvrail_agent_new("prefill-0", cfg_b, &p));
     CHECK(kvrail_agent_new("decode-0", cfg_a, &d));
@@ -62,6 +72,12 @@ int main(int argc, char **argv) {
     addr[addr_len] = 0;
     CHECK(kvrail_agent_load_remote(d, addr, (uint8_t *)peer, sizeof peer - 1, &peer_len));
     peer[peer_len] = 0;
+    kvrail_set_log_level(KVRAIL_LOG_WARN);
+    if (seen_registered < 2 || seen_handshake < 1) {
+        fprintf(stderr, "log callback: %d registration and %d handshake lines\n", seen_registered, seen_handshake);
+        return 1;
+    }
+    printf("log callback: %d registration lines and %d handshake line(s) at DEBUG\n", seen_registered, seen_handshake);
 
     /* READ three descriptors (one spanning most of the region) */
     kvrail_desc local[3] = {{dst, 0, 1}, {dst, 4096, 65536}, {dst, 100000, LEN - 100000}};
