@@ -53,6 +53,10 @@ pub struct AgentConfig {
     pub gid_index: Option<u32>,
     /// At most this path MTU in bytes (256, 512, 1024, 2048, 4096; perftest's `-m`).
     pub mtu: Option<u32>,
+    /// Queue pairs per rail to each peer (perftest's `-q`; 1..=16, default 1). Each is a
+    /// lane of its own (named `DEV:PORT/qpK`, with its own completion queue) that the
+    /// planner spreads transfers over like rails.
+    pub qps_per_rail: u32,
     /// Where rail discovery reads sysfs and `/proc/net/route` (None: the running system;
     /// a fixture tree in tests, see `tests/fixtures/make_sysfs.py`).
     pub sysfs_root: Option<std::path::PathBuf>,
@@ -93,6 +97,7 @@ impl Default for AgentConfig {
             devices: Vec::new(),
             gid_index: None,
             mtu: None,
+            qps_per_rail: 1,
             sysfs_root: None,
             bounce: crate::bounce::BounceConfig::default(),
             cluster_secret: None,

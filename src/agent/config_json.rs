@@ -26,6 +26,7 @@ struct ConfigJson {
     metrics_listen: Option<String>,
     gid_index: Option<u32>,
     mtu: Option<u32>,
+    qps_per_rail: Option<u32>,
 }
 
 fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
@@ -44,7 +45,7 @@ impl AgentConfig {
     /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`; `cluster_secret` (at least
     /// 16 bytes; see [`AgentConfig::cluster_secret`]); `metrics_listen` ("ip:port" of the
     /// Prometheus endpoint, see [`AgentConfig::metrics_listen`]); `gid_index`, `mtu` (see
-    /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]).
+    /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16).
     ///
     /// # Errors
     /// [`ConfigError`] naming the key: an unknown key, a value of the wrong type, a bad
@@ -113,6 +114,12 @@ impl AgentConfig {
             c.block_size = b;
         }
         c.gid_index = j.gid_index;
+        if let Some(q) = j.qps_per_rail {
+            if !(1..=16).contains(&q) {
+                return Err(bad("qps_per_rail", format!("{q}: use 1 to 16")));
+            }
+            c.qps_per_rail = q;
+        }
         if let Some(m) = j.mtu {
             if ![256, 512, 1024, 2048, 4096].contains(&m) {
                 return Err(bad("mtu", format!("{m}: use 256, 512, 1024, 2048 or 4096")));

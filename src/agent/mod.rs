@@ -834,7 +834,13 @@ impl Agent {
                     let dev = r.name.rsplit_once(':').map_or(&*r.name, |(d, _)| d);
                     (dev.to_owned(), r.port)
                 })
-                .collect();
+                // a rail's lanes (qps_per_rail) are one link
+                .fold(Vec::new(), |mut v, l| {
+                    if !v.contains(&l) {
+                        v.push(l);
+                    }
+                    v
+                });
         }
         Vec::new()
     }

@@ -513,9 +513,10 @@ fn sigint_prints_what_was_measured_and_exits_130() {
 #[test]
 fn perftest_flags_kvrail_cannot_honour_are_refused() {
     for (args, want) in [
+        (&["--loopback", "-q", "17"][..], "-q 17: use 1 to 16"),
         (
-            &["--loopback", "-q", "2"][..],
-            "-q 2: kvrail connects one RC queue pair",
+            &["--loopback", "--transport", "tcp", "-q", "2"][..],
+            "not with --transport tcp",
         ),
         (
             &["--loopback", "-b"][..],

@@ -85,6 +85,7 @@ fn main() {
     let cases = [
         "perftest_command_line_on_rail_0",
         "mtu_cap_and_a_missing_gid_index",
+        "two_queue_pairs_per_rail_both_carry_bytes",
     ];
     let Some(lab) = Lab::from_env() else {
         println!("perf_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -95,6 +96,7 @@ fn main() {
     };
     r.run(cases[0], || command_line(&lab));
     r.run(cases[1], || mtu_and_gid(&lab));
+    r.run(cases[2], || two_qps(&lab));
     r.finish();
 }
 
@@ -147,4 +149,25 @@ fn mtu_and_gid(lab: &Lab) -> R {
             && err.contains("has no such GID entry"),
         || format!("{:?}: {err}", o.status),
     )
+}
+
+/// `-q 2`: two queue pairs on rail 0, each a lane the transfers spread over; both carry
+/// bytes (the client's `--json` counts bytes per lane) and the JSON file says 2.
+fn two_qps(lab: &Lab) -> R {
+    let (o, v) = pair(&lab.b_devs[0], &lab.a_devs[0], &["-q", "2", "--json"])?;
+    ensure(v["test_info"]["Number_of_qps"] == 2, || format!("{v}"))?;
+    let out = String::from_utf8_lossy(&o.stdout);
+    let doc: serde_json::Value =
+        serde_json::from_str(out.trim()).map_err(|e| format!("{e}: {out}"))?;
+    let lanes = doc["rail_bytes"].as_array().ok_or("no rail_bytes")?;
+    let names: Vec<&str> = lanes.iter().filter_map(|l| l[0].as_str()).collect();
+    let want = [
+        format!("{}:1/qp0", lab.a_devs[0]),
+        format!("{}:1/qp1", lab.a_devs[0]),
+    ];
+    ensure(names == want, || format!("lanes {names:?}"))?;
+    ensure(lanes.iter().all(|l| l[1].as_u64().unwrap_or(0) > 0), || {
+        format!("a queue pair carried nothing: {lanes:?}")
+    })?;
+    ensure(doc["results"][0]["wrong_bytes"] == 0, || format!("{doc}"))
 }

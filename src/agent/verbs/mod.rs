@@ -42,6 +42,9 @@ const REBUILD_FIRST: Duration = Duration::from_secs(1);
 const REBUILD_MAX: Duration = Duration::from_secs(60);
 
 /// One selected rail.
+/// The most queue pairs per rail (`AgentConfig::qps_per_rail`).
+pub(crate) const MAX_QPS_PER_RAIL: u32 = 16;
+
 pub(crate) struct LocalRail {
     pub(crate) name: String,
     pub(crate) port: u8,
@@ -296,9 +299,20 @@ impl Verbs {
                     .ok_or_else(|| format!("mtu {b}: use 256, 512, 1024, 2048 or 4096"))?,
             ),
         };
+        let lanes = config.qps_per_rail;
+        if !(1..=MAX_QPS_PER_RAIL).contains(&lanes) {
+            return Err(format!("qps_per_rail {lanes}: use 1 to {MAX_QPS_PER_RAIL}"));
+        }
         let mut out = Vec::new();
         let poll = Poll::new().map_err(|e| e.to_string())?;
-        for (i, r) in rails.iter().enumerate() {
+        // perftest's -q: each queue pair of a rail is a lane of its own
+        let each = rails.iter().flat_map(|r| (0..lanes).map(move |k| (r, k)));
+        for (i, (r, k)) in each.enumerate() {
+            let name = if lanes > 1 {
+                format!("{}/qp{k}", r.port.name())
+            } else {
+                r.port.name()
+            };
             let ctx = Context::open(&r.port.device).map_err(|e| e.to_string())?;
             let attr = ctx.query_port(r.port.port).map_err(|e| e.to_string())?;
             let pd = Pd::new(&ctx).map_err(|e| e.to_string())?;
@@ -331,11 +345,11 @@ impl Verbs {
             };
             let active = attr.active_mtu.map_or(1024, |m| m.bytes());
             out.push(LocalRail {
-                name: r.port.name(),
+                name: name.clone(),
                 port: r.port.port,
                 gid_index,
                 addr: RailAddr {
-                    name: r.port.name(),
+                    name,
                     gid,
                     lid: attr.lid,
                     mtu: config.mtu.map_or(active, |m| m.min(active)),

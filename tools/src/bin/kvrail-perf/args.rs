@@ -150,7 +150,8 @@ pub(crate) struct Args {
     /// Largest path MTU: 256, 512, 1024, 2048 or 4096 (default: the ports' active MTU).
     #[arg(short = 'm', long)]
     pub(crate) mtu: Option<u32>,
-    /// Queue pairs per rail (perftest's -q): kvrail connects one per rail pair per peer.
+    /// Queue pairs per rail (perftest's -q, 1 to 16): each a lane of its own with its own
+    /// completion queue; transfers spread over them like over rails.
     #[arg(short = 'q', long = "qp", default_value_t = 1)]
     pub(crate) qps: u32,
     /// Both directions at once (perftest's -b): not supported.
@@ -226,10 +227,12 @@ impl Args {
 
     /// Check what clap cannot.
     pub(crate) fn validate(&self) -> Result<(), String> {
-        if self.qps != 1 {
+        if !(1..=16).contains(&self.qps) {
+            return Err(format!("-q {}: use 1 to 16 queue pairs per rail", self.qps));
+        }
+        if self.qps > 1 && self.transport == Transport::Tcp {
             return Err(format!(
-                "-q {}: kvrail connects one RC queue pair per rail pair per peer; for more \
-                 queue pairs use more rails (-d) and --stripe-width 0",
+                "-q {}: queue pairs are RDMA's; not with --transport tcp",
                 self.qps
             ));
         }

@@ -104,6 +104,7 @@ fn config(args: &Args, devices: &[String], listen: &str) -> Result<AgentConfig, 
         stripe_width: args.stripe_width,
         gid_index: args.gid_index,
         mtu: args.mtu,
+        qps_per_rail: args.qps,
         ..AgentConfig::default()
     };
     if let Some(m) = &args.metrics_listen {

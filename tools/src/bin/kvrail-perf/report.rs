@@ -139,6 +139,8 @@ pub(crate) fn json(
         "verify": !args.no_verify,
         "results": results,
         "latency": lat,
+        // bytes completed on each rail (each queue pair with -q) since the agent started
+        "rail_bytes": a.rail_bytes(),
     })
 }
 
