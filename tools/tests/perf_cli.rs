@@ -519,8 +519,8 @@ fn perftest_flags_kvrail_cannot_honour_are_refused() {
             "not with --transport tcp",
         ),
         (
-            &["--loopback", "-b"][..],
-            "-b: kvrail-perf measures one direction",
+            &["--loopback", "-b", "--op", "lat"][..],
+            "-b: bandwidth only",
         ),
         (&["--loopback", "-m", "1000"][..], "-m 1000: use 256"),
         (&["--loopback", "-i", "0"][..], "-i 0"),
@@ -538,5 +538,36 @@ fn perftest_flags_kvrail_cannot_honour_are_refused() {
         // usage is 2; a host that does not resolve is a failed run, 1
         let want_code = if want.contains("resolve") { 1 } else { 2 };
         assert_eq!(o.status.code(), Some(want_code), "{args:?}: {err}");
+    }
+}
+
+/// `-b`: the server runs the same operation toward the client at once; the line is the sum
+/// of both directions (twice the iterations), and both directions' bytes are checked.
+#[test]
+fn bidirectional_sums_both_directions_with_both_checked() {
+    for op in ["write", "read"] {
+        let (mut server, listen) = server();
+        let o = perf(&[
+            "--client",
+            &listen,
+            "--transport",
+            "tcp",
+            "--op",
+            op,
+            "-b",
+            "-s",
+            "128K",
+            "-n",
+            "60",
+            "-t",
+            "4",
+            "--json",
+        ]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{op}: {out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["results"][0]["iterations"], 120, "{op}: {v}");
+        assert_eq!(v["results"][0]["wrong_bytes"], 0, "{op}: {v}");
+        assert!(server.wait().unwrap().success(), "server failed");
     }
 }

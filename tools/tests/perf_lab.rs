@@ -86,6 +86,7 @@ fn main() {
         "perftest_command_line_on_rail_0",
         "mtu_cap_and_a_missing_gid_index",
         "two_queue_pairs_per_rail_both_carry_bytes",
+        "bidirectional_on_rail_0",
     ];
     let Some(lab) = Lab::from_env() else {
         println!("perf_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -97,6 +98,7 @@ fn main() {
     r.run(cases[0], || command_line(&lab));
     r.run(cases[1], || mtu_and_gid(&lab));
     r.run(cases[2], || two_qps(&lab));
+    r.run(cases[3], || bidirectional(&lab));
     r.finish();
 }
 
@@ -170,4 +172,20 @@ fn two_qps(lab: &Lab) -> R {
         format!("a queue pair carried nothing: {lanes:?}")
     })?;
     ensure(doc["results"][0]["wrong_bytes"] == 0, || format!("{doc}"))
+}
+
+/// `-b` on real queue pairs: both directions at once, twice the iterations, every byte of
+/// both directions checked.
+fn bidirectional(lab: &Lab) -> R {
+    let (o, v) = pair(&lab.b_devs[0], &lab.a_devs[0], &["-b"])?;
+    let out = String::from_utf8_lossy(&o.stdout);
+    ensure(out.contains(" Bidirectional    : on"), || out.to_string())?;
+    ensure(
+        out.contains("# data check: every byte of every size verified"),
+        || out.to_string(),
+    )?;
+    ensure(
+        v["results"]["n_iterations"] == 200 && v["test_info"]["Bidirectional"] == "ON",
+        || format!("{v}"),
+    )
 }

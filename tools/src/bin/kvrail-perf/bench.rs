@@ -62,6 +62,9 @@ pub(crate) struct BwSpec<'a> {
     /// Slots of `size` bytes in the regions; transfer `k` uses slot `k % slots`.
     pub(crate) slots: u64,
     pub(crate) stop: Stop,
+    /// Where the slots start in the local and the remote region (`-b`: each direction
+    /// has its half).
+    pub(crate) base: (u64, u64),
 }
 
 /// The descriptors of one transfer: `size` bytes at `base` split into `n` pieces.
@@ -92,9 +95,9 @@ pub(crate) fn bandwidth(s: &BwSpec<'_>) -> Result<Bw, String> {
             let base = (k % s.slots) * s.size;
             a.create_xfer(
                 s.op,
-                split(s.local, base, s.size, s.descs),
+                split(s.local, s.base.0 + base, s.size, s.descs),
                 s.peer,
-                split(s.remote, base, s.size, s.descs),
+                split(s.remote, s.base.1 + base, s.size, s.descs),
                 None,
             )
             .map_err(|e| e.to_string())

@@ -198,7 +198,14 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
     let max = sizes.iter().copied().max().unwrap_or(1);
     let slots = (args.depth as u64).min((SLOT_BYTES / max).max(1));
     let len = slots * max;
-    let local = mem::register(a, args.mem, len, RemoteAccess::NONE, 0)?;
+    // -b: each side's region has a second half, for the direction the server drives (which
+    // needs access to ours)
+    let (reg_len, access) = if args.bidirectional {
+        (2 * len, RemoteAccess::READ_WRITE)
+    } else {
+        (len, RemoteAccess::NONE)
+    };
+    let local = mem::register(a, args.mem, reg_len, access, 0)?;
     let me = a.metadata().side_channel; // what this agent advertises
     let kind = match args.mem {
         args::Mem::Host => "host",
@@ -206,7 +213,7 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
     };
     a.send_notif(
         &peer,
-        format!("{CTL}hello {me} {len} {READ_SEED} {kind}").into_bytes(),
+        format!("{CTL}hello {me} {reg_len} {READ_SEED} {kind}").into_bytes(),
     )
     .map_err(e)?;
     let id: u32 = expect(a, &peer, "ready", ANSWER)?
@@ -351,7 +358,21 @@ fn bw_run(
         };
         a.write_region(local, 0, &fill).map_err(e)?;
     }
-    let bw = bench::bandwidth(&BwSpec {
+    if args.bidirectional {
+        // the server starts the same loop toward us, in the upper halves
+        let (n, secs) = match stop {
+            Stop::Iters(n) => (n, 0.0),
+            Stop::For(d) => (0, d.as_secs_f64()),
+        };
+        let opw = if op == XferOp::Write { "write" } else { "read" };
+        let msg = format!(
+            "{CTL}reverse {opw} {size} {} {} {slots} {n} {secs} {} {len}",
+            args.depth, args.descs, local.0
+        );
+        a.send_notif(peer, msg.into_bytes()).map_err(e)?;
+        expect(a, peer, "reversing", ANSWER)?;
+    }
+    let mut bw = bench::bandwidth(&BwSpec {
         agent: a,
         peer,
         op,
@@ -362,7 +383,36 @@ fn bw_run(
         depth: args.depth,
         slots,
         stop,
+        base: (0, 0),
     })?;
+    if args.bidirectional {
+        // perftest's -b line: both directions together
+        let r = expect(a, peer, "reversed", ANSWER)?;
+        let v: Vec<f64> = r
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        let [iters, secs, peak, avg] = v[..] else {
+            return Err(format!("bad reversed answer {r:?}"));
+        };
+        bw.iterations += iters as u64;
+        bw.peak_bps += peak;
+        bw.avg_bps += avg;
+        bw.msg_rate_mpps += iters / secs.max(1e-9) / 1e6;
+        bw.seconds = bw.seconds.max(secs);
+        if verify && op == XferOp::Write {
+            // the server's WRITEs brought its pattern into our upper half
+            let used = slots.min(posted) * size;
+            let mut got = vec![0u8; used as usize];
+            a.read_region(local, len, &mut got).map_err(e)?;
+            let wrong = (got.iter().enumerate())
+                .filter(|(i, b)| **b != peer::pattern_byte(READ_SEED, len + *i as u64))
+                .count();
+            if wrong > 0 {
+                return Err(format!("-b: {wrong} wrong bytes in the server's WRITEs"));
+            }
+        }
+    }
     if !verify {
         return Ok((bw, None));
     }

@@ -7,6 +7,11 @@
 //!   answer `kvrail-perf:ready <id>`.
 //! - `kvrail-perf:check <len> <seed>`: compare the first `len` bytes with `pattern(seed)`;
 //!   answer `kvrail-perf:checked <wrong bytes>`.
+//! - `kvrail-perf:reverse <write|read> <size> <depth> <descs> <slots> <iters> <secs>
+//!   <client region> <half>` (`-b`): run the same operation toward the client at once, from
+//!   and into the upper halves (offset `half`) of both regions; answer
+//!   `kvrail-perf:reversing`, and when it ends `kvrail-perf:reversed <iterations> <seconds>
+//!   <peak B/s> <average B/s>` (or an error).
 //! - `kvrail-perf:bye`: done; answer `kvrail-perf:done` and stop.
 
 use std::time::{Duration, Instant};
@@ -143,6 +148,59 @@ impl Served {
                     .filter(|(i, b)| **b != pattern_byte(seed, *i as u64))
                     .count();
                 format!("checked {wrong}")
+            }
+            ["reverse", op, size, depth, descs, slots, iters, secs, region, half] => {
+                let local = self.region.ok_or("reverse before hello")?;
+                let client = self.client.clone().ok_or("reverse before hello")?;
+                let op = match *op {
+                    "write" => kvrail::agent::XferOp::Write,
+                    "read" => kvrail::agent::XferOp::Read,
+                    o => return Err(format!("reverse: unknown operation {o:?}")),
+                };
+                let size = num("size", size)?;
+                let depth = num("depth", depth)? as usize;
+                let descs = num("descs", descs)?;
+                let slots = num("slots", slots)?;
+                let half = num("half", half)?;
+                let stop = match (num("iterations", iters)?, secs.parse::<f64>()) {
+                    (0, Ok(s)) if s > 0.0 => crate::bench::Stop::For(Duration::from_secs_f64(s)),
+                    (n, _) if n > 0 => crate::bench::Stop::Iters(n),
+                    _ => return Err("reverse: neither iterations nor seconds".into()),
+                };
+                let remote = RegionId(num("region", region)? as u32);
+                if size == 0 || depth == 0 || descs == 0 || slots == 0 {
+                    return Err("reverse: zero size, depth, descriptors or slots".into());
+                }
+                let have = a.region_len(local).map_err(|e| e.to_string())?;
+                let end = half.checked_add(slots.saturating_mul(size));
+                if end.is_none_or(|e| e > have) {
+                    return Err("reverse: slots past the region".into());
+                }
+                let agent = a.clone();
+                std::thread::spawn(move || {
+                    let spec = crate::bench::BwSpec {
+                        agent: &agent,
+                        peer: &client,
+                        op,
+                        local,
+                        remote,
+                        size,
+                        descs,
+                        depth,
+                        slots,
+                        stop,
+                        base: (half, half),
+                    };
+                    let answer = match crate::bench::bandwidth(&spec) {
+                        Ok(b) => format!(
+                            "reversed {} {} {} {}",
+                            b.iterations, b.seconds, b.peak_bps, b.avg_bps
+                        ),
+                        Err(e) => format!("error reverse direction: {e}"),
+                    };
+                    let _ = agent.send_notif(&client, format!("{CTL}{answer}").into_bytes());
+                });
+                "reversing".to_owned()
             }
             ["bye"] => {
                 // answer, so the client does not close its agent (and connection)

@@ -45,6 +45,9 @@ pub(crate) fn header(args: &Args, a: &Agent, peer: &str) -> String {
             args.depth, args.descs
         );
     }
+    if args.bidirectional {
+        s += " Bidirectional    : on (the server runs the same toward us; BW is the sum)\n";
+    }
     s += &format!(
         " Data check       : {}\n{RULE}\n",
         if args.no_verify { "off" } else { "on" }
@@ -166,6 +169,7 @@ pub(crate) fn perftest_json(
     let test_info = serde_json::json!({
         "test": test,
         "Dual_port": "OFF",
+        "Bidirectional": if args.bidirectional { "ON" } else { "OFF" },
         "Device": if devices.is_empty() { "tcp".to_owned() } else { devices.join(",") },
         "Number_of_qps": rails.len().max(1),
         "Transport_type": if rails.is_empty() { "TCP" } else { "IB" },
