@@ -259,6 +259,10 @@ fn move_six_requests(mut p: Engine, mut d: Engine) {
     let m = p.worker.agent().metrics();
     assert_eq!(m.value("kvrail_connector_leases_held", &held), Some(0.0));
     assert_eq!(m.value("kvrail_connector_grants_live", &held), Some(0.0));
+    // push: P wrote each of the six registrations once; pull: P wrote none
+    let pushed = m.value("kvrail_connector_push_matches_written_total", &held);
+    let read = d.worker.bytes_posted() > 0;
+    assert_eq!(pushed, Some(if read { 0.0 } else { 6.0 }), "D read: {read}");
     assert_eq!(
         d.sched.heartbeating(),
         0,

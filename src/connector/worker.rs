@@ -789,6 +789,7 @@ impl Worker {
                     }
                 }
                 WriterEvent::Pushed(id, d_tp) => {
+                    self.stats.pushed.inc();
                     // a WRITE and its completion are done: P frees once every D rank that
                     // takes its heads has been written
                     self.leases.handle_completion(&Completion {

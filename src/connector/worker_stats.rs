@@ -27,6 +27,8 @@ pub(crate) struct WorkerStats {
     grants: Gauge,
     pub(crate) heartbeats_in: Counter,
     pub(crate) heartbeats_out: Counter,
+    /// P, push: registrations matched and written (each D rank's).
+    pub(crate) pushed: Counter,
     bytes: Total,
     dropped: Total,
     malformed: Total,
@@ -75,6 +77,11 @@ impl WorkerStats {
             heartbeats_out: r.counter(
                 "kvrail_connector_heartbeats_sent_total",
                 "D: heartbeat messages queued for P ranks.",
+                &a,
+            ),
+            pushed: r.counter(
+                "kvrail_connector_push_matches_written_total",
+                "P: push registrations matched with a finished prefill and written (per D rank).",
                 &a,
             ),
             bytes: Total::new(r.counter(
