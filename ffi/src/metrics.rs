@@ -1,6 +1,8 @@
 //! The agent's counters and gauges (its connector worker's too): a JSON snapshot, and the
 //! Prometheus text the `metrics_listen` endpoint serves.
 
+use kvrail::metrics::Registry;
+
 use crate::agent::{handle, kvrail_agent};
 use crate::result::kvrail_result;
 use crate::util::{boundary, write_bytes};
@@ -19,13 +21,8 @@ pub unsafe extern "C" fn kvrail_agent_metrics(
     len: usize,
     out_len: *mut usize,
 ) -> kvrail_result {
-    boundary(|| {
-        // SAFETY: the caller's promises.
-        let h = unsafe { handle(agent) }?;
-        let text = h.agent.metrics().to_json().to_string();
-        // SAFETY: the caller's promises.
-        unsafe { write_bytes(text.as_bytes(), buf, len, out_len) }
-    })
+    // SAFETY: the caller's promises, passed on.
+    unsafe { render(agent, (buf, len, out_len), |r| r.to_json().to_string()) }
 }
 
 /// The same series in the Prometheus text exposition format (0.0.4) into `buf`, for an
@@ -40,11 +37,24 @@ pub unsafe extern "C" fn kvrail_agent_metrics_prometheus(
     len: usize,
     out_len: *mut usize,
 ) -> kvrail_result {
+    // SAFETY: the caller's promises, passed on.
+    unsafe { render(agent, (buf, len, out_len), Registry::render_prometheus) }
+}
+
+/// `agent`'s registry as `text` makes it, into the caller's buffer.
+///
+/// # Safety
+/// As [`kvrail_agent_metrics`].
+unsafe fn render(
+    agent: *const kvrail_agent,
+    (buf, len, out_len): (*mut u8, usize, *mut usize),
+    text: impl Fn(&Registry) -> String,
+) -> kvrail_result {
     boundary(|| {
         // SAFETY: the caller's promises.
         let h = unsafe { handle(agent) }?;
-        let text = h.agent.metrics().render_prometheus();
+        let t = text(&h.agent.metrics());
         // SAFETY: the caller's promises.
-        unsafe { write_bytes(text.as_bytes(), buf, len, out_len) }
+        unsafe { write_bytes(t.as_bytes(), buf, len, out_len) }
     })
 }

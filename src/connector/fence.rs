@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::layout::{KvLayout, LayerAt};
-use crate::agent::{Agent, Desc, RemoteAccess};
+use crate::agent::{Agent, Desc, RemoteAccess, XferId, XferOp};
 use crate::proto::kvmsg::{GrantMsg, GrantNone, GrantReq};
 
 /// Recently freed requests remembered to answer a late `GRANT_REQ` at once.
@@ -217,26 +217,45 @@ fn none(request: &str, reason: &str) -> Vec<u8> {
     .encode()
 }
 
-/// D: use `token` (from `peer`) for the post `f` makes, and no longer: the posted transfer
-/// keeps its keys.
+/// A transfer to post to a peer whose memory may be fenced.
+pub(crate) struct Post<'a> {
+    pub(crate) op: XferOp,
+    pub(crate) local: Vec<Desc>,
+    pub(crate) peer: &'a str,
+    pub(crate) remote: Vec<Desc>,
+    pub(crate) notif: Option<Vec<u8>>,
+    /// The peer's grant over `remote` (its memory is fenced), if any.
+    pub(crate) token: Option<&'a [u8]>,
+}
+
+/// Create and post `p`, through its grant when it has one: the grant is accepted for this
+/// post only (the posted transfer keeps its keys). A transfer whose post fails is released.
 ///
 /// # Errors
-/// A token that does not decode or fit the peer; what `f` returns.
-pub(crate) fn with_grant<T>(
-    agent: &Agent,
-    peer: &str,
-    token: Option<&[u8]>,
-    f: impl FnOnce() -> Result<T, String>,
-) -> Result<T, String> {
-    let Some(token) = token else {
-        return f();
+/// A token that does not decode or fit the peer; what creating or posting returns.
+pub(crate) fn post(agent: &Agent, p: Post<'_>) -> Result<XferId, String> {
+    let grant = match p.token {
+        Some(t) => {
+            let g = crate::agent::Grant::decode(t).map_err(|e| e.to_string())?;
+            let id = g.id;
+            (agent.accept_grant(p.peer, g))
+                .map_err(|e| format!("the grant from {}: {e}", p.peer))?;
+            Some(id)
+        }
+        None => None,
     };
-    let g = crate::agent::Grant::decode(token).map_err(|e| e.to_string())?;
-    let id = g.id;
-    agent
-        .accept_grant(peer, g)
-        .map_err(|e| format!("the grant from {peer}: {e}"))?;
-    let r = f();
-    agent.forget_grant(peer, id);
+    let r = agent
+        .create_xfer(p.op, p.local, p.peer, p.remote, p.notif)
+        .map_err(|e| e.to_string())
+        .and_then(|x| match agent.post(x) {
+            Ok(()) => Ok(x),
+            Err(e) => {
+                let _ = agent.release(x);
+                Err(e.to_string())
+            }
+        });
+    if let Some(id) = grant {
+        agent.forget_grant(p.peer, id);
+    }
     r
 }

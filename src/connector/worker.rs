@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::caches::KvCaches;
 use super::config::KvTransferConfig;
-use super::fence::{with_grant, Fence};
+use super::fence::{post, Fence, Post};
 use super::layout::{peer_kv, physical, KvLayout, LayerAt, Select};
 use super::linkwatch::{exit_process, LinkDownAction, LinkMonitor};
 use super::meta::{ConnectorMetadata, Finished, RecvReq};
@@ -647,18 +647,15 @@ impl Worker {
         }
         .encode();
         // a fenced P rank's blocks are read through its grant
-        let agent = &self.agent;
-        let x = with_grant(agent, peer, token, || {
-            let x = (agent.create_xfer(XferOp::Read, local, peer, remote, Some(notif)))
-                .map_err(|e| e.to_string())?;
-            match agent.post(x) {
-                Ok(()) => Ok(x),
-                Err(e) => {
-                    let _ = agent.release(x);
-                    Err(e.to_string())
-                }
-            }
-        })?;
+        let read = Post {
+            op: XferOp::Read,
+            local,
+            peer,
+            remote,
+            notif: Some(notif),
+            token,
+        };
+        let x = post(&self.agent, read)?;
         self.read_bytes += bytes;
         Ok(x)
     }

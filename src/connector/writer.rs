@@ -808,18 +808,15 @@ impl Loop {
         }
         let attach = key.is_none().then_some(notif);
         // D's blocks are fenced when its registration carries a grant: WRITE through it
-        let agent = &self.sh.agent;
-        let posted = super::fence::with_grant(agent, &reg.engine_id, reg.grant.as_deref(), || {
-            let x = (agent.create_xfer(XferOp::Write, l, &reg.engine_id, r, attach))
-                .map_err(|e| e.to_string())?;
-            match agent.post(x) {
-                Ok(()) => Ok(x),
-                Err(e) => {
-                    let _ = agent.release(x);
-                    Err(e.to_string())
-                }
-            }
-        });
+        let write = super::fence::Post {
+            op: XferOp::Write,
+            local: l,
+            peer: &reg.engine_id,
+            remote: r,
+            notif: attach,
+            token: reg.grant.as_deref(),
+        };
+        let posted = super::fence::post(&self.sh.agent, write);
         match posted {
             Ok(x) => {
                 let target = (reg.engine_id.clone(), reg.request_id.clone());

@@ -204,20 +204,25 @@ fn server() -> (std::process::Child, String) {
         .unwrap()
         .port();
     let listen = format!("127.0.0.1:{port}");
+    let (server, line) = start_server(&["--server", "--transport", "tcp", "--listen", &listen]);
+    assert!(line.contains(&listen), "{line}");
+    (server, listen)
+}
+
+/// A kvrail-perf server with `args`, once it printed its side channel (that line too).
+fn start_server(args: &[&str]) -> (std::process::Child, String) {
     let mut server = Command::new(env!("CARGO_BIN_EXE_kvrail-perf"))
-        .args(["--server", "--transport", "tcp", "--listen", &listen])
+        .args(args)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("server");
-    // the server prints its side channel once it listens
     let mut line = String::new();
     std::io::BufRead::read_line(
         &mut std::io::BufReader::new(server.stdout.take().unwrap()),
         &mut line,
     )
     .unwrap();
-    assert!(line.contains(&listen), "{line}");
-    (server, listen)
+    (server, line)
 }
 
 #[test]
@@ -397,17 +402,7 @@ fn a_perftest_command_line_and_its_json_file() {
         .port()
         .to_string();
     let common = ["--transport", "tcp", "-s", "1M", "-n", "100", "-p", &port];
-    let mut server = Command::new(env!("CARGO_BIN_EXE_kvrail-perf"))
-        .args(common)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("server");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(server.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
+    let (mut server, line) = start_server(&common);
     assert!(line.contains(&format!(":{port}")), "{line}");
     let dir = std::env::temp_dir().join(format!("kvrail-perf-json-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -94,6 +94,14 @@ pub(crate) fn lat_line(l: &Lat) -> String {
     )
 }
 
+/// The rails (lanes) this agent moves data to `peer` on.
+fn used_rails(a: &Agent, peer: &str) -> Vec<kvrail::agent::metadata::RailAddr> {
+    let used = a.peer_rails(peer);
+    (a.metadata().rails.into_iter())
+        .filter(|r| used.contains(&r.name))
+        .collect()
+}
+
 /// The `--json` document.
 pub(crate) fn json(
     args: &Args,
@@ -102,12 +110,9 @@ pub(crate) fn json(
     bw: &[(Bw, Option<u64>)],
     lat: &[Lat],
 ) -> serde_json::Value {
-    let m = a.metadata();
-    let used = a.peer_rails(peer);
-    let rails: Vec<serde_json::Value> = m
-        .rails
+    let used = used_rails(a, peer);
+    let rails: Vec<serde_json::Value> = used
         .iter()
-        .filter(|r| used.contains(&r.name))
         .map(|r| {
             serde_json::json!({
                 "name": r.name, "mtu": r.mtu, "gid": Ipv6Addr::from(r.gid).to_string(),
@@ -157,9 +162,7 @@ pub(crate) fn perftest_json(
     bw: &[(Bw, Option<u64>)],
     lat: &[Lat],
 ) -> serde_json::Value {
-    let m = a.metadata();
-    let used = a.peer_rails(peer);
-    let rails: Vec<_> = m.rails.iter().filter(|r| used.contains(&r.name)).collect();
+    let rails = used_rails(a, peer);
     let test = match args.op {
         Op::Write => "RDMA_Write_BW_Test",
         Op::Read => "RDMA_Read_BW_Test",
