@@ -16,7 +16,7 @@ mod lab;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvrail::agent::{Agent, Desc, Grant, RemoteAccess, XferError, XferOp, XferStatus};
+use kvrail::agent::{Agent, Desc, Grant, RemoteAccess, XferOp, XferStatus};
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::{
     agent_config, ConnectorMetadata, KvCaches, KvLayout, KvTransferParams, RecvReq, SendReq, Worker,
@@ -85,35 +85,6 @@ fn next_msg(a: &Agent, mut step: impl FnMut()) -> KvMsg {
     }
 }
 
-fn xfer(a: &Agent, peer: &str, op: XferOp, local: Desc, remote: Desc) -> XferStatus {
-    let t = Instant::now();
-    loop {
-        let x = a
-            .create_xfer(op, vec![local], peer, vec![remote], None)
-            .unwrap();
-        match a.post(x) {
-            Ok(()) => {
-                let s = lab::wait_xfer(a, x);
-                a.release(x).unwrap();
-                return s;
-            }
-            Err(e) => {
-                // a refused key kills the queue pair it ran on: wait for its rebuild
-                a.release(x).unwrap();
-                assert!(t.elapsed() < Duration::from_secs(60), "never posted: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    }
-}
-
-fn assert_revoked(s: &XferStatus) {
-    assert!(
-        matches!(s, XferStatus::Error(XferError::GrantRevoked { .. })),
-        "expected GrantRevoked, got {s:?}"
-    );
-}
-
 #[test]
 fn pull_a_read_after_the_lease_ran_out_fails_and_lands_nothing() {
     let (mut p, d) = sides("Pull", "kv_producer", P, D);
@@ -162,7 +133,10 @@ fn pull_a_read_after_the_lease_ran_out_fails_and_lands_nothing() {
     };
     d.accept_grant(P, Grant::decode(&g.token).unwrap()).unwrap();
     let local = Desc::new(dst, 0, span);
-    assert_eq!(xfer(&d, P, XferOp::Read, local, remote), XferStatus::Done);
+    assert_eq!(
+        lab::xfer_retrying(&d, P, XferOp::Read, local, remote),
+        XferStatus::Done
+    );
     let mut got = vec![0u8; span as usize];
     d.read_region(dst, 0, &mut got).unwrap();
     assert!(got == kv, "the READ under the grant");
@@ -178,8 +152,8 @@ fn pull_a_read_after_the_lease_ran_out_fails_and_lands_nothing() {
     let late = d
         .register(span as usize, RemoteAccess::NONE, vec![])
         .unwrap();
-    let s = xfer(&d, P, XferOp::Read, Desc::new(late, 0, span), remote);
-    assert_revoked(&s);
+    let s = lab::xfer_retrying(&d, P, XferOp::Read, Desc::new(late, 0, span), remote);
+    lab::assert_revoked(&s);
     d.read_region(late, 0, &mut got).unwrap();
     assert!(got.iter().all(|&b| b == 0), "a late READ landed bytes");
     // asking again: the blocks were given back
@@ -242,7 +216,10 @@ fn push_a_write_after_d_took_its_blocks_back_fails_and_touches_nothing() {
     let kv = pattern(3, span as usize);
     p.write_region(src, 0, &kv).unwrap();
     let local = Desc::new(src, 0, span);
-    assert_eq!(xfer(&p, D, XferOp::Write, local, remote), XferStatus::Done);
+    assert_eq!(
+        lab::xfer_retrying(&p, D, XferOp::Write, local, remote),
+        XferStatus::Done
+    );
     let mut got = vec![0u8; span as usize];
     d.agent()
         .read_region(region, l.offset(1, 7), &mut got)
@@ -274,7 +251,7 @@ fn push_a_write_after_d_took_its_blocks_back_fails_and_touches_nothing() {
         .write_region(region, l.offset(1, 7), &reused)
         .unwrap();
     // P's late WRITE under the old grant fails and the blocks keep their new contents
-    assert_revoked(&xfer(&p, D, XferOp::Write, local, remote));
+    lab::assert_revoked(&lab::xfer_retrying(&p, D, XferOp::Write, local, remote));
     d.agent()
         .read_region(region, l.offset(1, 7), &mut got)
         .unwrap();

@@ -3,15 +3,13 @@
 //! late READ and a late WRITE under the old grant fail as `GrantRevoked` and touch nothing;
 //! a grant forged from the region's own keys gives nothing; deregistering revokes.
 
-use std::time::{Duration, Instant};
-
 use kvrail::agent::{
-    Agent, AgentError, Desc, Fault, Grant, GrantRange, MemRegion, RegionId, RemoteAccess,
-    XferError, XferOp, XferStatus,
+    Agent, AgentError, Desc, Grant, GrantRange, MemRegion, RegionId, RemoteAccess, XferOp,
+    XferStatus,
 };
 use kvrail::mem::HostBuffer;
 
-use super::{load, pair, pattern, wait};
+use super::{load, pair, pattern};
 
 const LEN: u64 = 64 << 10;
 const SPAN: u64 = 32 << 10;
@@ -20,36 +18,6 @@ fn read_local(a: &Agent, r: RegionId, len: u64) -> Vec<u8> {
     let mut out = vec![0u8; len as usize];
     a.read_region(r, 0, &mut out).unwrap();
     out
-}
-
-/// Post `op` between `local` and the peer's fenced `remote` range until it is not refused
-/// for want of a queue pair (a refused key kills the pair it ran on; the agent rebuilds it).
-fn run(d: &Agent, peer: &str, op: XferOp, local: Desc, remote: Desc) -> XferStatus {
-    let t = Instant::now();
-    loop {
-        let x = d
-            .create_xfer(op, vec![local], peer, vec![remote], None)
-            .unwrap();
-        match d.post(x) {
-            Ok(()) => {
-                let s = wait(d, x);
-                d.release(x).unwrap();
-                return s;
-            }
-            Err(e) => {
-                d.release(x).unwrap();
-                assert!(t.elapsed() < Duration::from_secs(60), "never posted: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    }
-}
-
-fn assert_revoked(s: &XferStatus) {
-    match s {
-        XferStatus::Error(e @ XferError::GrantRevoked { .. }) => assert_eq!(e.fault(), Fault::Peer),
-        other => panic!("expected GrantRevoked, got {other:?}"),
-    }
 }
 
 #[test]
@@ -142,7 +110,10 @@ fn a_late_read_and_a_late_write_under_a_revoked_grant_touch_nothing() {
 
     // under the grant: READ and WRITE, byte-exact; outside it: refused by name
     let (l, r) = (Desc::new(dst, 0, SPAN), Desc::new(fenced, 0, SPAN));
-    assert_eq!(run(&d, &peer, XferOp::Read, l, r), XferStatus::Done);
+    assert_eq!(
+        super::lab::xfer_retrying(&d, &peer, XferOp::Read, l, r),
+        XferStatus::Done
+    );
     assert!(
         read_local(&d, dst, SPAN) == old[..SPAN as usize],
         "READ under the grant"
@@ -158,7 +129,10 @@ fn a_late_read_and_a_late_write_under_a_revoked_grant_touch_nothing() {
         .unwrap_err();
     assert!(matches!(e, AgentError::InvalidDesc { .. }), "{e}");
     let w = (Desc::new(src, 0, 4096), Desc::new(fenced, 4096, 4096));
-    assert_eq!(run(&d, &peer, XferOp::Write, w.0, w.1), XferStatus::Done);
+    assert_eq!(
+        super::lab::xfer_retrying(&d, &peer, XferOp::Write, w.0, w.1),
+        XferStatus::Done
+    );
     let mut want = old.clone();
     want[4096..8192].copy_from_slice(&wbytes[..4096]);
     assert!(read_local(&p, fenced, LEN) == want, "WRITE under the grant");
@@ -173,12 +147,24 @@ fn a_late_read_and_a_late_write_under_a_revoked_grant_touch_nothing() {
     let fresh = d
         .register(LEN as usize, RemoteAccess::NONE, vec![])
         .unwrap();
-    assert_revoked(&run(&d, &peer, XferOp::Read, Desc::new(fresh, 0, SPAN), r));
+    super::lab::assert_revoked(&super::lab::xfer_retrying(
+        &d,
+        &peer,
+        XferOp::Read,
+        Desc::new(fresh, 0, SPAN),
+        r,
+    ));
     assert!(
         read_local(&d, fresh, LEN).iter().all(|&b| b == 0),
         "a late READ landed bytes"
     );
-    assert_revoked(&run(&d, &peer, XferOp::Write, w.0, w.1));
+    super::lab::assert_revoked(&super::lab::xfer_retrying(
+        &d,
+        &peer,
+        XferOp::Write,
+        w.0,
+        w.1,
+    ));
     assert!(
         read_local(&p, fenced, LEN) == new,
         "a late WRITE changed the reused blocks"
@@ -198,8 +184,20 @@ fn a_late_read_and_a_late_write_under_a_revoked_grant_touch_nothing() {
         }],
     };
     d.accept_grant(&peer, forged).unwrap();
-    assert_revoked(&run(&d, &peer, XferOp::Read, Desc::new(fresh, 0, SPAN), r));
-    assert_revoked(&run(&d, &peer, XferOp::Write, w.0, w.1));
+    super::lab::assert_revoked(&super::lab::xfer_retrying(
+        &d,
+        &peer,
+        XferOp::Read,
+        Desc::new(fresh, 0, SPAN),
+        r,
+    ));
+    super::lab::assert_revoked(&super::lab::xfer_retrying(
+        &d,
+        &peer,
+        XferOp::Write,
+        w.0,
+        w.1,
+    ));
     assert!(read_local(&d, fresh, LEN).iter().all(|&b| b == 0));
     assert!(read_local(&p, fenced, LEN) == new);
     assert!(d.forget_grant(&peer, 0x0bad));
@@ -211,7 +209,7 @@ fn a_late_read_and_a_late_write_under_a_revoked_grant_touch_nothing() {
         .unwrap();
     d.accept_grant(&peer, g2.clone()).unwrap();
     assert_eq!(
-        run(&d, &peer, XferOp::Read, Desc::new(fresh, 0, SPAN), r),
+        super::lab::xfer_retrying(&d, &peer, XferOp::Read, Desc::new(fresh, 0, SPAN), r),
         XferStatus::Done
     );
     assert!(read_local(&d, fresh, SPAN) == new[..SPAN as usize]);

@@ -236,3 +236,44 @@ pub fn wait_xfer(a: &kvrail::agent::Agent, x: kvrail::agent::XferId) -> kvrail::
         std::thread::sleep(Duration::from_micros(200));
     }
 }
+
+/// Post a one-descriptor `op` from `a` to `peer` and wait for its end, retrying the post
+/// (for up to 60 s) while it is refused for want of a queue pair: a refused key (a revoked
+/// grant) kills the pair it ran on, and the agent rebuilds it.
+#[allow(dead_code)] // each suite uses a part of this module
+pub fn xfer_retrying(
+    a: &kvrail::agent::Agent,
+    peer: &str,
+    op: kvrail::agent::XferOp,
+    local: kvrail::agent::Desc,
+    remote: kvrail::agent::Desc,
+) -> kvrail::agent::XferStatus {
+    let t = Instant::now();
+    loop {
+        let x = a
+            .create_xfer(op, vec![local], peer, vec![remote], None)
+            .expect("a valid transfer");
+        match a.post(x) {
+            Ok(()) => {
+                let s = wait_xfer(a, x);
+                a.release(x).expect("release");
+                return s;
+            }
+            Err(e) => {
+                a.release(x).expect("release");
+                assert!(t.elapsed() < Duration::from_secs(60), "never posted: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+/// `s` is a failure as `GrantRevoked` (a peer's fault).
+#[allow(dead_code)] // each suite uses a part of this module
+pub fn assert_revoked(s: &kvrail::agent::XferStatus) {
+    use kvrail::agent::{Fault, XferError, XferStatus};
+    match s {
+        XferStatus::Error(e @ XferError::GrantRevoked { .. }) => assert_eq!(e.fault(), Fault::Peer),
+        other => panic!("expected GrantRevoked, got {other:?}"),
+    }
+}
