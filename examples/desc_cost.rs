@@ -1,8 +1,10 @@
 //! A fixed amount of descriptor work, for instruction counting under callgrind (a stable
 //! proxy on noisy machines): `desc_cost MODE N` runs N rounds of MODE on 1,000 descriptors.
 //! `tools/callgrind-cost.sh` runs it with N = 0 and N = 50 and prints the difference per
-//! descriptor. MODE: `validate` (create_xfer + release against a peer's advertised regions)
-//! or `plan` (stripe planning over two rails, striped).
+//! descriptor. MODE: `validate` (create_xfer + release against a peer's advertised regions,
+//! including the caller's copies of the two lists it hands over), `lists` (those copies
+//! alone: what `validate` costs the caller, not kvrail) or `plan` (stripe planning over two
+//! rails, striped).
 
 use kvrail::agent::{Agent, AgentConfig, BackendChoice, Desc, RemoteAccess, XferOp};
 use kvrail::transport::stripe::{DescPair, Planner, StripeMode};
@@ -14,7 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mode = args.next().unwrap_or_else(|| "validate".into());
     let n: u64 = args.next().unwrap_or_else(|| "10".into()).parse()?;
     match mode.as_str() {
-        "validate" => {
+        "validate" | "lists" => {
             let cfg = || AgentConfig {
                 listen: "127.0.0.1:0".parse().expect("address"),
                 backend: BackendChoice::Tcp,
@@ -27,8 +29,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let peer = d.load_remote(p.side_channel_addr())?;
             let local: Vec<Desc> = (0..DESCS).map(|i| Desc::new(dst, i * 4096, 4096)).collect();
             let remote: Vec<Desc> = (0..DESCS).map(|i| Desc::new(src, i * 4096, 4096)).collect();
+            let lists_only = mode == "lists";
             for _ in 0..n {
-                let x = d.create_xfer(XferOp::Read, local.clone(), &peer, remote.clone(), None)?;
+                let (l, r) = (local.clone(), remote.clone());
+                if lists_only {
+                    std::hint::black_box((l, r));
+                    continue;
+                }
+                let x = d.create_xfer(XferOp::Read, l, &peer, r, None)?;
                 d.release(x)?;
             }
         }

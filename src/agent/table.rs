@@ -81,6 +81,9 @@ pub(crate) fn validate(
         });
     }
     let peer = meta.name();
+    // descriptors come in runs over one region: look each region up once per run
+    let mut last_local: Option<(RegionId, Option<u64>)> = None;
+    let mut last_remote: Option<&super::metadata::RegionMeta> = None;
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
         let bad = |side, reason| AgentError::InvalidDesc {
             side,
@@ -93,8 +96,15 @@ pub(crate) fn validate(
                 format!("{} bytes, the local descriptor has {}", r.len, l.len),
             ));
         }
-        let len = local_len(l.region)
-            .ok_or_else(|| bad("local", format!("region {} is not registered", l.region.0)))?;
+        let len = match last_local {
+            Some((id, len)) if id == l.region => len,
+            _ => {
+                let len = local_len(l.region);
+                last_local = Some((l.region, len));
+                len
+            }
+        }
+        .ok_or_else(|| bad("local", format!("region {} is not registered", l.region.0)))?;
         if l.offset.checked_add(l.len).is_none_or(|e| e > len) {
             return Err(bad(
                 "local",
@@ -104,16 +114,19 @@ pub(crate) fn validate(
                 ),
             ));
         }
-        let rr = meta
-            .regions
-            .iter()
-            .find(|m| m.id == r.region.0)
-            .ok_or_else(|| {
-                bad(
-                    "remote",
-                    format!("peer {peer} advertised no region {}", r.region.0),
-                )
-            })?;
+        let rr = match last_remote {
+            Some(m) if m.id == r.region.0 => m,
+            _ => {
+                let m = meta.regions.iter().find(|m| m.id == r.region.0).ok_or_else(|| {
+                    bad(
+                        "remote",
+                        format!("peer {peer} advertised no region {}", r.region.0),
+                    )
+                })?;
+                last_remote = Some(m);
+                m
+            }
+        };
         if r.offset.checked_add(r.len).is_none_or(|e| e > rr.len) {
             return Err(bad(
                 "remote",

@@ -165,20 +165,33 @@ impl Planner {
         };
         // Shares: equal parts of the byte stream, cut on STRIPE_ALIGN boundaries.
         let n = rails.len() as u64;
+        // each rail gets about its share of the descriptors (one more where a cut splits
+        // one): no vector grows while slices are pushed
+        for &r in &rails {
+            per_rail[r].reserve(descs.len() / rails.len() + 2);
+        }
         let share = total.div_ceil(n).div_ceil(STRIPE_ALIGN) * STRIPE_ALIGN;
+        // The stream only moves forward: rail k takes [k·share, (k+1)·share), the last one
+        // the rest; the share ends are stepped over, not divided for per slice.
+        let last = rails.len() - 1;
+        let end_of = |k: usize| {
+            if k == last {
+                u64::MAX
+            } else {
+                (k as u64 + 1) * share
+            }
+        };
+        let (mut k, mut share_end) = (0usize, end_of(0));
+        let mut planned = vec![0u64; rails.len()];
         let mut stream = 0u64; // byte-stream position of the current descriptor's start
         for (i, d) in descs.iter().enumerate() {
             let mut off = 0;
             while off < d.len {
                 let pos = stream + off;
-                let k = pos
-                    .checked_div(share)
-                    .map_or(0, |k| (k as usize).min(rails.len() - 1));
-                let share_end = if k + 1 == rails.len() {
-                    u64::MAX
-                } else {
-                    (k as u64 + 1) * share
-                };
+                while pos >= share_end {
+                    k += 1;
+                    share_end = end_of(k);
+                }
                 let len = (d.len - off).min(share_end - pos);
                 per_rail[rails[k]].push(Slice {
                     desc: i,
@@ -188,10 +201,13 @@ impl Planner {
                     remote_off: d.remote_off + off,
                     len,
                 });
-                self.in_flight[rails[k]] += len;
+                planned[k] += len;
                 off += len;
             }
             stream += d.len;
+        }
+        for (k, b) in planned.into_iter().enumerate() {
+            self.in_flight[rails[k]] += b;
         }
         Ok(Plan { per_rail })
     }
