@@ -653,9 +653,21 @@ fn cpu_ticks() -> Result<u64, String> {
 /// Two connected agents (queue pairs, notification channels, progress threads, listeners)
 /// with nothing to do sleep: the process uses (almost) no CPU over 3 seconds. A progress
 /// thread that polled would burn all 300 ticks of one CPU.
+/// Idle connected agents use no CPU — with adaptive progress on (a 20 ms polling budget
+/// after completions), which must stop polling once the completions stop.
 fn idle_cpu(t: &Topology) -> R {
-    let p = agent("idle-p", &t.b_devs, None)?;
-    let d = agent("idle-d", &t.a_devs, None)?;
+    let spinning = |name: &str, devs: &[String]| {
+        let cfg = AgentConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            backend: BackendChoice::Verbs,
+            devices: devs.to_vec(),
+            progress_spin_us: 20_000,
+            ..AgentConfig::default()
+        };
+        Agent::new(name, cfg).map_err(s)
+    };
+    let p = spinning("idle-p", &t.b_devs)?;
+    let d = spinning("idle-d", &t.a_devs)?;
     let peer_p = d.load_remote(p.side_channel_addr()).map_err(s)?;
     let peer_d = p.load_remote(d.side_channel_addr()).map_err(s)?;
     d.send_notif(&peer_p, b"hi".to_vec()).map_err(s)?;

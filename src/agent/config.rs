@@ -53,6 +53,11 @@ pub struct AgentConfig {
     pub gid_index: Option<u32>,
     /// At most this path MTU in bytes (256, 512, 1024, 2048, 4096; perftest's `-m`).
     pub mtu: Option<u32>,
+    /// Adaptive progress: after completions, keep polling the completion queues (the
+    /// notification channels' too) for this many microseconds before sleeping on their
+    /// fds again; each completion restarts the budget. 0 (the default): sleep at once —
+    /// no CPU spent beyond the work itself; an idle agent never spins either way.
+    pub progress_spin_us: u32,
     /// Queue pairs per rail to each peer (perftest's `-q`; 1..=16, default 1). Each is a
     /// lane of its own (named `DEV:PORT/qpK`, with its own completion queue) that the
     /// planner spreads transfers over like rails.
@@ -98,6 +103,7 @@ impl Default for AgentConfig {
             gid_index: None,
             mtu: None,
             qps_per_rail: 1,
+            progress_spin_us: 0,
             sysfs_root: None,
             bounce: crate::bounce::BounceConfig::default(),
             cluster_secret: None,

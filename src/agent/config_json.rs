@@ -27,6 +27,7 @@ struct ConfigJson {
     gid_index: Option<u32>,
     mtu: Option<u32>,
     qps_per_rail: Option<u32>,
+    progress_spin_us: Option<u32>,
 }
 
 fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
@@ -45,7 +46,8 @@ impl AgentConfig {
     /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`; `cluster_secret` (at least
     /// 16 bytes; see [`AgentConfig::cluster_secret`]); `metrics_listen` ("ip:port" of the
     /// Prometheus endpoint, see [`AgentConfig::metrics_listen`]); `gid_index`, `mtu` (see
-    /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16).
+    /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16); `progress_spin_us` (see
+    /// [`AgentConfig::progress_spin_us`]).
     ///
     /// # Errors
     /// [`ConfigError`] naming the key: an unknown key, a value of the wrong type, a bad
@@ -114,6 +116,15 @@ impl AgentConfig {
             c.block_size = b;
         }
         c.gid_index = j.gid_index;
+        if let Some(s) = j.progress_spin_us {
+            if s > 1_000_000 {
+                return Err(bad(
+                    "progress_spin_us",
+                    format!("{s}: at most 1000000 (1 s)"),
+                ));
+            }
+            c.progress_spin_us = s;
+        }
         if let Some(q) = j.qps_per_rail {
             if !(1..=16).contains(&q) {
                 return Err(bad("qps_per_rail", format!("{q}: use 1 to 16")));

@@ -117,12 +117,16 @@ pub(crate) fn validate(
         let rr = match last_remote {
             Some(m) if m.id == r.region.0 => m,
             _ => {
-                let m = meta.regions.iter().find(|m| m.id == r.region.0).ok_or_else(|| {
-                    bad(
-                        "remote",
-                        format!("peer {peer} advertised no region {}", r.region.0),
-                    )
-                })?;
+                let m = meta
+                    .regions
+                    .iter()
+                    .find(|m| m.id == r.region.0)
+                    .ok_or_else(|| {
+                        bad(
+                            "remote",
+                            format!("peer {peer} advertised no region {}", r.region.0),
+                        )
+                    })?;
                 last_remote = Some(m);
                 m
             }
