@@ -61,8 +61,10 @@ pub enum Kind {
     Gauge,
 }
 
-/// A value read at scrape time (None: no sample now, e.g. the owner is gone).
-type ReadFn = Box<dyn Fn() -> Option<f64> + Send + Sync>;
+/// A value read at scrape time (None: no sample now, e.g. the owner is gone). Called with
+/// no lock of the registry held: it may take its owner's locks, and its owner may bump
+/// counters (take the registry's lock) while holding them.
+type ReadFn = Arc<dyn Fn() -> Option<f64> + Send + Sync>;
 
 enum Value {
     Atomic(Arc<AtomicU64>),
@@ -159,7 +161,7 @@ impl Registry {
         l: &[(&str, &str)],
         read: impl Fn() -> Option<f64> + Send + Sync + 'static,
     ) {
-        self.read_fn(name, help, Kind::Gauge, l, Box::new(read));
+        self.read_fn(name, help, Kind::Gauge, l, Arc::new(read));
     }
 
     /// A counter kept elsewhere, read at scrape time (replacing one of the same labels).
@@ -170,7 +172,7 @@ impl Registry {
         l: &[(&str, &str)],
         read: impl Fn() -> Option<f64> + Send + Sync + 'static,
     ) {
-        self.read_fn(name, help, Kind::Counter, l, Box::new(read));
+        self.read_fn(name, help, Kind::Counter, l, Arc::new(read));
     }
 
     fn read_fn(
@@ -192,25 +194,32 @@ impl Registry {
 
     /// Every sample now, by name and labels.
     pub fn snapshot(&self) -> Vec<Sample> {
-        let f = self.lock();
-        let mut out = Vec::new();
-        for (name, fam) in f.iter() {
+        // the read functions run after the lock is released (see `ReadFn`)
+        let mut pending: Vec<(Sample, Option<ReadFn>)> = Vec::new();
+        for (name, fam) in self.lock().iter() {
             for (l, v) in &fam.series {
-                let value = match v {
-                    Value::Atomic(a) => Some(a.load(Ordering::Relaxed) as f64),
-                    Value::Read(r) => r(),
+                let (value, read) = match v {
+                    Value::Atomic(a) => (a.load(Ordering::Relaxed) as f64, None),
+                    Value::Read(r) => (0.0, Some(r.clone())),
                 };
-                if let Some(value) = value {
-                    out.push(Sample {
-                        name: (*name).to_owned(),
-                        kind: fam.kind,
-                        labels: l.clone(),
-                        value,
-                    });
-                }
+                let s = Sample {
+                    name: (*name).to_owned(),
+                    kind: fam.kind,
+                    labels: l.clone(),
+                    value,
+                };
+                pending.push((s, read));
             }
         }
-        out
+        pending
+            .into_iter()
+            .filter_map(|(mut s, read)| {
+                if let Some(r) = read {
+                    s.value = r()?;
+                }
+                Some(s)
+            })
+            .collect()
     }
 
     /// The value of `name` with exactly labels `l`, if it has a sample.
@@ -317,5 +326,33 @@ mod tests {
         let j = r.to_json();
         assert_eq!(j[2]["labels"]["rail"], "rxeA0:1");
         assert_eq!(j[2]["kind"], "counter");
+    }
+
+    /// A read function may bump the registry's counters (its owner does, under the locks
+    /// the function takes): the snapshot runs it with no lock of its own held.
+    #[test]
+    fn read_functions_run_outside_the_registry_lock() {
+        let r = Arc::new(Registry::default());
+        let w = Arc::downgrade(&r);
+        r.gauge_fn(
+            "kvrail_reentrant",
+            "Bumps a counter when read.",
+            &[],
+            move || {
+                let r = w.upgrade()?;
+                r.counter("kvrail_reads_total", "Reads.", &[]).inc();
+                Some(1.0)
+            },
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let r2 = r.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(r2.snapshot().len());
+        });
+        let n = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the snapshot deadlocked");
+        assert_eq!(n, 1);
+        assert_eq!(r.value("kvrail_reads_total", &[]), Some(1.0));
     }
 }
