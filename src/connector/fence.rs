@@ -21,6 +21,8 @@ use crate::proto::kvmsg::{GrantMsg, GrantNone, GrantReq};
 
 /// Recently freed requests remembered to answer a late `GRANT_REQ` at once.
 const FREED_MEMORY: usize = 4096;
+/// Questions about requests not granted yet, held at most (more are refused at once).
+const MAX_ASKED: usize = 4096;
 
 /// A `GRANT_REQ` for a request not granted (yet): answered when it is, or refused at
 /// `until`.
@@ -85,14 +87,9 @@ impl Fence {
         if let Some((_, token)) = self.made.get(request) {
             return Ok(token.clone());
         }
-        let bounded: Vec<u64> = blocks
-            .iter()
-            .copied()
-            .filter(|b| *b < layout.num_blocks)
-            .collect();
-        if bounded.len() != blocks.len() {
+        if let Some(b) = blocks.iter().find(|b| **b >= layout.num_blocks) {
             let why = format!(
-                "block ids past the cache's {} blocks: {blocks:?}",
+                "block id {b} is past the cache's {} blocks",
                 layout.num_blocks
             );
             self.failed.insert(request.to_owned(), why.clone());
@@ -127,6 +124,12 @@ impl Fence {
         }
         if let Some(m) = self.settled(&r.request_id) {
             return reply(m);
+        }
+        if self.asked.len() >= MAX_ASKED {
+            return reply(none(
+                &r.request_id,
+                "too many questions about unknown requests",
+            ));
         }
         self.asked.push(Asked {
             request: r.request_id,
@@ -258,4 +261,54 @@ pub(crate) fn post(agent: &Agent, p: Post<'_>) -> Result<XferId, String> {
         agent.forget_grant(p.peer, id);
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::kvmsg::KvMsg;
+
+    fn ask(id: &str) -> GrantReq {
+        GrantReq {
+            request_id: id.into(),
+            host: "127.0.0.1".into(),
+            port: 9,
+        }
+    }
+
+    fn kind(m: &[u8]) -> KvMsg {
+        KvMsg::decode(m).unwrap()
+    }
+
+    #[test]
+    fn questions_wait_for_the_grant_or_the_bound_and_are_bounded() {
+        let t0 = Instant::now();
+        let wait = Duration::from_secs(30);
+        let mut f = Fence::new(true);
+        // not granted yet: held, then answered once it is
+        assert!(f.answer("d", ask("a"), t0, wait).is_none());
+        f.made.insert("a".into(), (7, b"token".to_vec()));
+        let due = f.due(t0);
+        assert_eq!(due.len(), 1);
+        assert!(matches!(kind(&due[0].3), KvMsg::Grant(g) if g.token == b"token"));
+        // never granted: refused once the bound passed, not before
+        assert!(f.answer("d", ask("b"), t0, wait).is_none());
+        assert!(f.due(t0 + Duration::from_secs(29)).is_empty());
+        let due = f.due(t0 + wait);
+        assert!(
+            matches!(kind(&due[0].3), KvMsg::GrantNone(n) if n.reason.contains("holds no blocks"))
+        );
+        // a flood of questions about unknown requests is bounded
+        for i in 0..MAX_ASKED {
+            assert!(f.answer("x", ask(&format!("u{i}")), t0, wait).is_none());
+        }
+        let r = f
+            .answer("x", ask("one-more"), t0, wait)
+            .expect("refused at once");
+        assert!(matches!(kind(&r.3), KvMsg::GrantNone(n) if n.reason.contains("too many")));
+        // an unfenced worker says so
+        let mut off = Fence::new(false);
+        let r = off.answer("d", ask("a"), t0, wait).unwrap();
+        assert!(matches!(kind(&r.3), KvMsg::GrantNone(n) if n.reason.contains("does not fence")));
+    }
 }
