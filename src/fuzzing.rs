@@ -231,6 +231,42 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         grant: None,
     };
     out.push(("kvmsg", reg.encode()));
+    // fencing: a grant token, in a registration and in the pull messages
+    let grant = crate::agent::Grant {
+        id: 0x5eed,
+        owner: "decode-0".into(),
+        read: false,
+        write: true,
+        ranges: vec![crate::agent::GrantRange {
+            region: 1,
+            offset: 4096,
+            len: 8192,
+            rkeys: vec![0x11, 0x22],
+        }],
+    }
+    .encode();
+    out.push(("metadata", grant.clone()));
+    let with_grant = PushReg {
+        grant: Some(grant.clone()),
+        ..reg
+    };
+    out.push(("kvmsg", with_grant.encode()));
+    let ask = kvmsg::GrantReq {
+        request_id: "cmpl-p-0".into(),
+        host: "10.0.0.2".into(),
+        port: 5600,
+    };
+    out.push(("kvmsg", ask.encode()));
+    let given = kvmsg::GrantMsg {
+        request_id: "cmpl-p-0".into(),
+        token: grant,
+    };
+    out.push(("kvmsg", given.encode()));
+    let none = kvmsg::GrantNone {
+        request_id: "cmpl-p-0".into(),
+        reason: "lease over".into(),
+    };
+    out.push(("kvmsg", none.encode()));
     out.push((
         "kvmsg",
         Completion {
