@@ -147,28 +147,27 @@ fn a_late_read_and_a_late_write_under_a_revoked_grant_touch_nothing() {
     let fresh = d
         .register(LEN as usize, RemoteAccess::NONE, vec![])
         .unwrap();
-    super::lab::assert_revoked(&super::lab::xfer_retrying(
-        &d,
-        &peer,
-        XferOp::Read,
-        Desc::new(fresh, 0, SPAN),
-        r,
-    ));
-    assert!(
-        read_local(&d, fresh, LEN).iter().all(|&b| b == 0),
-        "a late READ landed bytes"
-    );
-    super::lab::assert_revoked(&super::lab::xfer_retrying(
-        &d,
-        &peer,
-        XferOp::Write,
-        w.0,
-        w.1,
-    ));
-    assert!(
-        read_local(&p, fenced, LEN) == new,
-        "a late WRITE changed the reused blocks"
-    );
+    // a late READ and a late WRITE fail as GrantRevoked: nothing lands, nothing changes
+    let late_ops_touch_nothing = || {
+        let (read, write) = (Desc::new(fresh, 0, SPAN), w);
+        super::lab::assert_revoked(&super::lab::xfer_retrying(&d, &peer, XferOp::Read, read, r));
+        assert!(
+            read_local(&d, fresh, LEN).iter().all(|&b| b == 0),
+            "a late READ landed bytes"
+        );
+        super::lab::assert_revoked(&super::lab::xfer_retrying(
+            &d,
+            &peer,
+            XferOp::Write,
+            write.0,
+            write.1,
+        ));
+        assert!(
+            read_local(&p, fenced, LEN) == new,
+            "a late WRITE changed the reused blocks"
+        );
+    };
+    late_ops_touch_nothing();
 
     // a grant forged from the region's own keys (what the metadata shows) gives nothing
     let forged = Grant {
@@ -184,22 +183,7 @@ fn a_late_read_and_a_late_write_under_a_revoked_grant_touch_nothing() {
         }],
     };
     d.accept_grant(&peer, forged).unwrap();
-    super::lab::assert_revoked(&super::lab::xfer_retrying(
-        &d,
-        &peer,
-        XferOp::Read,
-        Desc::new(fresh, 0, SPAN),
-        r,
-    ));
-    super::lab::assert_revoked(&super::lab::xfer_retrying(
-        &d,
-        &peer,
-        XferOp::Write,
-        w.0,
-        w.1,
-    ));
-    assert!(read_local(&d, fresh, LEN).iter().all(|&b| b == 0));
-    assert!(read_local(&p, fenced, LEN) == new);
+    late_ops_touch_nothing();
     assert!(d.forget_grant(&peer, 0x0bad));
     assert!(d.forget_grant(&peer, g.id));
 
