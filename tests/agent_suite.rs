@@ -413,6 +413,47 @@ fn notifications_queued_when_the_agent_drops_still_arrive() {
     assert_eq!(next, N, "notifications lost when the sender was dropped");
 }
 
+/// A dropped agent's TCP writer keeps sending while the peer keeps taking: 10 GiB of queued
+/// WRITE data (longer than the flush bound on any host) and the notifications behind it all
+/// arrive; the bound is a stall, never a total. Host TCP only: rxe would take minutes.
+#[test]
+fn a_dropped_agent_sends_everything_queued_while_the_peer_takes_it() {
+    if on_verbs() {
+        return;
+    }
+    const LEN: usize = 64 << 20;
+    const K: usize = 160;
+    let (p, d, _) = pair();
+    let src = p.register(LEN, RemoteAccess::NONE, vec![]).unwrap();
+    let dst = d.register(LEN, RemoteAccess::WRITE, vec![]).unwrap();
+    let bytes = pattern(7, LEN);
+    p.write_region(src, 0, &bytes).unwrap();
+    let dname = load(&p, &d);
+    for i in 0..K {
+        let x = p
+            .create_xfer(
+                XferOp::Write,
+                vec![Desc::new(src, 0, LEN as u64)],
+                &dname,
+                vec![Desc::new(dst, 0, LEN as u64)],
+                Some(format!("w-{i}").into_bytes()),
+            )
+            .unwrap();
+        p.post(x).unwrap();
+    }
+    p.send_notif(&dname, b"last".to_vec()).unwrap();
+    let t = Instant::now();
+    drop(p);
+    let dropped = t.elapsed();
+    let mut want: Vec<Vec<u8>> = (0..K).map(|i| format!("w-{i}").into_bytes()).collect();
+    want.push(b"last".to_vec());
+    let got = collect_notifs(&d, want.len(), Duration::from_secs(120));
+    assert_eq!(got, want, "the drop took {dropped:?}");
+    let mut landed = vec![0u8; LEN];
+    d.read_region(dst, 0, &mut landed).unwrap();
+    assert!(landed == bytes, "WRITE bytes differ");
+}
+
 #[test]
 fn bad_descriptors_are_rejected_naming_the_index() {
     let (p, d, peer) = pair();

@@ -54,7 +54,7 @@ pub(crate) enum Work {
 }
 
 /// How long a dropped agent waits for its queued messages without progress (notification
-/// channels), or for its TCP writers.
+/// channels and TCP writers alike).
 const FLUSH_ON_DROP: Duration = Duration::from_secs(2);
 
 pub(crate) fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToString) -> AgentError {
@@ -105,6 +105,8 @@ pub(crate) struct PeerConn {
     stream: TcpStream,
     shared: Arc<Shared>,
     closed: Arc<std::sync::atomic::AtomicBool>,
+    /// Work items the writer has finished (sent or failed): a drop waits while this moves.
+    sent: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl PeerConn {
@@ -175,14 +177,16 @@ impl PeerConn {
                 })
                 .map_err(|e| conn_err("thread for", addr, e))?;
         }
+        let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
         {
             let shared = shared.clone();
+            let sent = sent.clone();
             std::thread::Builder::new()
                 .name(format!("kvrail-wr-{name}"))
                 .spawn(move || {
                     let _span =
                         tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
-                    writer(&shared, w, rx, &name);
+                    writer(&shared, w, rx, &name, &sent);
                 })
                 .map_err(|e| conn_err("thread for", addr, e))?;
         }
@@ -191,6 +195,7 @@ impl PeerConn {
             stream: s,
             shared,
             closed,
+            sent,
         })
     }
 
@@ -203,6 +208,11 @@ impl PeerConn {
     /// The writer's queue (send to it with no agent lock held).
     pub(crate) fn sender(&self) -> mpsc::Sender<Work> {
         self.tx.clone()
+    }
+
+    /// The count of work items the writer has finished (it moves while the peer takes them).
+    pub(crate) fn progress(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.sent.clone()
     }
 
     /// Queue work for the writer; false when the connection is closed.
@@ -241,7 +251,13 @@ pub(crate) fn expect_reply<T>(
 }
 
 /// Sends this agent's transfers and notifications, in submission order.
-fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &str) {
+fn writer(
+    shared: &Shared,
+    mut w: TcpStream,
+    rx: mpsc::Receiver<Work>,
+    peer: &str,
+    sent: &std::sync::atomic::AtomicU64,
+) {
     for work in rx {
         let res = match work {
             Work::Flush(done) => {
@@ -270,6 +286,7 @@ fn writer(shared: &Shared, mut w: TcpStream, rx: mpsc::Receiver<Work>, peer: &st
                 ..
             } => super::tcp::send_read(&mut w, id, &remote, &grants),
         };
+        sent.fetch_add(1, Ordering::Release);
         if let Err(e) = res {
             shared.fail_peer(peer, &format!("send failed: {e}"));
             let _ = w.shutdown(NetShutdown::Both);
@@ -376,15 +393,30 @@ impl Drop for Shutdown {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
-        let deadline = std::time::Instant::now() + FLUSH_ON_DROP;
-        let writers: Vec<mpsc::Sender<Work>> = (lock(&self.shared.peers).values())
-            .map(|p| p.conn.sender())
+        // each TCP writer: flushed, or FLUSH_ON_DROP without one item sent (a peer that
+        // stopped taking them), never a fixed total that a slow peer or a loaded host misses
+        let writers: Vec<_> = (lock(&self.shared.peers).values())
+            .map(|p| (p.conn.sender(), p.conn.progress()))
             .collect();
-        for w in writers {
+        for (w, sent) in writers {
             let (tx, rx) = mpsc::sync_channel(1);
-            if w.send(Work::Flush(tx)).is_ok() {
-                let _ =
-                    rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()));
+            if w.send(Work::Flush(tx)).is_err() {
+                continue;
+            }
+            let (mut seen, mut stall) = (sent.load(Ordering::Acquire), std::time::Instant::now());
+            while let Err(mpsc::RecvTimeoutError::Timeout) =
+                rx.recv_timeout(Duration::from_millis(50))
+            {
+                let now = sent.load(Ordering::Acquire);
+                if now != seen {
+                    (seen, stall) = (now, std::time::Instant::now());
+                } else if stall.elapsed() > FLUSH_ON_DROP {
+                    tracing::warn!(
+                        agent = %self.shared.name,
+                        "dropped with messages a peer did not take for {FLUSH_ON_DROP:?}: closing"
+                    );
+                    break;
+                }
             }
         }
         self.shared.shutdown.store(true, Ordering::Release);
