@@ -27,6 +27,8 @@
 //! - `verbs` (default): the RDMA backend. It dlopens `libibverbs.so.1` at run time, so
 //!   binaries load (and report RDMA as unavailable) on hosts without rdma-core. Building it
 //!   needs `cmake` and `libclang-dev`.
+//! - `etcd`: agent metadata through etcd ([`store`]): publish under a lease, load peers by
+//!   name, watch them. Pulls in `etcd-client` and Tokio; building it needs `protoc`.
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod agent;
@@ -38,6 +40,7 @@ pub mod mem;
 pub mod metrics;
 pub mod proto;
 pub mod rails;
+pub mod store;
 pub mod transport;
 
 #[cfg(feature = "fuzzing")]

@@ -75,6 +75,10 @@ pub struct AgentConfig {
     /// in the Prometheus text format at `http://<addr>/metrics` (None: no endpoint; read
     /// them with [`super::Agent::metrics`]). Port 0 picks one ([`super::Agent::metrics_addr`]).
     pub metrics_listen: Option<SocketAddr>,
+    /// `metadata_store` (with `metadata_namespace`, `metadata_lease_ttl_s`): publish this
+    /// agent's metadata in etcd and load peers by name ([`super::Agent::load_by_name`]);
+    /// see [`crate::store`]. Needs the `etcd` cargo feature. None: side channel only.
+    pub metadata_store: Option<crate::store::StoreConfig>,
 }
 
 impl Default for AgentConfig {
@@ -108,6 +112,7 @@ impl Default for AgentConfig {
             bounce: crate::bounce::BounceConfig::default(),
             cluster_secret: None,
             metrics_listen: None,
+            metadata_store: None,
         }
     }
 }

@@ -28,6 +28,9 @@ struct ConfigJson {
     mtu: Option<u32>,
     qps_per_rail: Option<u32>,
     progress_spin_us: Option<u32>,
+    metadata_store: Option<String>,
+    metadata_namespace: Option<String>,
+    metadata_lease_ttl_s: Option<u64>,
 }
 
 fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
@@ -47,7 +50,8 @@ impl AgentConfig {
     /// 16 bytes; see [`AgentConfig::cluster_secret`]); `metrics_listen` ("ip:port" of the
     /// Prometheus endpoint, see [`AgentConfig::metrics_listen`]); `gid_index`, `mtu` (see
     /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16); `progress_spin_us` (see
-    /// [`AgentConfig::progress_spin_us`]).
+    /// [`AgentConfig::progress_spin_us`]); `metadata_store` ("etcd://HOST:PORT[,…]"),
+    /// `metadata_namespace`, `metadata_lease_ttl_s` (see [`AgentConfig::metadata_store`]).
     ///
     /// # Errors
     /// [`ConfigError`] naming the key: an unknown key, a value of the wrong type, a bad
@@ -143,6 +147,12 @@ impl AgentConfig {
                     .map_err(|e| bad("metrics_listen", format!("{m:?}: {e}")))?,
             );
         }
+        c.metadata_store = crate::store::StoreConfig::from_keys(
+            j.metadata_store.as_deref(),
+            j.metadata_namespace.as_deref(),
+            j.metadata_lease_ttl_s,
+        )
+        .map_err(|(k, why)| bad(k, why))?;
         if let Some(k) = j.cluster_secret {
             c.cluster_secret =
                 Some(super::ClusterSecret::new(k).map_err(|e| bad("cluster_secret", e))?);
@@ -179,6 +189,8 @@ mod tests {
             (r#"{"listen":"nope"}"#, "listen"),
             (r#"{"block_size":0}"#, "block_size"),
             (r#"{"cluster_secret":"short"}"#, "cluster_secret"),
+            (r#"{"metadata_store":"redis://h:1"}"#, "metadata_store"),
+            (r#"{"metadata_namespace":"n"}"#, "metadata_namespace"),
             ("[1]", "config"),
         ] {
             assert_eq!(AgentConfig::from_json(json).unwrap_err().key, key, "{json}");

@@ -120,6 +120,9 @@ pub enum AgentError {
     /// peer's metadata or does not decode).
     #[error("grant: {0}")]
     InvalidGrant(String),
+    /// The metadata store (etcd) could not be reached, failed, or has no such agent.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
 }
 
 impl AgentError {
@@ -141,6 +144,7 @@ impl AgentError {
             Self::Connection { .. } => Fault::Connection,
             Self::InvalidMemory(_) => Fault::Memory,
             Self::Unsupported(_) => Fault::Unavailable,
+            Self::Store(e) => e.fault(),
         }
     }
 }

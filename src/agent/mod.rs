@@ -36,6 +36,7 @@ mod region;
 mod register;
 mod route;
 mod stats;
+mod store;
 mod table;
 mod tcp;
 mod tcp_io;
@@ -112,6 +113,9 @@ struct Peer {
     meta: Arc<AgentMetadata>,
     conn: control::PeerConn,
     addr: SocketAddr,
+    /// Which connection (of this agent's, ever): transfers made on an earlier one are not
+    /// posted on this one (the peer may be another process now, with other memory).
+    epoch: u64,
 }
 
 pub(crate) struct Shared {
@@ -150,6 +154,9 @@ pub(crate) struct Shared {
     grants: Mutex<grant::Grants>,
     /// Counters and gauges (see [`crate::metrics`]).
     stats: stats::AgentStats,
+    /// The metadata store, when configured (see [`store`]).
+    #[cfg(feature = "etcd")]
+    store: Option<store::AgentStore>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -255,6 +262,11 @@ impl Agent {
             }
             _ => tracing::info!(agent = name, "kvrail backend: tcp (built without verbs)"),
         }
+        // an unreachable store is an error at start, before anything listens
+        #[cfg(feature = "etcd")]
+        let store = store::open(&config)?;
+        #[cfg(not(feature = "etcd"))]
+        store::refuse_without_etcd(&config)?;
         let listener = TcpListener::bind(config.listen).map_err(|e| AgentError::Connection {
             what: "cannot listen on",
             addr: config.listen.to_string(),
@@ -299,6 +311,8 @@ impl Agent {
             routes: Mutex::new(Vec::new()),
             grants: Mutex::new(grant::Grants::default()),
             stats: stats::AgentStats::new(name),
+            #[cfg(feature = "etcd")]
+            store,
         });
         shared.stats.watch(&shared);
         #[cfg(feature = "verbs")]
@@ -340,6 +354,8 @@ impl Agent {
             )?;
             let _ = agent.shared.bounce.set(engine);
         }
+        #[cfg(feature = "etcd")]
+        agent.start_store()?;
         Ok(agent)
     }
 
@@ -525,6 +541,10 @@ impl Agent {
                 meta: Arc::new(meta),
                 conn,
                 addr,
+                epoch: self
+                    .shared
+                    .next_conn
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             },
         ) {
             old.conn.close();
@@ -537,12 +557,18 @@ impl Agent {
     /// # Errors
     /// [`AgentError::UnknownPeer`].
     pub fn invalidate(&self, peer: &str) -> Result<(), AgentError> {
+        self.unfollow(peer);
+        self.invalidate_because(peer, "peer metadata invalidated")
+    }
+
+    /// [`Agent::invalidate`], with the reason its failed transfers carry.
+    pub(crate) fn invalidate_because(&self, peer: &str, why: &str) -> Result<(), AgentError> {
         let p = lock(&self.shared.peers)
             .remove(peer)
             .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
         // Fail its transfers first: closing the connection wakes its reader, which would
         // otherwise fail them with "closed by the peer" (a race the cause must not depend on).
-        self.shared.fail_peer(peer, "peer metadata invalidated");
+        self.shared.fail_peer(peer, why);
         lock(&self.shared.grants).given.remove(peer);
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
@@ -571,7 +597,7 @@ impl Agent {
         notif: Option<Vec<u8>>,
     ) -> Result<XferId, AgentError> {
         check_notif_len(notif.as_deref())?;
-        {
+        let epoch = {
             let peers = lock(&self.shared.peers);
             let p = peers
                 .get(peer)
@@ -583,8 +609,9 @@ impl Agent {
             drop(regions);
             self.shared
                 .grants_for(peer, &p.meta, &remote, op == XferOp::Write)?;
-        }
-        Ok(lock(&self.shared.xfers).create(op, peer, local, remote, notif))
+            p.epoch
+        };
+        Ok(lock(&self.shared.xfers).create(op, (peer, epoch), local, remote, notif))
     }
 
     /// Post a transfer (again, once it is no longer active).
@@ -605,6 +632,19 @@ impl Agent {
                 what: "connection to",
                 addr: p.addr.to_string(),
                 message: format!("{} closed; load the peer again", x.peer),
+            });
+        }
+        if p.epoch != x.peer_epoch {
+            // loaded again since (reconnected, or a restarted process under the same name):
+            // its descriptors named the old connection's memory
+            return Err(AgentError::Connection {
+                what: "connection to",
+                addr: p.addr.to_string(),
+                message: format!(
+                    "{} was loaded again after this transfer was created (reconnected or \
+                     restarted); create the transfer again",
+                    x.peer
+                ),
             });
         }
         let mut held = Vec::with_capacity(x.local.len());

@@ -277,6 +277,8 @@ impl Agent {
         tracing::debug!(agent = %self.shared.name, region = id.0, len, kind = ?region.kind,
             callers = region.host().is_some_and(|b| b.is_callers()), "memory registered");
         regions.insert(id.0, Arc::new(region));
+        drop(regions);
+        self.shared.republish();
         Ok(id)
     }
 
@@ -306,6 +308,7 @@ impl Agent {
                 }
             }
         };
+        self.shared.republish();
         match region.into_memory() {
             RegionMemory::Host(b) => Ok(HostBuffer::into_owner(b)
                 .map_or_else(RegisteredMemory::HostShared, RegisteredMemory::Host)),

@@ -24,6 +24,8 @@ pub(crate) trait Held: Clone {
 pub(crate) struct Entry<R> {
     pub(crate) op: XferOp,
     pub(crate) peer: String,
+    /// The peer's connection epoch when the transfer was made.
+    pub(crate) peer_epoch: u64,
     pub(crate) local: Vec<Desc>,
     pub(crate) remote: Vec<Desc>,
     pub(crate) notif: Option<Vec<u8>>,
@@ -162,7 +164,7 @@ impl<R: Held> XferTable<R> {
     pub(crate) fn create(
         &mut self,
         op: XferOp,
-        peer: &str,
+        (peer, peer_epoch): (&str, u64),
         local: Vec<Desc>,
         remote: Vec<Desc>,
         notif: Option<Vec<u8>>,
@@ -174,6 +176,7 @@ impl<R: Held> XferTable<R> {
             Entry {
                 op,
                 peer: peer.to_owned(),
+                peer_epoch,
                 local,
                 remote,
                 notif,

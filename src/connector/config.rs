@@ -60,6 +60,9 @@ pub struct KvTransferConfig {
     /// `cluster_secret`: the side channel's shared secret (see
     /// [`crate::agent::AgentConfig::cluster_secret`]).
     pub cluster_secret: Option<crate::agent::ClusterSecret>,
+    /// `metadata_store`, `metadata_namespace`, `metadata_lease_ttl_s`: agent metadata
+    /// through etcd (see [`crate::store`]); D then finds P's ranks by P's engine id alone.
+    pub metadata_store: Option<crate::store::StoreConfig>,
 }
 
 const TOP: &[&str] = &[
@@ -95,6 +98,9 @@ const EXTRA: &[&str] = &[
     "enforce_handshake_compat",
     "cluster_secret",
     "fence_blocks",
+    "metadata_store",
+    "metadata_namespace",
+    "metadata_lease_ttl_s",
 ];
 
 /// One prefill step's tokens when the engine does not say (vLLM's V1 default for serving).
@@ -288,6 +294,17 @@ impl KvTransferConfig {
             ),
             Some(_) => return Err(err(&x("cluster_secret"), "not a string")),
         };
+        let metadata_store = crate::store::StoreConfig::from_keys(
+            string(extra, "metadata_store", &x("metadata_store"))?,
+            string(extra, "metadata_namespace", &x("metadata_namespace"))?,
+            count(
+                extra,
+                "metadata_lease_ttl_s",
+                &x("metadata_lease_ttl_s"),
+                true,
+            )?,
+        )
+        .map_err(|(k, why)| err(&x(k), why))?;
         if link_down > 0 && role != KvRole::Producer {
             return Err(err(
                 &x("link_down_exit_s"),
@@ -335,6 +352,7 @@ impl KvTransferConfig {
             enforce_handshake_compat: compat,
             fence_blocks,
             cluster_secret,
+            metadata_store,
         })
     }
 

@@ -9,6 +9,8 @@
 #           installed backports qemu-utils is not removed), busybox-static, cpio, xz-utils, kmod,
 #           iproute2, rdma-core, ibverbs-providers (librxe), ibverbs-utils, perftest.
 #   python: python3-venv (the package's tests install it into a venv, with PyPI's maturin)
+#   store:  protobuf-compiler (protoc, for etcd-client's build: the `etcd` feature the tools
+#           use), etcd-server (the real etcd the store suites start on a free port)
 #   benches: ucx-utils (ucx_perftest, UCX's rc_verbs under NIXL), iperf3 (TCP reference),
 #           valgrind (callgrind instruction counts, tools/callgrind-cost.sh).
 # apt runs with private list/archive dirs under /var/lib/kvrail-lab/apt and the system's sources
@@ -18,7 +20,8 @@ set -euo pipefail
 PKGS=(cmake libclang-dev gcc pkg-config
       linux-image-amd64 busybox-static cpio xz-utils kmod iproute2
       rdma-core ibverbs-utils ibverbs-providers libibverbs1 perftest
-      ucx-utils iperf3 valgrind python3 python3-venv binutils util-linux mount)
+      ucx-utils iperf3 valgrind python3 python3-venv binutils util-linux mount
+      protobuf-compiler etcd-server)
 QEMU_PKGS=(qemu-system-x86 qemu-system-common qemu-system-data seabios)
 
 installed() { [ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null)" = installed ]; }

@@ -419,6 +419,9 @@ impl Drop for Shutdown {
                 }
             }
         }
+        // then peers learn from the store that this agent is gone (after what it queued for
+        // them arrived: they close their connections to it when they hear)
+        self.shared.withdraw();
         self.shared.shutdown.store(true, Ordering::Release);
         let _ = TcpStream::connect_timeout(&self.wake, Duration::from_secs(1));
         for (_, c) in lock(&self.conns).drain() {

@@ -253,7 +253,7 @@ fn run(
         .collect();
     let id = pair.table.create(
         op,
-        "prefill-0",
+        ("prefill-0", 1),
         local.clone(),
         remote.clone(),
         Some(b"kv ready".to_vec()),
@@ -487,7 +487,7 @@ fn arriving_bytes_complete_a_read_once() {
     };
     let id = t.create(
         XferOp::Read,
-        "p",
+        ("p", 1),
         vec![Desc::new(RegionId(1), 0, 10), Desc::new(RegionId(1), 20, 5)],
         vec![Desc::new(RegionId(7), 0, 10), Desc::new(RegionId(7), 20, 5)],
         None,
