@@ -7,7 +7,12 @@
 //!   told only when every byte landed, and each block crosses once;
 //! - `swa_window_mode`: a sliding-window layer moves only its window; D has every byte it
 //!   attends to, and fewer bytes cross (counted).
+//!
+//! `KVRAIL_CONNECTOR_ETCD=1`: the same in metadata-store mode (P's parameters name its
+//! engine and TP size only; D finds every P rank, `<engine>#tp<k>`, through etcd).
 
+#[path = "etcd/mod.rs"]
+mod etcd;
 mod lab;
 
 use std::collections::HashMap;
@@ -124,12 +129,13 @@ fn engine_with(
             "kv_connector_extra_config":{{"kv_lease_duration":30{extra}}}}}"#,
         cache.buffer_device()
     );
-    let cfg = KvTransferConfig::from_json(&json).unwrap();
+    let cfg = KvTransferConfig::from_json(&etcd::with_store(&json)).unwrap();
     let l = layout(tp, num_blocks, window);
     let (workers, own): (Vec<Worker>, Vec<Option<EngineCache>>) = (0..tp)
         .map(|rank| {
             let ac = agent_config(&cfg, &l, lab::agent_config(host_a));
             let agent = Arc::new(Agent::new(&rank_agent_name(name, rank), ac).unwrap());
+            assert_eq!(agent.store_up(), etcd::mode().then_some(true), "store mode");
             let (own, caches) = EngineCache::new(cache, &l, rank as i32 % 2);
             let w = Worker::with_caches(agent, cfg.clone(), l.clone(), (rank, tp), caches);
             (w.unwrap(), own)
@@ -223,14 +229,16 @@ impl Engine {
             .sched
             .request_finished(&Self::prefill_req(id, tokens), blocks);
         assert!(delay);
-        params.unwrap()
+        let mut params = params.unwrap();
+        etcd::engine_only(&mut params);
+        params
     }
 
     /// Where D finds this (P) engine before its prefill ends (push: the proxy sends both
     /// legs at once).
     fn coordinates(&self, id: &str) -> KvTransferParams {
         let a = self.workers[0].agent().side_channel_addr();
-        KvTransferParams {
+        let mut p = KvTransferParams {
             do_remote_prefill: true,
             remote_engine_id: "prefill".into(),
             remote_host: a.ip().to_string(),
@@ -243,7 +251,9 @@ impl Engine {
                 .map(|w| w.agent().side_channel_addr().port())
                 .collect(),
             ..KvTransferParams::default()
-        }
+        };
+        etcd::engine_only(&mut p);
+        p
     }
 
     fn admit(&mut self, id: &str, tokens: u64, params: KvTransferParams, now: Instant) -> Vec<u64> {
@@ -369,7 +379,8 @@ fn pair_caches(dir: &str, (p_tp, p_cache): (u32, Cache), (d_tp, d_cache): (u32, 
     for (id, seed, tokens) in &reqs {
         let params = p.prefill(id, *seed, *tokens);
         assert_eq!(params.tp_size, p_tp);
-        assert_eq!(params.remote_ports.len(), p_tp as usize);
+        let ports = if etcd::mode() { 0 } else { p_tp as usize }; // by name in store mode
+        assert_eq!(params.remote_ports.len(), ports);
         d_blocks.push(d.admit(id, *tokens, params, now));
     }
     Engine::exchange(&mut p, &mut d, reqs.len());

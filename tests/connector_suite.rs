@@ -4,7 +4,14 @@
 //! reclaim by lease expiry, a dead P fails D's receives, and pull and push instances refuse
 //! to pair. Each engine step is build_connector_meta → (msgpack) → start_load_kv →
 //! get_finished → update_connector_output, as an engine drives it.
+//!
+//! `KVRAIL_CONNECTOR_ETCD=1` runs the same suite in metadata-store mode (tier 1 does both):
+//! every engine's `kv_transfer_config` names one real etcd (a namespace per test), P's
+//! `kv_transfer_params` name its engine only (no host, no ports), and D finds every P rank
+//! by name through the store.
 
+#[path = "etcd/mod.rs"]
+mod etcd;
 mod lab;
 
 use std::collections::HashSet;
@@ -57,9 +64,10 @@ fn engine_cache(
     l: KvLayout,
     cache: Cache,
 ) -> Result<Engine, AgentError> {
-    let cfg = KvTransferConfig::from_json(json).unwrap();
+    let cfg = KvTransferConfig::from_json(&etcd::with_store(json)).unwrap();
     let ac = agent_config(&cfg, &l, lab::agent_config(host_a));
     let agent = Arc::new(Agent::new(name, ac).unwrap());
+    assert_eq!(agent.store_up(), etcd::mode().then_some(true), "store mode");
     let sched = Scheduler::new(cfg.clone(), name, agent.side_channel_addr(), 1);
     let (own, caches) = EngineCache::new(cache, &l, i32::from(host_a));
     let worker = Worker::with_caches(agent, cfg, l, (0, 1), caches)?;
@@ -147,7 +155,9 @@ impl Engine {
         };
         let (delay, params) = self.sched.request_finished(&req, &blocks);
         assert!(delay, "P keeps the blocks for D");
-        params.unwrap()
+        let mut params = params.unwrap();
+        etcd::engine_only(&mut params);
+        params
     }
 
     /// Decode leg: admit the request and allocate its blocks.

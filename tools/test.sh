@@ -13,6 +13,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 echo "=== tier 1: cargo test --workspace"
 cargo test --workspace
+echo "=== tier 1: the connector suites in metadata-store mode (a real etcd; P's parameters name its engine only)"
+KVRAIL_CONNECTOR_ETCD=1 cargo test --features etcd --test connector_suite --test connector_engines
 echo "=== tier 1: the agent API example (examples/agent_pair.rs)"
 cargo run -q --example agent_pair
 echo "=== tier 1: the Python package (pip install, pytest, the NIXL-API program on NIXL and on kvrail)"

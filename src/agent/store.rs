@@ -84,6 +84,36 @@ impl Shared {
 }
 
 impl Agent {
+    /// Load peer `peer`, whose side channel is `addr` (`host:port`): by name through the
+    /// store when this agent has one (the address is then not needed), else from `addr`.
+    /// The error names what was tried.
+    pub(crate) fn load_peer(&self, peer: &str, addr: &str) -> Result<(), String> {
+        let name = if self.store_up().is_some() {
+            self.load_by_name(peer).map_err(|e| e.to_string())?
+        } else {
+            let a = addr
+                .parse::<std::net::SocketAddr>()
+                .map_err(|e| format!("{addr}: {e}"))?;
+            self.load_remote(a).map_err(|e| e.to_string())?
+        };
+        if name == peer {
+            Ok(())
+        } else {
+            Err(format!("{addr} is agent {name:?}, expected {peer:?}"))
+        }
+    }
+
+    /// Whether `peer` is loaded and current: connected (with a store, whose watch
+    /// invalidates dead and replaced incarnations), or else connected at `addr` (a peer
+    /// that came back elsewhere must be loaded again).
+    pub(crate) fn peer_current(&self, peer: &str, addr: &str) -> bool {
+        if self.store_up().is_some() {
+            self.peer_connected(peer)
+        } else {
+            self.peer_connected_at(peer, addr)
+        }
+    }
+
     /// Stop reloading `peer` from the store (the caller invalidated it).
     pub(crate) fn unfollow(&self, peer: &str) {
         #[cfg(feature = "etcd")]

@@ -5,7 +5,6 @@
 //! on helper threads and never block a step.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -330,16 +329,13 @@ impl Worker {
     /// with a metadata store, by name through the store (P's `kv_transfer_params` may then
     /// name its engine only: no host, no ports).
     fn connect(&mut self, peer: &str, host: &str, port: u16) {
-        let by_name = self.agent.store_up().is_some();
-        let addr = (!by_name).then(|| format!("{host}:{port}"));
+        let addr = format!("{host}:{port}");
         // up while its connection is, at the address asked for: a P that died, or came back
-        // elsewhere (restarted), is loaded again (by name, the store's watch invalidates a
-        // dead or replaced incarnation)
-        let current = match (self.conns.get(peer), &addr) {
-            (Some(Conn::Up), Some(a)) => self.agent.peer_connected_at(peer, a),
-            (Some(Conn::Up), None) => self.agent.peer_connected(peer),
-            (Some(_), _) => true,
-            (None, _) => false,
+        // elsewhere (restarted), is loaded again
+        let current = match self.conns.get(peer) {
+            Some(Conn::Up) => self.agent.peer_current(peer, &addr),
+            Some(_) => true,
+            None => false,
         };
         if current {
             return;
@@ -351,23 +347,7 @@ impl Worker {
             peer.to_owned(),
         );
         std::thread::spawn(move || {
-            let r = match &addr {
-                Some(addr) => addr
-                    .parse::<SocketAddr>()
-                    .map_err(|e| format!("{addr}: {e}"))
-                    .and_then(|a| agent.load_remote(a).map_err(|e| e.to_string())),
-                None => agent.load_by_name(&peer).map_err(|e| e.to_string()),
-            }
-            .and_then(|name| {
-                if name == peer {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "{} is agent {name:?}, expected {peer:?}",
-                        addr.as_deref().unwrap_or("the store")
-                    ))
-                }
-            });
+            let r = agent.load_peer(&peer, &addr);
             let _ = tx.send((peer, r));
         });
     }

@@ -7,7 +7,6 @@
 //! send, matched WRITEs) instead of blocking the writer.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -305,7 +304,7 @@ impl Loop {
         // that died, or came back elsewhere (restarted), is loaded again
         let current = match self.conns.get(engine) {
             Some(Conn::Connecting) => true,
-            Some(Conn::Up) => self.sh.agent.peer_connected_at(engine, &addr),
+            Some(Conn::Up) => self.sh.agent.peer_current(engine, &addr),
             None => false,
         };
         if current {
@@ -314,15 +313,7 @@ impl Loop {
         self.conns.insert(engine.to_owned(), Conn::Connecting);
         let (sh, engine) = (self.sh.clone(), engine.to_owned());
         std::thread::spawn(move || {
-            let r = addr
-                .parse::<SocketAddr>()
-                .map_err(|e| format!("{addr}: {e}"))
-                .and_then(|a| sh.agent.load_remote(a).map_err(|e| e.to_string()))
-                .and_then(|name| {
-                    (name == engine)
-                        .then_some(())
-                        .ok_or_else(|| format!("{addr} is engine {name:?}, expected {engine:?}"))
-                });
+            let r = sh.agent.load_peer(&engine, &addr);
             let mut i = lock(&sh.inbox);
             i.handshakes.push_back((engine, r));
             i.woken = true;
@@ -473,7 +464,7 @@ impl Loop {
                     // connection died): handshake with it again
                     let addr = format!("{}:{}", r.host, r.port);
                     if self.conns.get(&r.engine_id) == Some(&Conn::Up)
-                        && !self.sh.agent.peer_connected_at(&r.engine_id, &addr)
+                        && !self.sh.agent.peer_current(&r.engine_id, &addr)
                     {
                         self.conns.remove(&r.engine_id);
                         self.matcher.forget_engine(&r.engine_id);

@@ -159,3 +159,43 @@ fn rand_u64() -> u64 {
 pub fn namespace(test: &str) -> String {
     format!("t-{test}-{:x}", rand_u64() & 0xffff_ffff)
 }
+
+/// Metadata-store mode of the connector suites (`KVRAIL_CONNECTOR_ETCD=1`).
+pub fn mode() -> bool {
+    std::env::var_os("KVRAIL_CONNECTOR_ETCD").is_some()
+}
+
+/// In store mode, `json` (a `kv_transfer_config`) with the store's keys in
+/// `kv_connector_extra_config`: the suite's etcd (started once per test process), a
+/// namespace of the running test's own, a 5 s lease. Otherwise `json` as it is.
+pub fn with_store(json: &str) -> String {
+    static ETCD: std::sync::OnceLock<Etcd> = std::sync::OnceLock::new();
+    if !mode() {
+        return json.to_owned();
+    }
+    let url = ETCD.get_or_init(Etcd::start).url();
+    let ns: String = (std::thread::current().name().unwrap_or("main").chars())
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let mut v: serde_json::Value = serde_json::from_str(json).unwrap();
+    let extra = v
+        .as_object_mut()
+        .unwrap()
+        .entry("kv_connector_extra_config")
+        .or_insert_with(|| serde_json::json!({}));
+    let extra = extra.as_object_mut().unwrap();
+    extra.insert("metadata_store".into(), url.into());
+    extra.insert("metadata_namespace".into(), ns.into());
+    extra.insert("metadata_lease_ttl_s".into(), 5.into());
+    v.to_string()
+}
+
+/// In store mode, P's transfer parameters name its engine (and TP size) only: no host, no
+/// ports; D finds every rank by name through the store.
+pub fn engine_only(p: &mut kvrail::connector::KvTransferParams) {
+    if mode() {
+        p.remote_host.clear();
+        p.remote_port = 0;
+        p.remote_ports.clear();
+    }
+}
