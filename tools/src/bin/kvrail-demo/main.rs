@@ -49,7 +49,8 @@ enum Backend {
         "  kvrail-demo --mode push --push-stream --step-tokens 64\n",
         "  kvrail-demo --kill d --lease 6                  # P reclaims its blocks by lease\n",
         "  kvrail-demo --devices rxeA0,rxeB0               # P and D on these RDMA devices\n",
-        "  kvrail-demo --soak --mode pull --requests 1000 --kill-every 60\n\n",
+        "  kvrail-demo --soak --mode pull --requests 1000 --kill-every 60\n",
+        "  kvrail-demo --metadata etcd://127.0.0.1:2379    # D finds P by name through etcd\n\n",
         "Exit status: 0 every request as expected; 1 a run that failed (a wrong byte, a hang, ",
         "a leak); 2 usage."
     )
@@ -124,6 +125,11 @@ struct Args {
     /// Soak: kill an instance after about one outcome in this many.
     #[arg(long, default_value_t = 40)]
     kill_every: u64,
+    /// Agent metadata through etcd (`etcd://HOST:PORT[,HOST:PORT...]`): P and D publish
+    /// theirs under a 5 s lease (namespace `kvrail-demo-<proxy pid>`), and D finds P by its
+    /// engine name alone (the proxy passes no host and no port).
+    #[arg(long, value_name = "etcd://HOST:PORT")]
+    metadata: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -180,9 +186,24 @@ struct Inst {
     backend: String,
     /// The instance's side-channel port (where D finds P).
     side: u16,
+    /// `--metadata`: peers find it by name; its transfer parameters carry no address.
+    by_name: bool,
 }
 
 impl Inst {
+    /// P's transfer parameters as the proxy passes them on: with `--metadata`, the engine's
+    /// name (and TP size) only.
+    fn params(&self, mut v: Value) -> Value {
+        if self.by_name {
+            if let Some(o) = v.as_object_mut() {
+                for k in ["remote_host", "remote_port", "remote_ports"] {
+                    o.remove(k);
+                }
+            }
+        }
+        v
+    }
+
     fn send(&mut self, v: Value) -> Result<(), String> {
         writeln!(self.ctl, "{v}").map_err(|e| format!("control: {e}"))
     }
@@ -221,6 +242,11 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
     if a.soak {
         // a registration with a dead P ends within a lease (not the default 480 s)
         extra["push_registration_timeout"] = json!(a.lease);
+    }
+    if let Some(m) = &a.metadata {
+        extra["metadata_store"] = json!(m);
+        extra["metadata_namespace"] = json!(metadata_namespace());
+        extra["metadata_lease_ttl_s"] = json!(5);
     }
     let kv = json!({
         "kv_connector": if a.mode == Mode::Pull { "KvrailPullConnector" } else { "KvrailPushConnector" },
@@ -277,7 +303,24 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
         side: side
             .parse()
             .map_err(|e| format!("{name}: side port {side:?}: {e}"))?,
+        by_name: a.metadata.is_some(),
     })
+}
+
+/// The etcd namespace of this run's instances (`--metadata`).
+fn metadata_namespace() -> String {
+    format!("kvrail-demo-{}", std::process::id())
+}
+
+/// The header line that says how D finds P.
+fn metadata_line(a: &Args) -> String {
+    match &a.metadata {
+        Some(m) => format!(
+            "metadata: etcd at {m}, namespace {}; D finds P by engine name (no host or port in the transfer parameters)",
+            metadata_namespace()
+        ),
+        None => "metadata: side channel (D finds P at the host and port in the transfer parameters)".into(),
+    }
 }
 
 struct Req {
@@ -312,16 +355,18 @@ fn prefill_at(p: &mut Inst, r: &Req) -> Result<(Value, u64), String> {
         return Err(format!("prefill {}: {e}", r.id));
     }
     Ok((
-        v["params"].clone(),
+        p.params(v["params"].clone()),
         v["finished_at_us"].as_u64().unwrap_or(0),
     ))
 }
 
 /// Where D finds P for `r` before P's prefill ends (push: both legs go at once).
 fn coordinates(p: &Inst, r: &Req) -> Value {
-    json!({"do_remote_prefill": true, "remote_engine_id": "prefill-0",
+    p.params(
+        json!({"do_remote_prefill": true, "remote_engine_id": "prefill-0",
         "remote_host": "127.0.0.1", "remote_port": p.side, "remote_request_id": r.id,
-        "tp_size": 1})
+        "tp_size": 1}),
+    )
 }
 
 fn decode(d: &mut Inst, r: &Req, params: &Value) -> Result<(), String> {
@@ -521,6 +566,9 @@ impl Args {
         if self.soak && self.kill.is_some() {
             return Err("--soak kills at random: leave out --kill".into());
         }
+        if let Some(m) = &self.metadata {
+            kvrail::store::StoreConfig::from_url(m).map_err(|e| format!("--metadata {e}"))?;
+        }
         if self.min_tokens > self.max_tokens {
             return Err(format!(
                 "--min-tokens {} is over --max-tokens {}",
@@ -595,6 +643,7 @@ fn main() {
             "kvrail-demo: {:?} mode, P on {}, D on {}; model {} layers x 8 KV heads x 128, fp16, block size {}; lease {} s",
             a.mode, p.backend, d.backend, s.layers, s.block_size, a.lease
         );
+        println!("{}", metadata_line(&a));
         let r = match a.kill {
             None => run(&a, &mut p, &mut d),
             Some(Kill::D) => kill_d(&a, &mut p, &mut d),

@@ -141,6 +141,7 @@ pub(crate) fn run(a: &Args) -> Result<(), String> {
         "kvrail-demo soak: {:?} mode, P on {}, D on {}; {} requests, {} at once, an instance killed after about every {} outcomes; lease {} s",
         a.mode, p.inst.backend, d.inst.backend, reqs.len(), a.concurrency, a.kill_every, a.lease
     );
+    println!("{}", super::metadata_line(a));
     // the most a request may take: a lease (P's blocks of a dead D), the push registration
     // timeout (D's registration with a dead P), and a margin for restarts
     let limit = Duration::from_secs(2 * a.lease + 30);
@@ -187,7 +188,7 @@ pub(crate) fn run(a: &Args) -> Result<(), String> {
                     let r = by_id[id.as_str()];
                     d.inst
                         .send(json!({"cmd": "decode", "id": r.id, "seed": r.seed,
-                        "tokens": r.tokens, "params": v["params"]}))?;
+                        "tokens": r.tokens, "params": p.inst.params(v["params"].clone())}))?;
                     f.stage = Stage::Decode;
                     f.d_gen = d.gen;
                 }
