@@ -1,15 +1,18 @@
 //! Agent metadata through a real etcd (Debian's etcd-server, started here): publish, load by
 //! name, follow registrations, a clean stop, a SIGKILLed agent whose key expires and whose
 //! restart is loaded again (never its dead incarnation), an unreachable etcd at start, and
-//! etcd lost while running. TCP backend on this host.
+//! etcd lost while running. TCP on this host; in the lab on verbs (P on host B's rails, D on
+//! host A's: a restarted P's new queue pairs and rkeys), with etcd started inside the VM.
 
 #[path = "etcd/mod.rs"]
 mod etcd;
+mod lab;
 
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvrail::agent::metadata::BackendKind;
 use kvrail::agent::{
     Agent, AgentConfig, AgentError, BackendChoice, Desc, Fault, RegionId, RemoteAccess, XferOp,
     XferStatus,
@@ -25,12 +28,32 @@ fn store(url: &str, ns: &str, ttl_s: u64) -> StoreConfig {
     s
 }
 
+/// An agent on host A (D's side) or B (P's): TCP here, verbs on that host's rails in the lab.
+fn cfg_on(s: Option<StoreConfig>, host_a: bool) -> AgentConfig {
+    let mut c = lab::agent_config(host_a);
+    if lab::Topology::from_env().is_none() {
+        c.backend = BackendChoice::Tcp;
+    }
+    c.metadata_store = s;
+    c
+}
+
 fn cfg(s: Option<StoreConfig>) -> AgentConfig {
-    AgentConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        backend: BackendChoice::Tcp,
-        metadata_store: s,
-        ..AgentConfig::default()
+    cfg_on(s, true)
+}
+
+fn cfg_p(s: Option<StoreConfig>) -> AgentConfig {
+    cfg_on(s, false)
+}
+
+/// In the lab, `d` reaches `peer` on verbs (never a quiet TCP fallback).
+fn on_verbs_in_the_lab(d: &Agent, peer: &str) {
+    if lab::Topology::from_env().is_some() {
+        assert_eq!(d.metadata().backend, BackendKind::Verbs);
+        assert_eq!(
+            d.remote_metadata(peer).map(|m| m.backend),
+            Some(BackendKind::Verbs)
+        );
     }
 }
 
@@ -84,13 +107,14 @@ fn agents_find_each_other_by_name_and_follow_registrations() {
     let e = etcd::Etcd::start();
     let ns = etcd::namespace("names");
     let s = store(&e.url(), &ns, 30);
-    let p = Agent::new("p-0", cfg(Some(s.clone()))).unwrap();
+    let p = Agent::new("p-0", cfg_p(Some(s.clone()))).unwrap();
     let d = Agent::new("d-0", cfg(Some(s.clone()))).unwrap();
     let src = p.register(LEN, RemoteAccess::READ, vec![]).unwrap();
     p.write_region(src, 0, &pattern(1, LEN)).unwrap();
     let watcher = EtcdStore::connect(&s).unwrap();
     assert_eq!(watcher.agents().unwrap(), ["d-0", "p-0"]);
     assert_eq!(d.load_by_name("p-0").unwrap(), "p-0");
+    on_verbs_in_the_lab(&d, "p-0");
     assert_eq!(d.store_up(), Some(true));
     assert!(d.peer_incarnation("p-0").is_some());
     assert!(read_all(&d, "p-0", src).unwrap() == pattern(1, LEN));
@@ -124,7 +148,7 @@ fn child_main() {
     let url = std::env::var("KVRAIL_ETCD").unwrap();
     let ns = std::env::var("KVRAIL_NS").unwrap();
     let gen: u64 = std::env::var("KVRAIL_GEN").unwrap().parse().unwrap();
-    let p = Agent::new("crash-p", cfg(Some(store(&url, &ns, 3)))).unwrap();
+    let p = Agent::new("crash-p", cfg_p(Some(store(&url, &ns, 3)))).unwrap();
     let src = p.register(LEN, RemoteAccess::READ, vec![]).unwrap();
     p.write_region(src, 0, &pattern(gen, LEN)).unwrap();
     // published again after the registration; say so once the store has it
@@ -241,6 +265,7 @@ fn a_crashed_agent_expires_and_its_restart_is_loaded_again() {
         Duration::from_secs(20),
         || d.peer_incarnation("crash-p").is_some_and(|l| l != first),
     );
+    on_verbs_in_the_lab(&d, "crash-p");
     assert!(read_all(&d, "crash-p", src2).unwrap() == pattern(2, LEN));
     // the transfer made on the dead incarnation is refused, never posted into the new one
     match d.post(old) {
@@ -278,18 +303,24 @@ fn etcd_lost_while_running_keeps_connections_and_reports_it() {
     let mut e = etcd::Etcd::start();
     let ns = etcd::namespace("lost");
     let s = store(&e.url(), &ns, 5);
-    let p = Agent::new("lost-p", cfg(Some(s.clone()))).unwrap();
+    let p = Agent::new("lost-p", cfg_p(Some(s.clone()))).unwrap();
     let d = Agent::new("lost-d", cfg(Some(s))).unwrap();
     let src = p.register(LEN, RemoteAccess::READ, vec![]).unwrap();
     p.write_region(src, 0, &pattern(5, LEN)).unwrap();
     d.load_by_name("lost-p").unwrap();
     let inc = d.peer_incarnation("lost-p");
+    let up = |a: &Agent| {
+        a.metrics()
+            .value("kvrail_metadata_store_up", &[("agent", a.name())])
+    };
+    assert_eq!(up(&d), Some(1.0));
     e.kill();
     // the loaded peer keeps working while the store is down, which both agents report
     assert!(read_all(&d, "lost-p", src).unwrap() == pattern(5, LEN));
     until("D reports the store down", Duration::from_secs(30), || {
         d.store_up() == Some(false)
     });
+    assert_eq!(up(&d), Some(0.0), "the metric says so too");
     until("P reports the store down", Duration::from_secs(30), || {
         p.store_up() == Some(false)
     });
@@ -309,6 +340,7 @@ fn etcd_lost_while_running_keeps_connections_and_reports_it() {
         d.load_by_name("lost-p").is_ok() && d.store_up() == Some(true)
     });
     assert_eq!(d.peer_incarnation("lost-p"), inc);
+    assert_eq!(up(&d), Some(1.0));
     assert!(read_all(&d, "lost-p", src).unwrap() == pattern(5, LEN));
 }
 

@@ -5,7 +5,7 @@
 #      targets under AFL++ for KVRAIL_FUZZ_SECS (20) s each;
 #   2. tier 2 in the lab: the verbs suite on real queue pairs (Soft-RoCE, two rails, host A
 #      and host B in separate processes), the agent's shared suite (the same one tier 1 runs
-#      on TCP) on verbs, the NIXL-API Python program on kvrail.nixl, the engine's own memory and NPU memory through the agent's host bounce on verbs, the C ABI's C and Python checks on verbs, the connector suite and kvrail-demo (a crash soak too) on verbs, the agent's verbs-only cases (a lossy rail under tc netem too), kvrail-rails list/gids/probe/link-down, and kvrail-perf's perftest command lines,
+#      on TCP) on verbs, the NIXL-API Python program on kvrail.nixl, the engine's own memory and NPU memory through the agent's host bounce on verbs, the C ABI's C and Python checks on verbs, agent metadata through etcd on verbs, the connector suite and kvrail-demo (a crash soak too) on verbs, the agent's verbs-only cases (a lossy rail under tc netem too), kvrail-rails list/gids/probe/link-down, and kvrail-perf's perftest command lines,
 #      one VM boot per lab test binary.
 # Needs what tools/lab/setup.sh installs. KVRAIL_SKIP_LAB=1 runs tier 1 only (and says so).
 set -euo pipefail
@@ -55,6 +55,8 @@ echo "=== tier 2: link_down_exit_s with the real rxe links taken down"
 cargo test --features etcd --test connector_link_down -- --test-threads=1
 echo "=== tier 2: kvrail-demo (proxy, P, D processes) on verbs across both rails"
 cargo test -p kvrail-tools --test demo -- --test-threads=1
+echo "=== tier 2: agent metadata through etcd on verbs (etcd inside the VM; a restarted P's new queue pairs and rkeys)"
+cargo test --features etcd --test store_etcd -- --test-threads=1
 echo "=== tier 2: the agent's verbs-only cases (rails, striping, rail failure) inside the lab"
 cargo test --features etcd --test agent_lab
 echo "=== tier 2: kvrail-rails (list, gids against ibv_devinfo, probe, link down) inside the Soft-RoCE lab"

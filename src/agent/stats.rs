@@ -111,6 +111,19 @@ impl AgentStats {
             &[("agent", agent)],
             read(|s| lock(&s.grants).made.len() as f64),
         );
+        #[cfg(feature = "etcd")]
+        if shared.store.is_some() {
+            r.gauge_fn(
+                "kvrail_metadata_store_up",
+                "1 while the metadata store (etcd) answers, 0 while it is down.",
+                &[("agent", agent)],
+                read(|s| {
+                    s.store
+                        .as_ref()
+                        .map_or(0.0, |st| f64::from(u8::from(st.etcd.is_up())))
+                }),
+            );
+        }
         r.gauge_fn(
             "kvrail_regions",
             "Memory regions registered.",
