@@ -59,6 +59,8 @@ int main(void) {
     if (a != (kvrail_agent *)0x1) { fprintf(stderr, "FAIL out written on failure\n"); failures++; }
     expect("unknown config key", kvrail_agent_new("x", "{\"bakend\":\"tcp\"}", &a), KVRAIL_RESULT_INVALID_CONFIG, "bakend");
     expect("bad backend value", kvrail_agent_new("x", "{\"backend\":\"ucx\"}", &a), KVRAIL_RESULT_INVALID_CONFIG, "backend");
+    expect("bad metadata store", kvrail_agent_new("x", "{\"metadata_store\":\"redis://h:1\"}", &a), KVRAIL_RESULT_INVALID_CONFIG, "metadata_store");
+    expect("unreachable metadata store", kvrail_agent_new("x", "{\"backend\":\"tcp\",\"listen\":\"127.0.0.1:0\",\"metadata_store\":\"etcd://127.0.0.1:1\"}", &a), KVRAIL_RESULT_CONNECTION, "etcd at http://127.0.0.1:1 is unreachable");
     expect("NULL out", kvrail_agent_new("x", tcp, NULL), KVRAIL_RESULT_NULL_PARAMETER, "out");
 
     uint32_t region = 77;
@@ -124,6 +126,7 @@ int main(void) {
     addr[n] = 0;
     expect("bad address", kvrail_agent_load_remote(d, "not an address", (uint8_t *)peer, sizeof peer, &n), KVRAIL_RESULT_INVALID_ARGUMENT, "not an address");
     expect("load", kvrail_agent_load_remote(d, addr, (uint8_t *)peer, sizeof peer - 1, &n), KVRAIL_RESULT_OK, NULL);
+    expect("load by name without a metadata store", kvrail_agent_load_by_name(d, "prefill-0", (uint8_t *)tiny, sizeof tiny, &n), KVRAIL_RESULT_UNSUPPORTED, "no metadata_store configured");
     peer[n] = 0;
     /* the compatibility hash covers what the config says about the model, also from C */
     kvrail_agent *o = NULL;

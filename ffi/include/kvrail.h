@@ -443,6 +443,23 @@ kvrail_result kvrail_agent_metadata(const kvrail_agent *agent,
                                     size_t *out_len);
 
 /**
+ * Load peer `name` by its name from the metadata store (the agent's JSON had
+ * `metadata_store`), check the handshake and connect; the store's watch then invalidates it
+ * when its key goes and loads a restarted incarnation. The name goes to `name_buf`.
+ * Errors: `UNSUPPORTED` without a store, `CONNECTION` when etcd does not answer,
+ * `UNKNOWN_PEER` when no agent of that name is published.
+ *
+ * # Safety
+ * `agent` from [`kvrail_agent_new`]; `name` NUL-terminated; `name_buf` valid for
+ * `name_len` bytes; `out_len` writable.
+ */
+kvrail_result kvrail_agent_load_by_name(const kvrail_agent *agent,
+                                        const char *name,
+                                        uint8_t *name_buf,
+                                        size_t name_len,
+                                        size_t *out_len);
+
+/**
  * Fetch the metadata of the peer whose side channel is at `addr` ("ip:port"), check the
  * handshake and connect; the peer's name goes to `name_buf` (length in `*out_len`).
  *

@@ -289,6 +289,32 @@ pub unsafe extern "C" fn kvrail_agent_metadata(
     })
 }
 
+/// Load peer `name` by its name from the metadata store (the agent's JSON had
+/// `metadata_store`), check the handshake and connect; the store's watch then invalidates it
+/// when its key goes and loads a restarted incarnation. The name goes to `name_buf`.
+/// Errors: `UNSUPPORTED` without a store, `CONNECTION` when etcd does not answer,
+/// `UNKNOWN_PEER` when no agent of that name is published.
+///
+/// # Safety
+/// `agent` from [`kvrail_agent_new`]; `name` NUL-terminated; `name_buf` valid for
+/// `name_len` bytes; `out_len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvrail_agent_load_by_name(
+    agent: *const kvrail_agent,
+    name: *const c_char,
+    name_buf: *mut u8,
+    name_len: usize,
+    out_len: *mut usize,
+) -> kvrail_result {
+    boundary(|| {
+        // SAFETY: the caller's promises.
+        let (h, name) = unsafe { (handle(agent)?, str_arg(name, "name")?) };
+        let got = h.agent.load_by_name(name)?;
+        // SAFETY: the caller's promises.
+        unsafe { write_bytes(got.as_bytes(), name_buf, name_len, out_len) }
+    })
+}
+
 /// Fetch the metadata of the peer whose side channel is at `addr` ("ip:port"), check the
 /// handshake and connect; the peer's name goes to `name_buf` (length in `*out_len`).
 ///
