@@ -211,7 +211,7 @@ def _translate(e: Exception) -> Exception:
     if isinstance(e, _kvrail.ConfigError):
         return e  # names the key; NIXL has no configuration error of its own
     if isinstance(e, MisuseError):
-        if any(k in msg for k in ("unknown peer", "no transfer", "no registered region", "not inside memory")):
+        if any(k in msg for k in ("unknown peer", "no transfer", "no registered region", "not inside memory", "no agent ")):
             return nixlNotFoundError(msg)
         if "in progress" in msg:
             return nixlRepostActiveError(msg)
@@ -246,6 +246,14 @@ class nixl_agent:
             except ValueError as e:
                 raise _kvrail.ConfigError(f"KVRAIL_AGENT_CONFIG: not JSON: {e}") from None
         cfg.update(conf.kvrail_config)
+        # NIXL's etcd metadata server settings: kvrail's metadata store
+        etcd = os.environ.get("NIXL_ETCD_ENDPOINTS")
+        if etcd and "metadata_store" not in cfg:
+            hosts = [e.strip().split("://", 1)[-1].rstrip("/") for e in etcd.split(",") if e.strip()]
+            cfg["metadata_store"] = "etcd://" + ",".join(hosts)
+            ns = os.environ.get("NIXL_ETCD_NAMESPACE")
+            if ns and "metadata_namespace" not in cfg:
+                cfg["metadata_namespace"] = ns.strip("/")
         if "listen" not in cfg:
             cfg["listen"] = f"0.0.0.0:{conf.port if conf.enable_listen else 0}"
         try:
@@ -378,9 +386,19 @@ class nixl_agent:
             raise nixlNotFoundError(f"unknown peer {remote_agent!r}: load its metadata first")
 
     def fetch_remote_metadata(self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = "") -> None:
-        """Load the metadata of the peer listening (``enable_listen_thread``) at ip:port."""
+        """Load the metadata of the peer listening (``enable_listen_thread``) at ip:port, or
+        with no address, by name from the metadata store (etcd: ``NIXL_ETCD_ENDPOINTS`` or
+        the ``metadata_store`` key)."""
         if not ip_addr:
-            raise nixlNotSupportedError("ip_addr: kvrail has no central metadata server here; give the peer's address")
+            if self._agent.store_up() is None:
+                raise nixlNotSupportedError(
+                    "ip_addr: no metadata store configured (NIXL_ETCD_ENDPOINTS or metadata_store); give the peer's address"
+                )
+            try:
+                self._agent.load_by_name(_name(remote_agent))
+            except KvrailError as e:
+                raise _translate(e) from e
+            return
         try:
             got = self._agent.load_remote_addr(f"{ip_addr}:{port}")
         except KvrailError as e:
@@ -389,7 +407,10 @@ class nixl_agent:
             logger.warning("fetched metadata of %s at %s:%d, expected %s", got, ip_addr, port, remote_agent)
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
-        """kvrail peers fetch metadata from this agent's side channel instead."""
+        """With a metadata store and no address: nothing to do (the agent keeps its metadata
+        published there). Otherwise kvrail peers fetch it from this agent's side channel."""
+        if not ip_addr and self._agent.store_up() is not None:
+            return
         raise nixlNotSupportedError(
             "send_local_metadata: kvrail peers fetch metadata (fetch_remote_metadata) from the side channel"
         )

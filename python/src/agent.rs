@@ -211,6 +211,20 @@ impl Agent {
             .map_err(errors::agent)
     }
 
+    /// Load peer `name` by its name from the metadata store (config `metadata_store`); the
+    /// store's watch then follows it (gone: invalidated; restarted: loaded again). Returns
+    /// its name.
+    fn load_by_name(&self, py: Python<'_>, name: &str) -> PyResult<String> {
+        let (core, name) = (self.core.clone(), name.to_owned());
+        py.allow_threads(move || core.load_by_name(&name))
+            .map_err(errors::agent)
+    }
+
+    /// Whether the metadata store answers (None: no store configured).
+    fn store_up(&self) -> Option<bool> {
+        self.core.store_up()
+    }
+
     /// Whether `peer`'s metadata is loaded.
     fn has_peer(&self, peer: &str) -> bool {
         self.core.remote_metadata(peer).is_some()

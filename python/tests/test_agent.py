@@ -151,6 +151,7 @@ def test_imports_and_runs_on_tcp_where_libibverbs_is_absent():
     """A private mount namespace with every libibverbs.so* bind-mounted over by an empty file
     (dlopen fails as on a host without rdma-core): the package imports and its agent comes up
     on TCP (backend "auto")."""
+    import os
     import shutil
     import subprocess
     import sys
@@ -236,3 +237,74 @@ def test_kvrail_logs_reach_python_logging():
         log.removeHandler(h)
         log.setLevel(logging.NOTSET)
         kvrail.set_log_level(logging.WARNING)
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A real etcd (Debian's etcd-server) on free loopback ports: its etcd://HOST:PORT."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import urllib.request
+
+    exe = shutil.which("etcd") or "/usr/bin/etcd"
+    assert os.path.exists(exe), "no etcd: apt-get install etcd-server (tools/lab/setup.sh does)"
+
+    def free():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    c, p = free(), free()
+    proc = subprocess.Popen(
+        [exe, "--name", "py", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", f"http://127.0.0.1:{c}", "--advertise-client-urls", f"http://127.0.0.1:{c}",
+         "--listen-peer-urls", f"http://127.0.0.1:{p}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}",
+         "--initial-cluster", f"py=http://127.0.0.1:{p}", "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t = time.time()
+        while True:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{c}/v3/kv/range", data=b'{"key":"AA=="}', method="POST")
+                urllib.request.urlopen(req, timeout=1).read()
+                break
+            except OSError:
+                assert time.time() - t < 30, "etcd did not come up"
+                time.sleep(0.05)
+        yield f"etcd://127.0.0.1:{c}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_metadata_store_load_by_name_and_nixl_etcd_env(etcd, monkeypatch):
+    """Agents publish through etcd; a peer is loaded by name (the package's API, and NIXL's
+    fetch_remote_metadata without an address under NIXL_ETCD_ENDPOINTS), bytes move."""
+    store = {"metadata_store": etcd, "metadata_namespace": "py-test"}
+    p, d = tcp_agent("p-store", **store), tcp_agent("d-store", **store)
+    assert p.store_up() is True and tcp_agent("plain").store_up() is None
+    src = pattern(3, 1 << 16)
+    sa, n, _, _ = kvrail.buffer_span(src)
+    p.register(sa, n)
+    assert d.load_by_name("p-store") == "p-store"
+    dst = bytearray(n)
+    da, _, _, _ = kvrail.buffer_span(dst)
+    d.register(da, n)
+    x = d.create_xfer("READ", [(da, n)], "p-store", [(sa, n)])
+    d.post(x)
+    assert d.wait(x, 60) == "DONE"
+    assert np.array_equal(np.frombuffer(dst, dtype=np.uint8), src)
+    with pytest.raises(kvrail.MisuseError) as e:
+        d.load_by_name("nobody")
+    assert "nobody" in str(e.value)
+    # NIXL's own etcd settings configure the store of a kvrail.nixl agent
+    monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", "http://" + etcd.split("://", 1)[1])
+    monkeypatch.setenv("NIXL_ETCD_NAMESPACE", "/py-test/")
+    a = nixl.nixl_agent("nixl-d", nixl.nixl_agent_config(kvrail_config={"backend": "tcp", "listen": "127.0.0.1:0"}))
+    a.send_local_metadata()  # published already: nothing to do
+    a.fetch_remote_metadata("p-store")
+    assert a.check_remote_metadata("p-store")
+    with pytest.raises(nixl.nixlNotFoundError):
+        a.fetch_remote_metadata("nobody")

@@ -275,7 +275,13 @@ impl EtcdStore {
     pub(crate) fn withdraw(&self) {
         let lease = self.state.published().take().map_or(0, |p| p.lease);
         let _ = self.state.stop.send(true);
-        if lease != 0 {
+        if lease != 0 && !self.is_up() {
+            // no wait on a store that is down: the key goes when its lease runs out
+            tracing::warn!(
+                lease,
+                "metadata store down: the key stays until its lease expires"
+            );
+        } else if lease != 0 {
             let mut c = self.state.client.clone();
             let r = self.block("revoke", async move { c.lease_revoke(lease).await });
             if let Err(e) = r {
