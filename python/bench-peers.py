@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""kvrail next to the tools people compare it with, in one run, on TCP loopback, interleaved
+rounds, medians: kvrail-perf (the Rust agent, TCP backend, two processes), kvrail.nixl and
+the real NIXL running the NIXL-API program's benchmark (UCX with UCX_TLS=tcp), Mooncake's
+Transfer Engine (protocol tcp, P2PHANDSHAKE, two processes: tests/mooncake_bench.py) and
+iperf3 (one stream, its largest writes: 1 MiB). WRITE and READ at 64 KiB, 1 MiB and 8 MiB, 8 in flight;
+then small transfers (4 KiB, 32 in flight) per second. Prints each round, then a table with
+the medians and the ratios kvrail / Mooncake, kvrail / iperf3 and kvrail.nixl / NIXL.
+
+    python/bench-peers.py [--rounds 3] [--secs 2]
+
+Needs the release kvrail-perf (cargo build --release -p kvrail-tools), the venvs of
+python/run-tests.sh (target/py, target/nixl-venv) and a Mooncake venv (made here on first
+use: target/mooncake-venv, `mooncake-transfer-engine-non-cuda` and numpy from PyPI).
+About 1.5 min per round at --secs 1.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PERF = os.path.join(ROOT, "target", "release", "kvrail-perf")
+MC = os.path.join(HERE, "tests", "mooncake_bench.py")
+SIZES = [64 << 10, 1 << 20, 8 << 20]
+DEPTH = 8
+
+_spec = importlib.util.spec_from_file_location("bench_nixl", os.path.join(HERE, "bench-nixl.py"))
+bench_nixl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_nixl)
+
+
+def run(cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kvrail_perf(op, size, depth, secs):
+    """kvrail-perf client against its own server (TCP); (MB/s, transfers/s)."""
+    port = free_port()
+    srv = subprocess.Popen([PERF, "--server", "-p", str(port), "--listen", f"127.0.0.1:{port}",
+                            "--transport", "tcp", "--quiet"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            for _ in range(50):  # the server may not listen yet
+                r = subprocess.run([PERF, "127.0.0.1", "-p", str(port), "--transport", "tcp",
+                                    "--op", op.lower(), "-s", str(size), "-t", str(depth),
+                                    "-D", str(secs), "--quiet", "--out_json_file", f.name],
+                                   capture_output=True, text=True, timeout=600)
+                if r.returncode == 0:
+                    break
+                time.sleep(0.1)
+            else:
+                sys.exit(f"kvrail-perf {op} {size} failed:\n{r.stdout}\n{r.stderr}")
+            res = json.load(open(f.name))["results"]
+    finally:
+        try:
+            srv.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+    rate = res["MsgRate"] * 1e6
+    return rate * size / 1e6, rate
+
+
+def mooncake(python, op, size, secs):
+    t = subprocess.Popen([python, MC, "target", str(size), str(DEPTH)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = t.stdout.readline().split()
+        if not line or line[0] != "READY":
+            sys.exit(f"mooncake target did not start: {line}")
+        out = run([python, MC, "initiator", str(size), str(DEPTH), str(secs), op, line[1], line[2]])
+    finally:
+        t.stdin.close()
+        t.wait(timeout=60)
+    for l in out.splitlines():
+        if l.startswith("BENCH "):
+            return float(l.split()[3])
+    sys.exit(f"mooncake printed no result:\n{out}")
+
+
+def iperf3(secs):
+    port = free_port()
+    s = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port), "-B", "127.0.0.1"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(50):
+            r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-l", "1M",
+                                "-t", str(max(1, int(secs))), "-J"], capture_output=True, text=True)
+            if r.returncode == 0:
+                return json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"] / 8e6
+            time.sleep(0.1)
+        sys.exit(f"iperf3 failed: {r.stdout}{r.stderr}")
+    finally:
+        s.kill()
+        s.wait()
+
+
+def mooncake_python(path):
+    py = os.path.join(path, "bin", "python")
+    if not os.path.exists(py):
+        subprocess.run([sys.executable, "-m", "venv", path], check=True)
+        subprocess.run([os.path.join(path, "bin", "pip"), "install", "-q", "--disable-pip-version-check",
+                        "mooncake-transfer-engine-non-cuda==0.3.13.post1", "numpy"], check=True)
+    return py
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--secs", type=float, default=2.0)
+    ap.add_argument("--nixl-python", default=os.path.join(ROOT, "target", "nixl-venv", "bin", "python"))
+    ap.add_argument("--kvrail-python", default=os.path.join(ROOT, "target", "py", "bin", "python"))
+    ap.add_argument("--mooncake-venv", default=os.path.join(ROOT, "target", "mooncake-venv"))
+    a = ap.parse_args()
+    if not os.path.exists(PERF):
+        sys.exit(f"{PERF} missing: cargo build --release -p kvrail-tools")
+    mc_py = mooncake_python(a.mooncake_venv)
+    cases = [(op, s) for op in ("WRITE", "READ") for s in SIZES]
+    runs = {k: [] for k in ("kvrail", "kvrail.nixl", "NIXL", "Mooncake", "iperf3", "small")}
+    for k in range(a.rounds):
+        runs["kvrail"].append({c: kvrail_perf(c[0], c[1], DEPTH, a.secs)[0] for c in cases})
+        runs["NIXL"].append(bench_nixl.once(a.nixl_python, "nixl", a.secs))
+        runs["Mooncake"].append({c: mooncake(mc_py, c[0], c[1], a.secs) for c in cases})
+        runs["kvrail.nixl"].append(bench_nixl.once(a.kvrail_python, "kvrail", a.secs))
+        runs["iperf3"].append(iperf3(a.secs))
+        runs["small"].append(kvrail_perf("WRITE", 4096, 32, a.secs)[1])
+        r = {n: runs[n][-1] for n in ("kvrail", "Mooncake")}
+        print(f"round {k + 1}: kvrail/Mooncake " + "  ".join(
+            f"{op} {s >> 10} KiB {r['kvrail'][(op, s)] / r['Mooncake'][(op, s)]:.2f}x" for op, s in cases)
+            + f"; iperf3 {runs['iperf3'][-1]:.0f} MB/s; 4 KiB x32: {runs['small'][-1]:.0f}/s", flush=True)
+    med = lambda name, c: statistics.median(r[c] for r in runs[name])
+    print(f"\nTCP loopback, {DEPTH} in flight, medians of {a.rounds} interleaved round(s), MB/s:\n")
+    print("| op | size | kvrail-perf | kvrail.nixl | NIXL (UCX tcp) | Mooncake (tcp) | iperf3 | kvrail / Mooncake | kvrail.nixl / NIXL | kvrail / iperf3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ip = statistics.median(runs["iperf3"])
+    for op, s in cases:
+        kv, kn, nx, mc = (med(n, (op, s)) for n in ("kvrail", "kvrail.nixl", "NIXL", "Mooncake"))
+        big = s == 8 << 20 and op == "WRITE"
+        print(f"| {op} | {s >> 10} KiB | {kv:.0f} | {kn:.0f} | {nx:.0f} | {mc:.0f} | "
+              f"{f'{ip:.0f}' if big else ''} | {kv / mc:.2f} | {kn / nx:.2f} | {f'{kv / ip:.2f}' if big else ''} |")
+    print(f"\nsmall transfers (4 KiB WRITE, 32 in flight, kvrail-perf TCP): "
+          f"{statistics.median(runs['small']):.0f} per second (median)")
+
+
+if __name__ == "__main__":
+    main()
