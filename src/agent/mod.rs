@@ -39,6 +39,7 @@ mod stats;
 mod store;
 mod table;
 mod tcp;
+mod tcp_batch;
 mod tcp_io;
 #[cfg(feature = "verbs")]
 mod verbs;

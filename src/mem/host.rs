@@ -235,7 +235,23 @@ pub(super) fn nonempty(len: usize) -> Result<(), MemError> {
     Ok(())
 }
 
+/// A [`HostBuffer`]'s bytes under its CPU lock (see [`HostBuffer::locked`]).
+pub(crate) struct HostGuard<'a>(MutexGuard<'a, Backing>);
+
+impl HostGuard<'_> {
+    /// The whole buffer.
+    pub(crate) fn bytes(&mut self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
 impl HostBuffer {
+    /// Hold the CPU lock (one holder takes several buffers' locks in address order only, and
+    /// never waits on a socket while it holds them).
+    pub(crate) fn locked(&self) -> HostGuard<'_> {
+        HostGuard(self.lock())
+    }
+
     /// Run `f` on `len` bytes at `offset`, exclusively (CPU copies are serialized; a device
     /// runtime copies straight into or out of the buffer this way, with no extra copy).
     ///

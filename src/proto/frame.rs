@@ -44,10 +44,14 @@ pub fn encode(body: &[u8]) -> Result<Vec<u8>, FrameError> {
     Ok(v)
 }
 
-/// Incremental frame decoder with a size bound.
+/// Incremental frame decoder with a size bound. Taken bytes are skipped by an offset and
+/// the buffer is compacted only when the taken part is the larger one, so a read holding many
+/// small frames costs no memmove per frame.
 #[derive(Debug)]
 pub struct FrameDecoder {
     buf: Vec<u8>,
+    /// Bytes of `buf` already taken.
+    start: usize,
     max: usize,
 }
 
@@ -56,13 +60,44 @@ impl FrameDecoder {
     pub fn new(max: usize) -> Self {
         Self {
             buf: Vec::new(),
+            start: 0,
             max,
+        }
+    }
+
+    /// The bytes not taken yet.
+    fn rest(&self) -> &[u8] {
+        &self.buf[self.start..]
+    }
+
+    fn take(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
         }
     }
 
     /// Add received bytes.
     pub fn push(&mut self, bytes: &[u8]) {
+        if self.start > 0 && self.start >= self.buf.len() - self.start {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
         self.buf.extend_from_slice(bytes);
+    }
+
+    /// The length of the next frame's body, once its prefix is buffered.
+    fn announced(&self) -> Result<Option<usize>, FrameError> {
+        let r = self.rest();
+        if r.len() < PREFIX {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes([r[0], r[1], r[2], r[3]]) as usize;
+        if len > self.max {
+            return Err(FrameError::TooLarge { len, max: self.max });
+        }
+        Ok(Some(len))
     }
 
     /// The next whole frame's body, if one is buffered.
@@ -71,32 +106,38 @@ impl FrameDecoder {
     /// [`FrameError::TooLarge`] as soon as a prefix announces more than the bound (the
     /// connection should be dropped: the stream cannot be resynchronized).
     pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, FrameError> {
-        if self.buf.len() < PREFIX {
+        let Some(len) = self.announced()? else {
+            return Ok(None);
+        };
+        if self.rest().len() < PREFIX + len {
             return Ok(None);
         }
-        let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
-        if len > self.max {
-            return Err(FrameError::TooLarge { len, max: self.max });
-        }
-        if self.buf.len() < PREFIX + len {
-            return Ok(None);
-        }
-        let body = self.buf[PREFIX..PREFIX + len].to_vec();
-        self.buf.drain(..PREFIX + len);
+        let body = self.rest()[PREFIX..PREFIX + len].to_vec();
+        self.take(PREFIX + len);
         Ok(Some(body))
+    }
+
+    /// Whether a whole frame is buffered (the next [`FrameDecoder::next_frame`] needs no more
+    /// bytes; an over-long announcement counts: it fails without reading).
+    pub fn has_frame(&self) -> bool {
+        match self.announced() {
+            Ok(Some(len)) => self.rest().len() >= PREFIX + len,
+            Ok(None) => false,
+            Err(_) => true,
+        }
     }
 
     /// Bytes buffered and not yet taken.
     pub fn buffered(&self) -> usize {
-        self.buf.len()
+        self.rest().len()
     }
 
     /// Move up to `out.len()` buffered bytes that are not a frame (the raw payload that
     /// follows a data header) into the front of `out`; returns how many.
     pub fn take_raw(&mut self, out: &mut [u8]) -> usize {
-        let n = out.len().min(self.buf.len());
-        out[..n].copy_from_slice(&self.buf[..n]);
-        self.buf.drain(..n);
+        let n = out.len().min(self.buffered());
+        out[..n].copy_from_slice(&self.rest()[..n]);
+        self.take(n);
         n
     }
 
@@ -105,17 +146,17 @@ impl FrameDecoder {
     /// # Errors
     /// [`FrameError::Truncated`].
     pub fn finish(&self) -> Result<(), FrameError> {
-        if self.buf.is_empty() {
+        let r = self.rest();
+        if r.is_empty() {
             return Ok(());
         }
-        let want = if self.buf.len() >= PREFIX {
-            PREFIX
-                + u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize
+        let want = if r.len() >= PREFIX {
+            PREFIX + u32::from_be_bytes([r[0], r[1], r[2], r[3]]) as usize
         } else {
             PREFIX
         };
         Err(FrameError::Truncated {
-            have: self.buf.len(),
+            have: r.len(),
             want,
         })
     }
@@ -183,6 +224,64 @@ mod tests {
                 prop_assert!(f.len() <= max);
             }
             let _ = d.finish();
+        }
+
+        /// Frames each followed by raw bytes (a data header and its payload), pushed in
+        /// arbitrary pieces and taken as they become available: every frame and every raw
+        /// byte comes out in order, and `has_frame` says exactly when `next_frame` yields.
+        #[test]
+        fn frames_and_raw_bytes_across_splits(
+            items in prop::collection::vec((prop::collection::vec(any::<u8>(), 0..40), 0usize..300), 1..30),
+            splits in prop::collection::vec(1usize..200, 1..50),
+        ) {
+            let mut wire = Vec::new();
+            let mut raw_total = 0u8;
+            for (body, raw) in &items {
+                wire.extend(encode(body).unwrap());
+                wire.extend((0..*raw).map(|i| (i as u8).wrapping_add(raw_total)));
+                raw_total = raw_total.wrapping_add(1);
+            }
+            let mut d = FrameDecoder::new(64);
+            let (mut at, mut k, mut next) = (0, 0, 0);
+            let mut raw_left: Option<usize> = None;
+            let mut got_raw = Vec::new();
+            let mut want_raw = Vec::new();
+            while next < items.len() {
+                if let Some(n) = raw_left {
+                    let mut out = vec![0u8; n];
+                    let t = d.take_raw(&mut out);
+                    got_raw.extend_from_slice(&out[..t]);
+                    raw_left = (t < n).then_some(n - t);
+                    if raw_left.is_none() {
+                        next += 1;
+                    }
+                } else if d.has_frame() {
+                    let f = d.next_frame().unwrap().unwrap();
+                    prop_assert_eq!(&f, &items[next].0);
+                    want_raw.extend((0..items[next].1).map(|i| (i as u8).wrapping_add(next as u8)));
+                    raw_left = Some(items[next].1);
+                    if items[next].1 == 0 {
+                        raw_left = None;
+                        next += 1;
+                    }
+                    continue;
+                } else {
+                    prop_assert_eq!(d.next_frame().unwrap(), None);
+                }
+                if raw_left.is_some() || !d.has_frame() {
+                    if at >= wire.len() {
+                        break;
+                    }
+                    let n = splits[k % splits.len()].min(wire.len() - at);
+                    d.push(&wire[at..at + n]);
+                    at += n;
+                    k += 1;
+                }
+            }
+            prop_assert_eq!(next, items.len());
+            prop_assert_eq!(got_raw, want_raw);
+            prop_assert_eq!(d.buffered(), 0);
+            prop_assert_eq!(d.finish(), Ok(()));
         }
     }
 }

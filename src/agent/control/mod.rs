@@ -250,7 +250,9 @@ pub(crate) fn expect_reply<T>(
     }
 }
 
-/// Sends this agent's transfers and notifications, in submission order.
+/// Sends this agent's transfers and notifications, in submission order. Small work queued
+/// together goes out in one send (`tcp_batch`): what is queued is gathered until the queue
+/// is empty, the batch is full, or other work comes (sent after the batch).
 fn writer(
     shared: &Shared,
     mut w: TcpStream,
@@ -258,7 +260,47 @@ fn writer(
     peer: &str,
     sent: &std::sync::atomic::AtomicU64,
 ) {
-    for work in rx {
+    let mut batch = super::tcp_batch::Batch::default();
+    let fail = |w: &TcpStream, e: std::io::Error| {
+        shared.fail_peer(peer, &format!("send failed: {e}"));
+        let _ = w.shutdown(NetShutdown::Both);
+    };
+    loop {
+        let next = if batch.is_empty() {
+            rx.recv().ok()
+        } else {
+            match rx.try_recv() {
+                Ok(work) => Some(work),
+                Err(e) => {
+                    if let Err(e) = batch.send(shared, &w) {
+                        return fail(&w, e);
+                    }
+                    if e == mpsc::TryRecvError::Disconnected {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        };
+        let Some(work) = next else { return };
+        let work = match batch.take(work) {
+            Ok(None) => {
+                sent.fetch_add(1, Ordering::Release);
+                if batch.full() {
+                    if let Err(e) = batch.send(shared, &w) {
+                        return fail(&w, e);
+                    }
+                }
+                continue;
+            }
+            Ok(Some(work)) => work,
+            Err(e) => return fail(&w, e),
+        };
+        if !batch.is_empty() {
+            if let Err(e) = batch.send(shared, &w) {
+                return fail(&w, e);
+            }
+        }
         let res = match work {
             Work::Flush(done) => {
                 let _ = done.send(());
@@ -288,9 +330,7 @@ fn writer(
         };
         sent.fetch_add(1, Ordering::Release);
         if let Err(e) = res {
-            shared.fail_peer(peer, &format!("send failed: {e}"));
-            let _ = w.shutdown(NetShutdown::Both);
-            return;
+            return fail(&w, e);
         }
     }
 }
@@ -537,12 +577,33 @@ fn target_loop(
     let mut writes = super::tcp::Writes::default();
     #[cfg(feature = "verbs")]
     let mut qps = crate::agent::verbs::exchange::TargetQps::default();
+    // WRITE answers wait here while more requests are already read: one send for a burst
+    // of small transfers instead of one each (sent before the reader would wait for more,
+    // and before any other answer, so nothing is held back or reordered behind one)
+    let mut acks = Vec::new();
+    let flush = |w: &mut TcpStream, acks: &mut Vec<u8>| -> Result<(), String> {
+        if acks.is_empty() {
+            return Ok(());
+        }
+        let r = std::io::Write::write_all(w, acks).map_err(|e| format!("to {from}: {e}"));
+        acks.clear();
+        r
+    };
     loop {
+        if !r.has_frame() {
+            flush(w, &mut acks)?;
+        }
         let m = match r.next() {
             Ok(Some(m)) => m,
-            Ok(None) => return Ok(()),
+            Ok(None) => return flush(w, &mut acks),
             Err(e) => return Err(format!("from {from}: {e}")),
         };
+        if !matches!(
+            m,
+            Msg::WriteData { .. } | Msg::WriteEnd { .. } | Msg::Notif(_)
+        ) {
+            flush(w, &mut acks)?;
+        }
         #[cfg(feature = "verbs")]
         if let Some(reply) = qps.answer(shared, conn, from, &m) {
             send(w, &reply).map_err(|e| format!("to {from}: {e}"))?;
@@ -566,7 +627,9 @@ fn target_loop(
                 }
                 Ok(())
             }
-            Msg::WriteEnd { xfer, notif } => send(w, &writes.end(shared, from, xfer, notif)),
+            Msg::WriteEnd { xfer, notif } => {
+                msg::encode_into(&mut acks, &writes.end(shared, from, xfer, notif))
+            }
             Msg::ReadReq {
                 xfer,
                 idx,

@@ -114,6 +114,17 @@ pub(crate) enum Msg {
     },
 }
 
+/// Append one message's frame to `out` (to be written later, with others).
+pub(crate) fn encode_into(out: &mut Vec<u8>, m: &Msg) -> std::io::Result<()> {
+    let body = rmp_serde::to_vec(m)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let len = u32::try_from(body.len())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(&body);
+    Ok(())
+}
+
 /// Write one message.
 pub(crate) fn send(w: &mut impl Write, m: &Msg) -> std::io::Result<()> {
     let body = rmp_serde::to_vec(m)
@@ -212,6 +223,11 @@ impl<R: Read> Reader<R> {
             .read_exact(&mut self.payload[have..len])
             .map_err(|e| format!("inside a data message: {e}"))?;
         Ok(&self.payload[..len])
+    }
+
+    /// Whether the next message is read already (`next` will not wait for the stream).
+    pub(crate) fn has_frame(&self) -> bool {
+        self.dec.has_frame()
     }
 
     /// The next message; `Ok(None)` at a clean end of stream.
