@@ -181,12 +181,13 @@ impl PeerConn {
         {
             let shared = shared.clone();
             let sent = sent.clone();
+            let closed = closed.clone();
             std::thread::Builder::new()
                 .name(format!("kvrail-wr-{name}"))
                 .spawn(move || {
                     let _span =
                         tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
-                    writer(&shared, w, rx, &name, &sent);
+                    writer(&shared, w, rx, &name, (&sent, &closed));
                 })
                 .map_err(|e| conn_err("thread for", addr, e))?;
         }
@@ -222,8 +223,10 @@ impl PeerConn {
     }
 
     /// False once the connection's writer has stopped.
+    /// (A flag, not a `getpeername` per post: the reader sets it when the connection ends,
+    /// the writer when a send fails, `close` when the agent closes it.)
     pub(crate) fn is_open(&self) -> bool {
-        self.stream.peer_addr().is_ok() && !self.closed.load(Ordering::Acquire)
+        !self.closed.load(Ordering::Acquire)
     }
 
     pub(crate) fn close(&self) {
@@ -258,10 +261,14 @@ fn writer(
     mut w: TcpStream,
     rx: mpsc::Receiver<Work>,
     peer: &str,
-    sent: &std::sync::atomic::AtomicU64,
+    (sent, closed): (
+        &std::sync::atomic::AtomicU64,
+        &std::sync::atomic::AtomicBool,
+    ),
 ) {
     let mut batch = super::tcp_batch::Batch::default();
     let fail = |w: &TcpStream, e: std::io::Error| {
+        closed.store(true, Ordering::Release);
         shared.fail_peer(peer, &format!("send failed: {e}"));
         let _ = w.shutdown(NetShutdown::Both);
     };
