@@ -87,7 +87,7 @@ def mooncake(python, op, size, secs):
         line = t.stdout.readline().split()
         if not line or line[0] != "READY":
             sys.exit(f"mooncake target did not start: {line}")
-        out = run([python, MC, "initiator", str(size), str(DEPTH), str(secs), op, line[1], line[2]])
+        out = run([python, MC, "initiator", str(size), str(DEPTH), str(secs), op, f"127.0.0.1:{line[1]}", line[2]])
     finally:
         t.stdin.close()
         t.wait(timeout=60)

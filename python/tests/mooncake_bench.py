@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""Mooncake Transfer Engine (PyPI `mooncake-transfer-engine-non-cuda`, protocol tcp, metadata
-P2PHANDSHAKE) as a bandwidth peer for python/bench-peers.py: two processes like kvrail-perf's
-server and client, `depth` transfers in flight (each finished one replaced at once), WRITE and
-READ. The READ's bytes are checked once at the end (a pattern the target wrote).
+"""Mooncake Transfer Engine (PyPI `mooncake-transfer-engine-non-cuda`, metadata P2PHANDSHAKE)
+as a bandwidth peer: python/bench-peers.py runs it on TCP loopback, tools/lab/bench.sh on rxe
+(protocol rdma). Two processes like kvrail-perf's server and client, `depth` transfers in
+flight (each finished one replaced at once), WRITE and READ. The READ's bytes are checked
+once at the end (a pattern the target wrote).
 
-    mooncake_bench.py target SIZE DEPTH            # prints "READY <rpc port> <buffer address>"
-    mooncake_bench.py initiator SIZE DEPTH SECS OP PORT ADDR   # prints "BENCH OP SIZE MB/s"
+    mooncake_bench.py target SIZE DEPTH        # prints "READY <rpc port> <buffer address>"
+    mooncake_bench.py initiator SIZE DEPTH SECS OP HOST:PORT ADDR   # "BENCH OP SIZE MB/s"
+
+Environment: MC_PROTOCOL (tcp; or rdma), MC_DEVICE (the RDMA device, rdma only), MC_HOST
+(this process's address, 127.0.0.1), MC_TARGET_SECS (the target waits this long instead of
+for its stdin to close); on rxe also MC_GID_INDEX (Mooncake's own).
 """
 
+import os
 import sys
 import time
 
@@ -17,7 +23,8 @@ from mooncake.engine import TransferEngine
 
 def engine(size, depth):
     te = TransferEngine()
-    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+    proto, dev = os.environ.get("MC_PROTOCOL", "tcp"), os.environ.get("MC_DEVICE", "")
+    if te.initialize(os.environ.get("MC_HOST", "127.0.0.1"), "P2PHANDSHAKE", proto, dev) != 0:
         sys.exit("mooncake: initialize failed")
     buf = np.zeros(size * depth, dtype=np.uint8)
     if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
@@ -35,10 +42,12 @@ def main():
     if role == "target":
         buf[:] = pattern(buf.nbytes)
         print(f"READY {te.get_rpc_port()} {buf.ctypes.data}", flush=True)
-        sys.stdin.read()  # until the bench closes our stdin
+        if os.environ.get("MC_TARGET_SECS"):
+            time.sleep(float(os.environ["MC_TARGET_SECS"]))  # until killed, at most this long
+        else:
+            sys.stdin.read()  # until the bench closes our stdin
         return
-    secs, op, port, peer = float(sys.argv[4]), sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
-    target = f"127.0.0.1:{port}"
+    secs, op, target, peer = float(sys.argv[4]), sys.argv[5], sys.argv[6], int(sys.argv[7])
     base = buf.ctypes.data
     submit = te.batch_transfer_async_write if op == "WRITE" else te.batch_transfer_async_read
 

@@ -92,6 +92,24 @@ ucx() {
     echo 0
 }
 
+# Mooncake's Transfer Engine over rdma on rail 0 (target on B's device, initiator on A's;
+# python/tests/mooncake_bench.py, 32 in flight for 3 s): op $1, size $2 → MB/s (2^20), or
+# "-" when there is no Mooncake venv (python/bench-peers.py makes target/mooncake-venv)
+mooncake() {
+    local py=${MOONCAKE_PYTHON:-target/mooncake-venv/bin/python} op=${1^^} line v
+    [ -x "$py" ] || { echo "-"; return; }
+    local AIPS=($LAB_A_IPS)
+    MC_PROTOCOL=rdma MC_DEVICE="${B[0]}" MC_HOST="${BIPS[0]}" MC_GID_INDEX=$G PYTHONDONTWRITEBYTECODE=1         timeout 120 "$py" python/tests/mooncake_bench.py target "$2" 32 > "$T/mc.srv" 2>&1 < /dev/zero &
+    local spid=$! i
+    for ((i = 0; i < 300; i++)); do grep -q '^READY' "$T/mc.srv" && break; sleep 0.1; done
+    line=$(grep '^READY' "$T/mc.srv")
+    set -- "$op" "$2" $line
+    MC_PROTOCOL=rdma MC_DEVICE="${A[0]}" MC_HOST="${AIPS[0]}" MC_GID_INDEX=$G PYTHONDONTWRITEBYTECODE=1         timeout 120 "$py" python/tests/mooncake_bench.py initiator "$2" 32 3 "$1" "${BIPS[0]}:$4" "$5" > "$T/mc" 2>&1
+    kill $spid 2> /dev/null; wait $spid 2> /dev/null
+    v=$(awk '/^BENCH / {printf "%.2f", $4 * 1e6 / 1048576}' "$T/mc")
+    if ok "${v:-0}"; then echo "$v"; else echo "mooncake gave no result:" >&2; tail -n 5 "$T/mc" "$T/mc.srv" >&2; echo 0; fi
+}
+
 # kvrail-perf server/client: client rails $1, server rails $2, op $3, size $4, depth $5,
 # iters $6, extra args... → MB/s; the run must have checked its data
 kvrail() {

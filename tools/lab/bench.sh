@@ -3,8 +3,10 @@
 # The side-by-side bench, one VM boot, everything on the same rail (rail 0) and sizes:
 #   WRITE and READ at 64 KiB, 256 KiB, 1 MiB, 8 MiB: ib_write_bw / ib_read_bw (-t 32),
 #   ucx_perftest (UCT over rc_verbs, zcopy put_bw / get — the transport NIXL uses; UCP does
-#   not run on rxe in this VM, see ../shared/rdma-lab/README.md) and kvrail-perf (the agent
-#   API, two processes) with 32 transfers in flight and with one;
+#   not run on rxe in this VM, see ../shared/rdma-lab/README.md, so NIXL itself cannot),
+#   Mooncake's Transfer Engine over rdma (python/tests/mooncake_bench.py, 32 in flight; "-"
+#   without target/mooncake-venv, which python/bench-peers.py makes) and kvrail-perf (the
+#   agent API, two processes) with 32 transfers in flight and with one;
 #   rails: kvrail one rail vs striped over two (1 MiB WRITE), next to two ib_write_bw at once;
 #   TCP: kvrail-perf --transport tcp --loopback vs iperf3 over loopback (inside the VM);
 #   latency: ib_send_lat vs kvrail-perf --op lat (64 B); and a verbs --loopback -a sweep.
@@ -21,18 +23,21 @@ MB=${BENCH_MB:-200}
 iters() { local n=$(( MB * 1048576 / $1 )); [ "$n" -gt 2000 ] && n=2000; [ "$n" -lt 10 ] && n=10; echo "$n"; }
 ROWS=()
 
-printf '%-5s %8s | %9s %9s %9s %9s | %7s %7s %9s | %s\n' op bytes perftest ucx kvrail kvrail-t1 "kv/pt" "t1/pt" "kv/ucx" "cs/xfer t1 (kvrail client)"
+printf '%-5s %8s | %9s %9s %9s %9s %9s | %7s %7s %9s %8s | %s\n' op bytes perftest ucx mooncake kvrail kvrail-t1 "kv/pt" "t1/pt" "kv/ucx" "kv/mc" "cs/xfer t1 (kvrail client)"
 for op in write read; do
     for size in $SIZES; do
         n=$(iters "$size")
         p=$(perftest_one "$op" 0 "$size" 32 "$n")
         u=$(ucx "$op" "$size" "$n")
+        mc=$(mooncake "$op" "$size")
         k=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n")
         k1=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 1 "$n")
         cs=$(awk '/^# context switches per transfer/ {print $NF}' "$T/kv")
         r=$(ratio "$k" "$p"); r1=$(ratio "$k1" "$p"); ru=$(ratio "$k" "$u")
-        printf '%-5s %8s | %9s %9s %9s %9s | %7s %7s %9s | %s\n' "$op" "$size" "$p" "$u" "$k" "$k1" "$r" "$r1" "$ru" "${cs:-?}"
-        ROWS+=("{\"op\":\"$op\",\"bytes\":$size,\"perftest_mbps\":$p,\"ucx_mbps\":$u,\"kvrail_mbps\":$k,\"kvrail_t1_mbps\":$k1,\"kvrail_vs_perftest\":$r,\"kvrail_t1_vs_perftest\":$r1,\"kvrail_vs_ucx\":$ru,\"kvrail_t1_ctx_switches_per_xfer\":${cs:-null}}")
+        rm=-; [ "$mc" != - ] && rm=$(ratio "$k" "$mc")
+        printf '%-5s %8s | %9s %9s %9s %9s %9s | %7s %7s %9s %8s | %s\n' "$op" "$size" "$p" "$u" "$mc" "$k" "$k1" "$r" "$r1" "$ru" "$rm" "${cs:-?}"
+        mj=$mc; [ "$mc" = - ] && mj=null
+        ROWS+=("{\"op\":\"$op\",\"bytes\":$size,\"perftest_mbps\":$p,\"ucx_mbps\":$u,\"mooncake_rdma_mbps\":$mj,\"kvrail_mbps\":$k,\"kvrail_t1_mbps\":$k1,\"kvrail_vs_perftest\":$r,\"kvrail_t1_vs_perftest\":$r1,\"kvrail_vs_ucx\":$ru,\"kvrail_t1_ctx_switches_per_xfer\":${cs:-null}}")
     done
 done
 
