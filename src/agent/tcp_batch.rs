@@ -101,7 +101,9 @@ impl Batch {
                 && local.iter().map(|(_, _, n)| n).sum::<u64>() <= SMALL
                 && self.segs.len() + 2 * local.len() < MAX_SEGS =>
             {
-                for (i, ((r, off, len), rd)) in local.into_iter().zip(&remote).enumerate() {
+                // as `tcp::send_write`: a header and its bytes per non-empty descriptor
+                let parts = local.into_iter().zip(&remote).enumerate();
+                for (i, ((r, off, len), rd)) in parts.filter(|(_, ((_, _, n), _))| *n > 0) {
                     self.head(&Msg::WriteData {
                         xfer: id,
                         region: rd.region.0,
@@ -109,11 +111,9 @@ impl Batch {
                         len: len as u32,
                         grant: grants.get(i).copied().unwrap_or(0),
                     })?;
-                    if len > 0 {
-                        self.segs.push(Seg::Mem(r, off as usize, len as usize));
-                        self.bytes += len as usize;
-                        self.payload += len;
-                    }
+                    self.segs.push(Seg::Mem(r, off as usize, len as usize));
+                    self.bytes += len as usize;
+                    self.payload += len;
                 }
                 self.head(&Msg::WriteEnd { xfer: id, notif })?;
             }
