@@ -76,20 +76,28 @@ pub(crate) fn send_read(
     remote: &[Desc],
     grants: &[u64],
 ) -> std::io::Result<()> {
-    for (i, rd) in remote.iter().enumerate().filter(|(_, d)| d.len > 0) {
-        send(
-            w,
-            &Msg::ReadReq {
-                xfer: id,
-                idx: i as u32,
-                region: rd.region.0,
-                offset: rd.offset,
-                len: rd.len,
-                grant: grants.get(i).copied().unwrap_or(0),
-            },
-        )?;
+    for m in read_reqs(id, remote, grants) {
+        send(w, &m)?;
     }
     Ok(())
+}
+
+/// READ `id`'s requests: one per non-empty descriptor, with the grant it goes through.
+pub(crate) fn read_reqs<'a>(
+    id: u64,
+    remote: &'a [Desc],
+    grants: &'a [u64],
+) -> impl Iterator<Item = Msg> + 'a {
+    (remote.iter().enumerate())
+        .filter(|(_, d)| d.len > 0)
+        .map(move |(i, rd)| Msg::ReadReq {
+            xfer: id,
+            idx: i as u32,
+            region: rd.region.0,
+            offset: rd.offset,
+            len: rd.len,
+            grant: grants.get(i).copied().unwrap_or(0),
+        })
 }
 
 /// Initiator: `len` bytes for descriptor `idx` of READ `xfer`, at `at` of it, follow on

@@ -79,15 +79,8 @@ impl Batch {
                 grants,
                 ..
             } => {
-                for (i, rd) in remote.iter().enumerate().filter(|(_, d)| d.len > 0) {
-                    self.head(&Msg::ReadReq {
-                        xfer: id,
-                        idx: i as u32,
-                        region: rd.region.0,
-                        offset: rd.offset,
-                        len: rd.len,
-                        grant: grants.get(i).copied().unwrap_or(0),
-                    })?;
+                for m in super::tcp::read_reqs(id, &remote, &grants) {
+                    self.head(&m)?;
                 }
             }
             Work::Xfer {

@@ -322,6 +322,13 @@ async fn put_published(state: &State) -> Result<i64, etcd_client::Error> {
     Ok(lease)
 }
 
+/// A task's pause after a failure: the store is marked down, then `RETRY` passes. True when
+/// the store stopped meanwhile (the task ends).
+async fn pause(state: &State, why: &str, stop: &mut tokio::sync::watch::Receiver<bool>) -> bool {
+    state.set_up(false, why);
+    tokio::time::timeout(RETRY, stop.changed()).await.is_ok()
+}
+
 /// Renews the lease every third of its TTL; when etcd says it expired (down longer than
 /// the TTL), grants a new one and puts the value again (peers see a new incarnation).
 async fn keep_lease(state: Arc<State>, mut stop: tokio::sync::watch::Receiver<bool>) {
@@ -339,8 +346,7 @@ async fn keep_lease(state: Arc<State>, mut stop: tokio::sync::watch::Receiver<bo
                 Ok(l) if l != 0 => l,
                 Ok(_) => return,
                 Err(e) => {
-                    state.set_up(false, &e.to_string());
-                    if tokio::time::timeout(RETRY, stop.changed()).await.is_ok() {
+                    if pause(&state, &e.to_string(), &mut stop).await {
                         return;
                     }
                     continue;
@@ -353,8 +359,7 @@ async fn keep_lease(state: Arc<State>, mut stop: tokio::sync::watch::Receiver<bo
         let (mut keeper, mut answers) = match c.lease_keep_alive(lease).await {
             Ok(k) => k,
             Err(e) => {
-                state.set_up(false, &e.to_string());
-                if tokio::time::timeout(RETRY, stop.changed()).await.is_ok() {
+                if pause(&state, &e.to_string(), &mut stop).await {
                     return;
                 }
                 continue;
@@ -410,8 +415,7 @@ async fn watch_prefix(
         let mut stream = match c.watch(prefix.clone(), Some(opts)).await {
             Ok(s) => s,
             Err(e) => {
-                state.set_up(false, &e.to_string());
-                if tokio::time::timeout(RETRY, stop.changed()).await.is_ok() {
+                if pause(&state, &e.to_string(), &mut stop).await {
                     return;
                 }
                 continue;
