@@ -15,7 +15,8 @@
 //!   ports of a host, judges each one usable as a data-plane rail or not (with every reason),
 //!   and selects the rails for an accelerator's NUMA node; [`mem`] and [`bounce`] for
 //!   accelerator memory; [`metrics`], the counters and gauges of an agent (a JSON snapshot
-//!   and a Prometheus endpoint).
+//!   and a Prometheus endpoint); [`store`], agent metadata in etcd for many hosts (publish
+//!   under a lease, load peers by name, follow their restarts).
 //!
 //! The C ABI is the `kvrail-ffi` crate; the Python package (`kvrail`, `kvrail.nixl`,
 //! `kvrail.vllm`) is `python/`.

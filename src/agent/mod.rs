@@ -553,7 +553,8 @@ impl Agent {
         Ok(name)
     }
 
-    /// Forget a peer: its connection closes and its in-progress transfers fail.
+    /// Forget a peer: its connection closes and its in-progress transfers fail. A peer loaded
+    /// by name is no longer followed in the metadata store (a restart is not loaded again).
     ///
     /// # Errors
     /// [`AgentError::UnknownPeer`].
