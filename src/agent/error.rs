@@ -108,7 +108,7 @@ pub enum AgentError {
     /// The configuration asks for something this build cannot do.
     #[error("{0}")]
     Unsupported(String),
-    /// Memory handed to [`Agent::register_memory`] cannot be registered (overlap, layers
+    /// Memory handed to [`super::Agent::register_memory`] cannot be registered (overlap, layers
     /// outside it, an empty or invalid range); nothing was registered.
     #[error("memory: {0}")]
     InvalidMemory(String),
