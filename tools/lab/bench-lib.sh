@@ -93,21 +93,30 @@ ucx() {
 }
 
 # Mooncake's Transfer Engine over rdma on rail 0 (target on B's device, initiator on A's;
-# python/tests/mooncake_bench.py, 32 in flight for 3 s): op $1, size $2 → MB/s (2^20), or
-# "-" when there is no Mooncake venv (python/bench-peers.py makes target/mooncake-venv)
+# python/tests/mooncake_bench.py, 32 in flight — fewer at large sizes, at most 64 MiB of
+# buffer a process in this 2 GiB VM — for 3 s): op $1, size $2 → MB/s (2^20), "-" when there
+# is no Mooncake venv (python/bench-peers.py makes target/mooncake-venv), 0 when it failed
 mooncake() {
-    local py=${MOONCAKE_PYTHON:-target/mooncake-venv/bin/python} op=${1^^} line v
+    local py=${MOONCAKE_PYTHON:-target/mooncake-venv/bin/python} op=${1^^} size=$2 line v i
     [ -x "$py" ] || { echo "-"; return; }
-    local AIPS=($LAB_A_IPS)
-    MC_PROTOCOL=rdma MC_DEVICE="${B[0]}" MC_HOST="${BIPS[0]}" MC_GID_INDEX=$G PYTHONDONTWRITEBYTECODE=1         timeout 120 "$py" python/tests/mooncake_bench.py target "$2" 32 > "$T/mc.srv" 2>&1 < /dev/zero &
-    local spid=$! i
-    for ((i = 0; i < 300; i++)); do grep -q '^READY' "$T/mc.srv" && break; sleep 0.1; done
+    local AIPS=($LAB_A_IPS) depth=$(( (64 << 20) / $2 ))
+    [ "$depth" -gt 32 ] && depth=32; [ "$depth" -lt 1 ] && depth=1
+    MC_PROTOCOL=rdma MC_DEVICE="${B[0]}" MC_HOST="${BIPS[0]}" MC_GID_INDEX=$G PYTHONDONTWRITEBYTECODE=1 \
+        MC_TARGET_SECS=110 timeout 120 "$py" python/tests/mooncake_bench.py target "$size" "$depth" > "$T/mc.srv" 2>&1 &
+    local spid=$!
+    for ((i = 0; i < 600; i++)); do grep -q '^READY' "$T/mc.srv" && break; sleep 0.1; done
     line=$(grep '^READY' "$T/mc.srv")
-    set -- "$op" "$2" $line
-    MC_PROTOCOL=rdma MC_DEVICE="${A[0]}" MC_HOST="${AIPS[0]}" MC_GID_INDEX=$G PYTHONDONTWRITEBYTECODE=1         timeout 120 "$py" python/tests/mooncake_bench.py initiator "$2" 32 3 "$1" "${BIPS[0]}:$4" "$5" > "$T/mc" 2>&1
+    set -- $line
+    if [ $# -lt 3 ]; then
+        echo "mooncake target did not start ($op $size):" >&2; tail -n 5 "$T/mc.srv" >&2
+        kill $spid 2> /dev/null; wait $spid 2> /dev/null
+        echo 0; return
+    fi
+    MC_PROTOCOL=rdma MC_DEVICE="${A[0]}" MC_HOST="${AIPS[0]}" MC_GID_INDEX=$G PYTHONDONTWRITEBYTECODE=1 \
+        timeout 120 "$py" python/tests/mooncake_bench.py initiator "$size" "$depth" 3 "$op" "${BIPS[0]}:$2" "$3" > "$T/mc" 2>&1
     kill $spid 2> /dev/null; wait $spid 2> /dev/null
     v=$(awk '/^BENCH / {printf "%.2f", $4 * 1e6 / 1048576}' "$T/mc")
-    if ok "${v:-0}"; then echo "$v"; else echo "mooncake gave no result:" >&2; tail -n 5 "$T/mc" "$T/mc.srv" >&2; echo 0; fi
+    if ok "${v:-0}"; then echo "$v"; else echo "mooncake gave no result ($op $size):" >&2; tail -n 5 "$T/mc" "$T/mc.srv" >&2; echo 0; fi
 }
 
 # kvrail-perf server/client: client rails $1, server rails $2, op $3, size $4, depth $5,
