@@ -18,6 +18,7 @@ use kvrail::agent::{
     XferStatus,
 };
 use kvrail::store::{EtcdStore, StoreConfig, StoreError};
+use lab::pattern;
 
 const LEN: usize = 1 << 20;
 
@@ -55,12 +56,6 @@ fn on_verbs_in_the_lab(d: &Agent, peer: &str) {
             Some(BackendKind::Verbs)
         );
     }
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| ((i ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8)
-        .collect()
 }
 
 /// READ all of `peer`'s region `src` into a fresh region of `d`; the bytes.

@@ -17,32 +17,24 @@ mod with_etcd {
     use std::collections::HashMap;
     use std::sync::Mutex;
 
-    use crate::store::{EtcdStore, StoreConfig};
-
     /// The store connection and what this agent loaded from it.
     pub(crate) struct AgentStore {
-        pub(crate) etcd: EtcdStore,
+        pub(crate) etcd: crate::store::EtcdStore,
         /// Peers loaded by name: the lease (incarnation) and revision loaded.
         pub(crate) known: Mutex<HashMap<String, (i64, i64)>>,
-    }
-
-    impl AgentStore {
-        pub(crate) fn open(cfg: &StoreConfig) -> Result<Self, crate::store::StoreError> {
-            Ok(Self {
-                etcd: EtcdStore::connect(cfg)?,
-                known: Mutex::new(HashMap::new()),
-            })
-        }
     }
 }
 
 /// The store of a configuration, connected (None: none configured).
 #[cfg(feature = "etcd")]
 pub(crate) fn open(config: &super::AgentConfig) -> Result<Option<AgentStore>, AgentError> {
-    match &config.metadata_store {
-        None => Ok(None),
-        Some(c) => Ok(Some(AgentStore::open(c)?)),
-    }
+    let Some(c) = &config.metadata_store else {
+        return Ok(None);
+    };
+    Ok(Some(AgentStore {
+        etcd: crate::store::EtcdStore::connect(c)?,
+        known: std::sync::Mutex::default(),
+    }))
 }
 
 /// Without the `etcd` feature a configured store is refused.
