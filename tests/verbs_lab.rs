@@ -51,6 +51,7 @@ fn main() {
         ),
         ("cq_channel_events_with_mio", cq_events_with_mio),
         ("path_mtu_is_the_smaller_of_both", path_mtu_min),
+        ("outstanding_reads_follow_the_peer", outstanding_reads),
         ("notif_channel_burst_of_100k_ordered_no_rnr", notif_burst),
     ];
     let Some(topo) = Topology::from_env() else {
@@ -793,6 +794,83 @@ fn path_mtu_min(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
         .map_err(s)?;
     expect_ok(&wait_completions(&cq, 1, WAIT)?, &[1])?;
     conn.ok(&Cmd::Verify { segments: segs })
+}
+
+/// Outstanding READs: the device's own limit (perftest's default), never more than the
+/// peer's endpoint says its responder serves (16 when it does not say: an older kvrail);
+/// 64 READs posted at once on a queue pair that may keep 4 outstanding all land intact.
+fn outstanding_reads(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
+    let dev = Context::open(&t.a_devs[rail])
+        .map_err(s)?
+        .query_device()
+        .map_err(s)?;
+    let init = dev.max_qp_init_rd_atom.clamp(1, 255) as u8;
+    let serves = dev.max_qp_rd_atom.clamp(1, 255) as u8;
+    const N: usize = 64;
+    const LEN: usize = 16 << 10;
+    for (says, want) in [
+        (None, init.min(serves)),
+        (Some(4u8), init.min(4)),
+        (Some(0), init.min(16)),
+    ] {
+        let mut o = Opts::new(N * LEN, N * LEN, "r");
+        o.depth = 2 * N as u32;
+        let (mut conn, endpoint, remote) = peer_setup(t, peer, rail, &o)?;
+        ensure(endpoint.rd_atomic == serves, || {
+            format!(
+                "the peer's endpoint says {} (device: {serves})",
+                endpoint.rd_atomic
+            )
+        })?;
+        let (_ctx, pd, cq, qp) = local_qp(t, rail, o.depth)?;
+        ensure(qp.endpoint().rd_atomic == serves, || {
+            format!("local endpoint {:?}", qp.endpoint())
+        })?;
+        let ep = match says {
+            Some(n) => Endpoint {
+                rd_atomic: n,
+                ..endpoint
+            },
+            None => endpoint,
+        };
+        qp.connect(&ep, &ConnectOptions::default()).map_err(s)?;
+        let got = qp.outstanding_reads().map_err(s)?;
+        ensure(got == want, || {
+            format!("peer says {says:?}: {got} outstanding READs, expected {want}")
+        })?;
+        conn.ok(&Cmd::Connect {
+            endpoint: qp.endpoint(),
+        })?;
+        let segs: Vec<Segment> = (0..N)
+            .map(|i| Segment {
+                offset: i * LEN,
+                len: LEN,
+                seed: Some(7000 + i as u64 + u64::from(want) * 100),
+            })
+            .collect();
+        conn.ok(&Cmd::Fill {
+            segments: segs.clone(),
+        })?;
+        let mr = Mr::alloc(&pd, N * LEN, Access::LOCAL_WRITE).map_err(s)?;
+        let wrs: Vec<SendWr<'_>> = segs
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                SendWr::read(
+                    i as u64,
+                    Sge::new(&mr, g.offset, g.len),
+                    remote,
+                    g.offset as u64,
+                )
+            })
+            .collect();
+        qp.post_send(&wrs).map_err(s)?;
+        let cs = wait_completions(&cq, N, WAIT)?;
+        expect_ok(&cs, &(0..N as u64).collect::<Vec<_>>())?;
+        verify_region(&read_all(&mr), &segs)?;
+        println!("    peer says {says:?}: {got} outstanding READs, {N} READs of {LEN} B intact");
+    }
+    Ok(())
 }
 
 /// Message `i` of a notification stream: its index, then position-dependent bytes; every

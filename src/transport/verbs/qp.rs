@@ -70,7 +70,15 @@ pub struct Endpoint {
     pub lid: u16,
     /// The port's active MTU.
     pub mtu: Mtu,
+    /// RDMA READs (and atomics) this queue pair serves at once as a responder
+    /// (`max_dest_rd_atomic`); the peer keeps at most this many outstanding toward it. 0 from
+    /// a peer that does not say (an older kvrail): taken as 16, the value it used.
+    #[serde(default)]
+    pub rd_atomic: u8,
 }
+
+/// Outstanding READs assumed of a peer whose endpoint does not say (see [`Endpoint::rd_atomic`]).
+const UNSAID_RD_ATOMIC: u8 = 16;
 
 /// Connection parameters (RTR / RTS attributes).
 #[derive(Debug, Clone)]
@@ -306,6 +314,9 @@ impl Qp {
         });
         send_cq.inner.attach(qpn, shared.clone());
         recv_cq.inner.attach(qpn, shared.clone());
+        // As many outstanding READs as the device takes (perftest's default too): on rxe
+        // (128) a cap of 16 left 64 KiB READs at 32 in flight waiting on READ credits.
+        let max_dest_rd_atomic = dev.max_qp_rd_atom.clamp(1, 255) as u8;
         let this = Self {
             inner: Arc::new(QpInner {
                 qp,
@@ -320,10 +331,11 @@ impl Qp {
                         let active = port.active_mtu.unwrap_or(Mtu::Mtu1024);
                         opts.max_mtu.map_or(active, |m| m.min(active))
                     },
+                    rd_atomic: max_dest_rd_atomic,
                 },
                 link_layer: port.link_layer,
-                max_rd_atomic: dev.max_qp_init_rd_atom.clamp(1, 16) as u8,
-                max_dest_rd_atomic: dev.max_qp_rd_atom.clamp(1, 16) as u8,
+                max_rd_atomic: dev.max_qp_init_rd_atom.clamp(1, 255) as u8,
+                max_dest_rd_atomic,
                 state: Mutex::new(QpState::Reset),
                 shared,
                 send_cq: send_cq.inner.clone(),
@@ -464,7 +476,12 @@ impl Qp {
         a.retry_cnt = opts.retry_cnt;
         a.rnr_retry = opts.rnr_retry;
         a.sq_psn = self.inner.local.psn;
-        a.max_rd_atomic = self.inner.max_rd_atomic;
+        // never more outstanding than the peer's responder serves
+        let theirs = match remote.rd_atomic {
+            0 => UNSAID_RD_ATOMIC,
+            n => n,
+        };
+        a.max_rd_atomic = self.inner.max_rd_atomic.min(theirs);
         self.modify(
             &mut a,
             M::IBV_QP_STATE
@@ -536,6 +553,18 @@ impl Qp {
             state: self.cached_state().name(),
             expected: "RTR or RTS",
         })
+    }
+
+    /// RDMA READs this queue pair keeps outstanding as a requester (`max_rd_atomic`, as the
+    /// device reports it): the smaller of what the device takes and what the peer's endpoint
+    /// serves ([`Endpoint::rd_atomic`]).
+    ///
+    /// # Errors
+    /// [`Error::QueryQp`].
+    pub fn outstanding_reads(&self) -> Result<u8, Error> {
+        Ok(self
+            .query(ffi::ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC)?
+            .max_rd_atomic)
     }
 
     /// `Ok` while the QP can carry traffic; otherwise [`Error::QpInError`] with the first
@@ -901,5 +930,36 @@ fn bad_index<T>(base: *const T, bad: *const T, len: usize) -> usize {
         len
     } else {
         off
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Endpoint, Gid, Mtu};
+
+    /// An endpoint as an older kvrail sends it (no `rd_atomic`).
+    #[derive(serde::Serialize)]
+    struct Older {
+        qpn: u32,
+        psn: u32,
+        gid: Gid,
+        lid: u16,
+        mtu: Mtu,
+    }
+
+    #[test]
+    fn an_endpoint_without_outstanding_reads_decodes_as_unsaid() {
+        let old = Older {
+            qpn: 7,
+            psn: 9,
+            gid: Gid::default(),
+            lid: 0,
+            mtu: Mtu::Mtu4096,
+        };
+        let ep: Endpoint = rmp_serde::from_slice(&rmp_serde::to_vec(&old).unwrap()).unwrap();
+        assert_eq!((ep.qpn, ep.psn, ep.mtu, ep.rd_atomic), (7, 9, Mtu::Mtu4096, 0));
+        let new = Endpoint { rd_atomic: 128, ..ep };
+        let back: Endpoint = rmp_serde::from_slice(&rmp_serde::to_vec(&new).unwrap()).unwrap();
+        assert_eq!(back, new);
     }
 }
