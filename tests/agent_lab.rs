@@ -6,6 +6,8 @@
 #[path = "agent_lab/grant_cost.rs"]
 mod grant_cost;
 mod lab;
+#[path = "agent_lab/polling.rs"]
+mod polling;
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
@@ -74,6 +76,7 @@ fn main() {
         "idle_connected_agents_use_no_cpu",
         "lossy_slow_rail_single_and_striped_byte_exact",
         "grant_cost_next_to_the_read_it_fences",
+        "callers_that_poll_move_every_byte_and_notification_in_order",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -92,6 +95,7 @@ fn main() {
     r.run(cases[7], || idle_cpu(&t));
     r.run(cases[8], || lossy_rail(&t));
     r.run(cases[9], || grant_cost::grant_cost(&t));
+    r.run(cases[10], || polling::callers_poll(&t));
     r.finish();
 }
 

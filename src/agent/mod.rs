@@ -35,6 +35,7 @@ pub(crate) mod notifs;
 mod region;
 mod register;
 mod route;
+mod spin;
 mod stats;
 mod store;
 mod table;
@@ -759,17 +760,26 @@ impl Agent {
     /// # Errors
     /// [`AgentError::NoXfer`].
     pub fn status(&self, id: XferId) -> Result<XferStatus, AgentError> {
+        self.shared.poll_once(); // adaptive progress: the caller's poll drives completions
         lock(&self.shared.xfers).status(id).cloned()
     }
 
     /// Block until transfer `id` is no longer in progress, or `timeout` passed; returns its
     /// status then (still [`XferStatus::InProgress`] on a timeout). Sleeps; an engine
-    /// thread that would otherwise spin on [`Agent::status`] can wait here instead.
+    /// thread that would otherwise spin on [`Agent::status`] can wait here instead. With
+    /// [`AgentConfig::progress_spin_us`] it polls the completion queues itself first.
     ///
     /// # Errors
     /// [`AgentError::NoXfer`].
     pub fn wait(&self, id: XferId, timeout: std::time::Duration) -> Result<XferStatus, AgentError> {
         let deadline = std::time::Instant::now() + timeout;
+        let polled = self.shared.spin_until(deadline, || {
+            let st = lock(&self.shared.xfers).status(id)?.clone();
+            Ok((st != XferStatus::InProgress).then_some(st))
+        })?;
+        if let Some(st) = polled {
+            return Ok(st);
+        }
         let mut xfers = lock(&self.shared.xfers);
         loop {
             let st = xfers.status(id)?;
@@ -824,9 +834,19 @@ impl Agent {
     }
 
     /// Like [`Agent::get_new_notifs`], but sleeps until at least one notification is there
-    /// or `timeout` passed (then the list is empty).
+    /// or `timeout` passed (then the list is empty). With
+    /// [`AgentConfig::progress_spin_us`] it polls the completion queues itself first.
     pub fn wait_notifs(&self, timeout: std::time::Duration) -> Vec<(String, Vec<u8>)> {
-        route::drain_waiting(&self.shared.notifs, &self.shared.notif_cv, timeout)
+        let deadline = std::time::Instant::now() + timeout;
+        let polled = self.shared.spin_until(deadline, || {
+            let mut q = lock(&self.shared.notifs);
+            Ok((!q.is_empty()).then(|| q.drain(..).collect()))
+        });
+        if let Ok(Some(got)) = polled {
+            return got;
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        route::drain_waiting(&self.shared.notifs, &self.shared.notif_cv, left)
     }
 
     /// The host memory behind a local region (for layers above the agent that copy device

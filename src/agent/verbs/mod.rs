@@ -90,15 +90,31 @@ pub(crate) struct Verbs {
     stats: std::sync::OnceLock<RailStats>,
     /// `AgentConfig::mtu`: the largest path MTU of this agent's queue pairs.
     max_mtu: Option<crate::transport::verbs::Mtu>,
-    /// `AgentConfig::progress_spin_us`.
+    /// `AgentConfig::progress_spin_us`: how long a waiting caller polls (see `agent::spin`).
     spin: Duration,
+    /// Per rail: held from polling its completion queue until what was polled is
+    /// dispatched (the progress thread and polling callers take turns, so completions —
+    /// notifications among them — are dispatched in the order the queue gave them); the
+    /// buffer the completions are polled into.
+    polled: Vec<Mutex<Vec<Completion>>>,
 }
 
 /// Per-rail counters: bytes by operation, failovers, queue-pair rebuilds.
 struct RailStats {
+    /// Completions dispatched, by who polled them: [`Poller`] as the index.
+    completions: [crate::metrics::Counter; 2],
     bytes: Vec<[crate::metrics::Counter; 2]>,
     failovers: Vec<crate::metrics::Counter>,
     rebuilds: Vec<crate::metrics::Counter>,
+}
+
+/// Who polls a completion queue.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Poller {
+    /// The progress thread, woken by the completion channel (waits for its turn).
+    Progress = 0,
+    /// A waiting caller with a polling budget (`agent::spin`; skips a queue being polled).
+    Caller = 1,
 }
 
 /// A transfer to post: `local[i]` pairs with `remote[i]` (regions of the peer, as its
@@ -371,7 +387,6 @@ impl Verbs {
             ..Engine::default()
         };
         Ok(Self {
-            rails: out,
             mode,
             engine: Mutex::new(engine),
             peers: Mutex::new(std::collections::HashSet::new()),
@@ -381,6 +396,10 @@ impl Verbs {
             stats: std::sync::OnceLock::new(),
             max_mtu,
             spin: Duration::from_micros(config.progress_spin_us.into()),
+            polled: (0..out.len())
+                .map(|_| Mutex::new(Vec::with_capacity(64)))
+                .collect(),
+            rails: out,
         })
     }
 
@@ -409,6 +428,14 @@ impl Verbs {
     pub(crate) fn count_into(&self, r: &crate::metrics::Registry, agent: &str) {
         let names: Vec<&str> = self.rails.iter().map(|x| x.name.as_str()).collect();
         let s = RailStats {
+            completions: ["progress", "caller"].map(|by| {
+                r.counter(
+                    "kvrail_completions_total",
+                    "Work completions dispatched, by who polled them: the progress thread \
+                     (woken by the completion channel) or a waiting caller (progress_spin_us).",
+                    &[("agent", agent), ("by", by)],
+                )
+            }),
             bytes: (names.iter())
                 .map(|n| {
                     ["read", "write"].map(|op| {
@@ -613,9 +640,11 @@ impl Verbs {
             return Ok(());
         }
         // The only transfer in flight, on one rail: post in place (one thread hand-off less,
-        // which is what a lone transfer waits on). Otherwise the posters move the rails in
-        // parallel, and nothing holds the engine lock through a post.
-        let in_place = plan.rails_used().len() == 1 && e.runs.len() == 1;
+        // which is what a lone transfer waits on). So too on one rail when callers poll
+        // (agent::spin): the thread that polls posts, as perftest's does. Otherwise the
+        // posters move the rails in parallel, and nothing holds the engine lock through a
+        // post.
+        let in_place = plan.rails_used().len() == 1 && (e.runs.len() == 1 || !self.spin.is_zero());
         let keys: Vec<(String, usize)> =
             e.pairs.keys().filter(|(p, _)| p == peer).cloned().collect();
         for k in keys {
@@ -890,7 +919,6 @@ impl Verbs {
             .spawn(move || {
                 let _span = tracing::info_span!("agent", name = %shared.name).entered();
                 let mut events = Events::with_capacity(16);
-                let mut cs = Vec::with_capacity(64);
                 loop {
                     // While transfers are in flight, look at the ports every 200 ms: a port
                     // that went DOWN is retired and its work moved, without waiting for
@@ -916,31 +944,13 @@ impl Verbs {
                     if watch {
                         me.check_ports(&shared);
                     }
-                    let mut busy = false;
                     for ev in events.iter() {
                         let Token(rail) = ev.token();
                         if rail >= me.rails.len() {
                             continue;
                         }
                         let _ = me.rails[rail].cq.consume_event();
-                        busy |= me.drain(&shared, rail, &mut cs) > 0;
-                    }
-                    // adaptive progress: right after completions more tend to follow (the
-                    // next of a transfer, a peer's answer); polling for them a while costs
-                    // no syscall and no wakeup, and each one found restarts the budget
-                    if busy && !me.spin.is_zero() {
-                        let mut until = std::time::Instant::now() + me.spin;
-                        while std::time::Instant::now() < until {
-                            let mut found = 0;
-                            for rail in 0..me.rails.len() {
-                                found += me.drain(&shared, rail, &mut cs);
-                            }
-                            if found > 0 {
-                                until = std::time::Instant::now() + me.spin;
-                            } else {
-                                std::hint::spin_loop();
-                            }
-                        }
+                        me.drain(&shared, rail, Poller::Progress);
                     }
                 }
             })
@@ -948,11 +958,32 @@ impl Verbs {
         Ok(())
     }
 
+    /// The polling budget of a waiting caller (`AgentConfig::progress_spin_us`; see
+    /// `agent::spin`).
+    pub(crate) fn spin(&self) -> Duration {
+        self.spin
+    }
+
+    /// Poll every rail's completion queue once from the calling thread and dispatch what
+    /// they held: how many completions.
+    pub(crate) fn poll_once(&self, shared: &Shared) -> usize {
+        (0..self.rails.len())
+            .map(|rail| self.drain(shared, rail, Poller::Caller))
+            .sum()
+    }
+
     /// Poll rail `rail`'s completion queue until it is empty and dispatch what it held:
-    /// how many completions.
-    fn drain(&self, shared: &Shared, rail: usize, cs: &mut Vec<Completion>) -> usize {
+    /// how many completions. A caller gets 0 when another thread is polling it.
+    fn drain(&self, shared: &Shared, rail: usize, by: Poller) -> usize {
+        use std::sync::TryLockError::{Poisoned, WouldBlock};
+        let mut cs = match self.polled[rail].try_lock() {
+            Ok(cs) => cs,
+            Err(Poisoned(p)) => p.into_inner(),
+            Err(WouldBlock) if by == Poller::Progress => lock(&self.polled[rail]),
+            Err(WouldBlock) => return 0,
+        };
         cs.clear();
-        if let Err(err) = self.rails[rail].cq.poll(cs) {
+        if let Err(err) = self.rails[rail].cq.poll(&mut cs) {
             tracing::error!(rail = %self.rails[rail].name, error = %err,
                 "kvrail: polling the completion queue failed");
             return 0;
@@ -963,6 +994,9 @@ impl Verbs {
         let mut e = lock(&self.engine);
         for c in cs.iter() {
             self.on_completion(shared, &mut e, rail, c);
+        }
+        if let Some(s) = self.stats.get() {
+            s.completions[by as usize].add(cs.len() as u64);
         }
         cs.len()
     }

@@ -957,8 +957,14 @@ mod tests {
             mtu: Mtu::Mtu4096,
         };
         let ep: Endpoint = rmp_serde::from_slice(&rmp_serde::to_vec(&old).unwrap()).unwrap();
-        assert_eq!((ep.qpn, ep.psn, ep.mtu, ep.rd_atomic), (7, 9, Mtu::Mtu4096, 0));
-        let new = Endpoint { rd_atomic: 128, ..ep };
+        assert_eq!(
+            (ep.qpn, ep.psn, ep.mtu, ep.rd_atomic),
+            (7, 9, Mtu::Mtu4096, 0)
+        );
+        let new = Endpoint {
+            rd_atomic: 128,
+            ..ep
+        };
         let back: Endpoint = rmp_serde::from_slice(&rmp_serde::to_vec(&new).unwrap()).unwrap();
         assert_eq!(back, new);
     }

@@ -175,8 +175,9 @@ pub(crate) struct Args {
     /// Skip the data check after the timed loop.
     #[arg(long)]
     pub(crate) no_verify: bool,
-    /// Adaptive progress: keep polling the completion queues this many microseconds after
-    /// completions before sleeping (`progress_spin_us`; 0: sleep at once).
+    /// Adaptive progress: a waiting thread polls the completion queues itself for this many
+    /// microseconds (restarted by each completion) before sleeping (`progress_spin_us`; 0:
+    /// sleep at once).
     #[arg(long, default_value_t = 0, value_name = "USEC")]
     pub(crate) spin_us: u32,
     /// Serve the agent's metrics in the Prometheus format at ADDR:PORT while it runs.
