@@ -657,8 +657,9 @@ fn cpu_ticks() -> Result<u64, String> {
 /// Two connected agents (queue pairs, notification channels, progress threads, listeners)
 /// with nothing to do sleep: the process uses (almost) no CPU over 3 seconds. A progress
 /// thread that polled would burn all 300 ticks of one CPU.
-/// Idle connected agents use no CPU — with adaptive progress on (a 20 ms polling budget
-/// after completions), which must stop polling once the completions stop.
+/// Idle connected agents use no CPU — with adaptive progress on (a 20 ms polling budget for
+/// waiting callers), which must stop polling once the completions stop and leave the queues
+/// armed for the progress thread.
 fn idle_cpu(t: &Topology) -> R {
     let spinning = |name: &str, devs: &[String]| {
         let cfg = AgentConfig {
@@ -674,19 +675,34 @@ fn idle_cpu(t: &Topology) -> R {
     let d = spinning("idle-d", &t.a_devs)?;
     let peer_p = d.load_remote(p.side_channel_addr()).map_err(s)?;
     let peer_d = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    // received by waiting callers, which poll (and leave the queues unarmed behind them)
     d.send_notif(&peer_p, b"hi".to_vec()).map_err(s)?;
     p.send_notif(&peer_d, b"hi".to_vec()).map_err(s)?;
-    std::thread::sleep(Duration::from_millis(500));
-    ensure(
-        d.get_new_notifs().len() == 1 && p.get_new_notifs().len() == 1,
-        || "notifications lost".into(),
-    )?;
+    let got = (
+        d.wait_notifs(Duration::from_secs(5)).len(),
+        p.wait_notifs(Duration::from_secs(5)).len(),
+    );
+    ensure(got == (1, 1), || format!("notifications lost: {got:?}"))?;
     let c0 = cpu_ticks()?;
     std::thread::sleep(Duration::from_secs(3));
     let used = cpu_ticks()? - c0;
     println!("    CPU over 3 s idle: {used} ticks");
     ensure(used <= 15, || {
         format!("idle agents used {used} clock ticks of CPU in 3 s")
+    })?;
+    // nobody polls now: the progress threads must have armed the queues again, or these
+    // would never be seen by a consumer that only looks
+    d.send_notif(&peer_p, b"again".to_vec()).map_err(s)?;
+    p.send_notif(&peer_d, b"again".to_vec()).map_err(s)?;
+    let t0 = Instant::now();
+    let (mut at_d, mut at_p) = (0, 0);
+    while (at_d, at_p) != (1, 1) && t0.elapsed() < Duration::from_secs(5) {
+        at_d += d.get_new_notifs().len();
+        at_p += p.get_new_notifs().len();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    ensure((at_d, at_p) == (1, 1), || {
+        format!("after the pollers left, notifications seen without polling: D {at_d}, P {at_p}")
     })
 }
 

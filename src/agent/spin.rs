@@ -20,6 +20,36 @@ use std::time::{Duration, Instant};
 
 use super::{AgentError, Shared};
 
+/// A caller polling (see `verbs::polling`): the progress thread stops arming the
+/// completion queues meanwhile; `sleeping` once the budget ran out.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+struct Polling<'a> {
+    shared: &'a Shared,
+    sleeping: bool,
+}
+
+impl<'a> Polling<'a> {
+    fn start(shared: &'a Shared) -> Self {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &shared.verbs {
+            v.start_polling();
+        }
+        Self {
+            shared,
+            sleeping: false,
+        }
+    }
+}
+
+impl Drop for Polling<'_> {
+    fn drop(&mut self) {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            v.stop_polling(self.shared, self.sleeping);
+        }
+    }
+}
+
 impl Shared {
     /// The polling budget of a waiting caller; zero when the agent sleeps at once.
     pub(crate) fn spin_budget(&self) -> Duration {
@@ -53,6 +83,7 @@ impl Shared {
         if budget.is_zero() {
             return Ok(None);
         }
+        let mut polling = Polling::start(self);
         let mut last = Instant::now();
         loop {
             if let Some(t) = ready()? {
@@ -60,6 +91,7 @@ impl Shared {
             }
             let now = Instant::now();
             if now >= deadline || now.duration_since(last) >= budget {
+                polling.sleeping = true; // the caller sleeps next (or gives up)
                 return Ok(None);
             }
             if self.poll_once() > 0 {

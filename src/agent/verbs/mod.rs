@@ -16,6 +16,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 
 pub(crate) mod exchange;
 mod notif;
+mod polling;
 mod poster;
 mod rebuild;
 pub(crate) use notif::chan_connect_options;
@@ -92,29 +93,17 @@ pub(crate) struct Verbs {
     max_mtu: Option<crate::transport::verbs::Mtu>,
     /// `AgentConfig::progress_spin_us`: how long a waiting caller polls (see `agent::spin`).
     spin: Duration,
-    /// Per rail: held from polling its completion queue until what was polled is
-    /// dispatched (the progress thread and polling callers take turns, so completions —
-    /// notifications among them — are dispatched in the order the queue gave them); the
-    /// buffer the completions are polled into.
-    polled: Vec<Mutex<Vec<Completion>>>,
+    /// Who polls the completion queues now (see [`polling`]).
+    polling: polling::PollState,
 }
 
 /// Per-rail counters: bytes by operation, failovers, queue-pair rebuilds.
 struct RailStats {
-    /// Completions dispatched, by who polled them: [`Poller`] as the index.
+    /// Completions dispatched: by the progress thread, by callers (see [`polling`]).
     completions: [crate::metrics::Counter; 2],
     bytes: Vec<[crate::metrics::Counter; 2]>,
     failovers: Vec<crate::metrics::Counter>,
     rebuilds: Vec<crate::metrics::Counter>,
-}
-
-/// Who polls a completion queue.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Poller {
-    /// The progress thread, woken by the completion channel (waits for its turn).
-    Progress = 0,
-    /// A waiting caller with a polling budget (`agent::spin`; skips a queue being polled).
-    Caller = 1,
 }
 
 /// A transfer to post: `local[i]` pairs with `remote[i]` (regions of the peer, as its
@@ -396,9 +385,7 @@ impl Verbs {
             stats: std::sync::OnceLock::new(),
             max_mtu,
             spin: Duration::from_micros(config.progress_spin_us.into()),
-            polled: (0..out.len())
-                .map(|_| Mutex::new(Vec::with_capacity(64)))
-                .collect(),
+            polling: polling::PollState::new(out.len()),
             rails: out,
         })
     }
@@ -930,7 +917,10 @@ impl Verbs {
                             || e.pairs.values().any(|q| q.dead.is_some())
                             || e.outs.values().any(|o| o.busy() || o.dead())
                     };
-                    let timeout = watch.then_some(Duration::from_millis(200));
+                    let mut timeout = watch.then_some(Duration::from_millis(200));
+                    if let Some(t) = me.rearm_after() {
+                        timeout = Some(timeout.map_or(t, |w| w.min(t)));
+                    }
                     if let Err(e) = poll.poll(&mut events, timeout) {
                         if e.kind() == std::io::ErrorKind::Interrupted {
                             continue;
@@ -946,59 +936,15 @@ impl Verbs {
                     }
                     for ev in events.iter() {
                         let Token(rail) = ev.token();
-                        if rail >= me.rails.len() {
-                            continue;
+                        if rail < me.rails.len() {
+                            me.on_cq_event(&shared, rail);
                         }
-                        let _ = me.rails[rail].cq.consume_event();
-                        me.drain(&shared, rail, Poller::Progress);
                     }
+                    me.rearm_if_quiet(&shared);
                 }
             })
             .map_err(verr)?;
         Ok(())
-    }
-
-    /// The polling budget of a waiting caller (`AgentConfig::progress_spin_us`; see
-    /// `agent::spin`).
-    pub(crate) fn spin(&self) -> Duration {
-        self.spin
-    }
-
-    /// Poll every rail's completion queue once from the calling thread and dispatch what
-    /// they held: how many completions.
-    pub(crate) fn poll_once(&self, shared: &Shared) -> usize {
-        (0..self.rails.len())
-            .map(|rail| self.drain(shared, rail, Poller::Caller))
-            .sum()
-    }
-
-    /// Poll rail `rail`'s completion queue until it is empty and dispatch what it held:
-    /// how many completions. A caller gets 0 when another thread is polling it.
-    fn drain(&self, shared: &Shared, rail: usize, by: Poller) -> usize {
-        use std::sync::TryLockError::{Poisoned, WouldBlock};
-        let mut cs = match self.polled[rail].try_lock() {
-            Ok(cs) => cs,
-            Err(Poisoned(p)) => p.into_inner(),
-            Err(WouldBlock) if by == Poller::Progress => lock(&self.polled[rail]),
-            Err(WouldBlock) => return 0,
-        };
-        cs.clear();
-        if let Err(err) = self.rails[rail].cq.poll(&mut cs) {
-            tracing::error!(rail = %self.rails[rail].name, error = %err,
-                "kvrail: polling the completion queue failed");
-            return 0;
-        }
-        if cs.is_empty() {
-            return 0;
-        }
-        let mut e = lock(&self.engine);
-        for c in cs.iter() {
-            self.on_completion(shared, &mut e, rail, c);
-        }
-        if let Some(s) = self.stats.get() {
-            s.completions[by as usize].add(cs.len() as u64);
-        }
-        cs.len()
     }
 
     /// Retire every live queue pair on a rail whose port is no longer ACTIVE; start

@@ -282,6 +282,21 @@ impl Cq {
     /// # Errors
     /// [`Error::NoCompChannel`], [`Error::CqEvent`], [`Error::ReqNotifyCq`].
     pub fn consume_event(&self) -> Result<bool, Error> {
+        if !self.take_event()? {
+            return Ok(false);
+        }
+        self.arm()?;
+        Ok(true)
+    }
+
+    /// Read (and acknowledge) a pending completion event from the channel without arming
+    /// the CQ again: no further event comes until [`Cq::arm`] (for a thread that polls the
+    /// CQ itself meanwhile; it must poll once more after arming). Returns false when there
+    /// was none.
+    ///
+    /// # Errors
+    /// [`Error::NoCompChannel`], [`Error::CqEvent`].
+    pub fn take_event(&self) -> Result<bool, Error> {
         let ch = self.inner.channel.ok_or(Error::NoCompChannel)?;
         let mut ev_cq: *mut ffi::ibv_cq = std::ptr::null_mut();
         let mut ev_ctx: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -297,7 +312,6 @@ impl Cq {
         }
         // SAFETY: one event was read for this CQ (the channel serves only it).
         unsafe { ffi::ibv_ack_cq_events(ev_cq, 1) };
-        self.arm()?;
         Ok(true)
     }
 
@@ -362,19 +376,23 @@ impl Cq {
     /// [`Error::PollCq`].
     pub fn poll(&self, out: &mut Vec<Completion>) -> Result<usize, Error> {
         let before = out.len();
-        // SAFETY: ibv_wc is plain old data.
-        let mut wcs: [ffi::ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
+        // Not zeroed: the provider writes the entries it returns and only those are read (a
+        // zeroed 3 KiB array per call was the largest cost of an empty poll in a polling loop).
+        let mut wcs = [const { std::mem::MaybeUninit::<ffi::ibv_wc>::uninit() }; POLL_BATCH];
         loop {
-            // SAFETY: live CQ; the array holds POLL_BATCH entries.
-            let n =
-                unsafe { ffi::ibv_poll_cq(self.inner.raw(), POLL_BATCH as i32, wcs.as_mut_ptr()) };
+            // SAFETY: live CQ; the array holds POLL_BATCH entries, written by the provider.
+            let n = unsafe {
+                ffi::ibv_poll_cq(self.inner.raw(), POLL_BATCH as i32, wcs.as_mut_ptr().cast())
+            };
             if n < 0 {
                 return Err(Error::PollCq(n));
             }
-            let n = n as usize;
+            let n = (n as usize).min(POLL_BATCH);
             if n > 0 {
                 let qps = self.inner.lock_qps();
                 for wc in &wcs[..n] {
+                    // SAFETY: ibv_poll_cq wrote the first n entries.
+                    let wc = unsafe { wc.assume_init_ref() };
                     if let Some(c) = retire(&qps, wc) {
                         out.push(c);
                     }

@@ -215,7 +215,8 @@ pub(crate) fn latency(a: &Agent, peer: &str, size: u64, stop: Stop) -> Result<La
         let t0 = Instant::now();
         a.send_notif(peer, msg.clone()).map_err(|e| e.to_string())?;
         loop {
-            let got = a.get_new_notifs();
+            // sleeps until the echo comes (with --spin-us: polls the completion queues)
+            let got = a.wait_notifs(Duration::from_millis(100));
             if let Some((_, m)) = got.first() {
                 if *m != msg || got.len() > 1 {
                     return Err(format!("echo {i} came back wrong"));
@@ -230,7 +231,6 @@ pub(crate) fn latency(a: &Agent, peer: &str, size: u64, stop: Stop) -> Result<La
                     "the connection to the server closed before the echo of message {i}"
                 ));
             }
-            std::hint::spin_loop();
         }
         samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
     }

@@ -1,0 +1,176 @@
+//! Who polls the completion queues: the progress thread, woken by the completion channels,
+//! or callers that wait with a polling budget (`agent::spin`, `progress_spin_us`).
+//!
+//! Each rail's queue is polled under a lock held until what was polled is dispatched, so
+//! completions (notifications among them) are dispatched in the order the queue gave them
+//! whoever polls. While callers poll — and for one budget after the last one stopped, since
+//! a caller that got its answer tends to come back at once — the progress thread takes a
+//! completion event without arming the queue again: no wake-up and no lock taken beside the
+//! polling caller for each completion. The queues are armed again (and polled once more,
+//! for what came before the arm) by a caller that runs out of budget and goes to sleep, or
+//! by the progress thread once a budget passed without a poller. A consumer that does not
+//! poll (a `NotifRoute` waiter, a thread sleeping on `Agent::wait` beside a polling one) may
+//! so see a completion up to one budget late while callers poll; with the budget 0 nothing
+//! of this runs.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::{lock, Verbs};
+use crate::agent::Shared;
+use crate::transport::verbs::Completion;
+
+/// Who polls a completion queue.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Poller {
+    /// The progress thread (waits its turn).
+    Progress,
+    /// A waiting caller (skips a queue someone else is polling).
+    Caller,
+    /// Whoever arms the queues again, right after arming (waits its turn).
+    Rearming,
+}
+
+/// The polling state of an agent's completion queues.
+pub(super) struct PollState {
+    /// Per rail: held from polling until dispatched; the buffer polled into.
+    bufs: Vec<Mutex<Vec<Completion>>>,
+    /// Callers polling now.
+    pollers: AtomicUsize,
+    /// When the last caller stopped polling.
+    last: Mutex<Option<Instant>>,
+    /// Per rail: an event was taken without arming the queue again.
+    disarmed: Vec<AtomicBool>,
+}
+
+impl PollState {
+    pub(super) fn new(rails: usize) -> Self {
+        Self {
+            bufs: (0..rails)
+                .map(|_| Mutex::new(Vec::with_capacity(64)))
+                .collect(),
+            pollers: AtomicUsize::new(0),
+            last: Mutex::new(None),
+            disarmed: (0..rails).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+}
+
+impl Verbs {
+    /// The polling budget of a waiting caller (`AgentConfig::progress_spin_us`).
+    pub(crate) fn spin(&self) -> Duration {
+        self.spin
+    }
+
+    /// Poll every rail's completion queue once from the calling thread and dispatch what
+    /// they held: how many completions.
+    pub(crate) fn poll_once(&self, shared: &Shared) -> usize {
+        (0..self.rails.len())
+            .map(|rail| self.drain(shared, rail, Poller::Caller))
+            .sum()
+    }
+
+    /// A caller starts polling.
+    pub(crate) fn start_polling(&self) {
+        self.polling.pollers.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A caller stops polling; `sleeping`: it ran out of budget and is going to sleep, so
+    /// the queues must raise events again.
+    pub(crate) fn stop_polling(&self, shared: &Shared, sleeping: bool) {
+        *lock(&self.polling.last) = Some(Instant::now());
+        let last = self.polling.pollers.fetch_sub(1, Ordering::AcqRel) == 1;
+        if last && sleeping {
+            self.rearm(shared);
+        }
+    }
+
+    /// The progress thread saw rail `rail`'s channel readable.
+    pub(super) fn on_cq_event(&self, shared: &Shared, rail: usize) {
+        let cq = &self.rails[rail].cq;
+        if self.callers_polling() {
+            // theirs to poll; armed again when they stop
+            if cq.take_event().unwrap_or(false) {
+                self.polling.disarmed[rail].store(true, Ordering::Release);
+            }
+            return;
+        }
+        if let Err(err) = cq.consume_event() {
+            tracing::error!(rail = %self.rails[rail].name, error = %err,
+                "kvrail: reading the completion event failed");
+        }
+        self.drain(shared, rail, Poller::Progress);
+    }
+
+    /// Callers poll now, or stopped less than one budget ago.
+    fn callers_polling(&self) -> bool {
+        if self.polling.pollers.load(Ordering::Acquire) > 0 {
+            return true;
+        }
+        lock(&self.polling.last).is_some_and(|t| t.elapsed() < self.spin)
+    }
+
+    /// How long the progress thread may sleep before it must look whether to arm the
+    /// queues again (`None`: nothing is disarmed).
+    pub(super) fn rearm_after(&self) -> Option<Duration> {
+        let any = self
+            .polling
+            .disarmed
+            .iter()
+            .any(|d| d.load(Ordering::Acquire));
+        any.then_some(self.spin.max(Duration::from_millis(1)))
+    }
+
+    /// The progress thread: arm the queues again once no caller polled for a budget.
+    pub(super) fn rearm_if_quiet(&self, shared: &Shared) {
+        if self.rearm_after().is_some() && !self.callers_polling() {
+            self.rearm(shared);
+        }
+    }
+
+    /// Arm every disarmed queue, then poll it (what completed before the arm raises no
+    /// event).
+    fn rearm(&self, shared: &Shared) {
+        for (rail, r) in self.rails.iter().enumerate() {
+            if !self.polling.disarmed[rail].swap(false, Ordering::AcqRel) {
+                continue;
+            }
+            if let Err(err) = r.cq.arm() {
+                tracing::error!(rail = %r.name, error = %err,
+                    "kvrail: arming the completion queue failed");
+            }
+            self.drain(shared, rail, Poller::Rearming);
+        }
+    }
+
+    /// Poll rail `rail`'s completion queue until it is empty and dispatch what it held:
+    /// how many completions. A caller gets 0 when someone else is polling it.
+    pub(super) fn drain(&self, shared: &Shared, rail: usize, by: Poller) -> usize {
+        use std::sync::TryLockError::{Poisoned, WouldBlock};
+        let buf = &self.polling.bufs[rail];
+        let mut cs = match buf.try_lock() {
+            Ok(cs) => cs,
+            Err(Poisoned(p)) => p.into_inner(),
+            Err(WouldBlock) if by != Poller::Caller => lock(buf),
+            Err(WouldBlock) => return 0,
+        };
+        cs.clear();
+        if let Err(err) = self.rails[rail].cq.poll(&mut cs) {
+            tracing::error!(rail = %self.rails[rail].name, error = %err,
+                "kvrail: polling the completion queue failed");
+            return 0;
+        }
+        if cs.is_empty() {
+            return 0;
+        }
+        let mut e = lock(&self.engine);
+        for c in cs.iter() {
+            self.on_completion(shared, &mut e, rail, c);
+        }
+        if let Some(s) = self.stats.get() {
+            s.completions[usize::from(by == Poller::Caller)].add(cs.len() as u64);
+        }
+        cs.len()
+    }
+}
