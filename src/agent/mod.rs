@@ -44,6 +44,7 @@ mod tcp_batch;
 mod tcp_io;
 #[cfg(feature = "verbs")]
 mod verbs;
+mod wake;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpListener};
@@ -130,9 +131,9 @@ pub(crate) struct Shared {
     peers: Mutex<HashMap<String, Peer>>,
     xfers: Mutex<table::XferTable<Arc<Region>>>,
     /// Signalled (with `xfers`) whenever a transfer leaves InProgress.
-    xfer_done_cv: std::sync::Condvar,
+    xfer_done_cv: wake::Wake,
     /// Signalled when a notification is queued.
-    notif_cv: std::sync::Condvar,
+    notif_cv: wake::Wake,
     /// Serializes loads of one peer (by name).
     loading: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
@@ -298,8 +299,8 @@ impl Agent {
             next_region: Mutex::new(1),
             peers: Mutex::new(HashMap::new()),
             xfers: Mutex::new(table::XferTable::default()),
-            xfer_done_cv: std::sync::Condvar::new(),
-            notif_cv: std::sync::Condvar::new(),
+            xfer_done_cv: wake::Wake::default(),
+            notif_cv: wake::Wake::default(),
             loading: Mutex::new(HashMap::new()),
             notifs: Mutex::new(VecDeque::new()),
             seqs: Mutex::new(HashMap::new()),
@@ -787,12 +788,7 @@ impl Agent {
             if *st != XferStatus::InProgress || left.is_zero() {
                 return Ok(st.clone());
             }
-            xfers = self
-                .shared
-                .xfer_done_cv
-                .wait_timeout(xfers, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            xfers = self.shared.xfer_done_cv.wait_timeout(xfers, left);
         }
     }
 

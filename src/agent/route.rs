@@ -4,16 +4,17 @@
 //! ([`Agent::get_new_notifs`]). The host bounce's messages never reach either.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::wake::Wake;
 use super::{lock, Agent};
 
 /// The queue of one kind of notification (see the module docs).
 pub(crate) struct RouteQueue {
     prefix: Vec<u8>,
     q: Mutex<VecDeque<(String, Vec<u8>)>>,
-    cv: Condvar,
+    cv: Wake,
 }
 
 /// A consumer's handle on the notifications that start with its prefix. Dropping it sends
@@ -44,7 +45,7 @@ impl NotifRoute {
 }
 
 /// Everything in `q`, sleeping on `cv` until something is there or `timeout` passed.
-pub(crate) fn drain_waiting<T>(q: &Mutex<VecDeque<T>>, cv: &Condvar, timeout: Duration) -> Vec<T> {
+pub(crate) fn drain_waiting<T>(q: &Mutex<VecDeque<T>>, cv: &Wake, timeout: Duration) -> Vec<T> {
     let deadline = Instant::now() + timeout;
     let mut q = lock(q);
     while q.is_empty() {
@@ -52,10 +53,7 @@ pub(crate) fn drain_waiting<T>(q: &Mutex<VecDeque<T>>, cv: &Condvar, timeout: Du
         if left.is_zero() {
             break;
         }
-        q = cv
-            .wait_timeout(q, left)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        q = cv.wait_timeout(q, left);
     }
     q.drain(..).collect()
 }
@@ -74,7 +72,7 @@ impl Agent {
         let queue = Arc::new(RouteQueue {
             prefix: prefix.to_vec(),
             q: Mutex::new(VecDeque::new()),
-            cv: Condvar::new(),
+            cv: Wake::default(),
         });
         let mut routes = lock(&self.shared.routes);
         routes.retain(|r| r.prefix != prefix);

@@ -525,6 +525,11 @@ fn perftest_flags_kvrail_cannot_honour_are_refused() {
         ),
         (&["somehost", "--loopback"][..], "cannot be used with"),
         (&["nowhere.invalid", "-p", "1"][..], "HOST: cannot resolve"),
+        // -e sleeps on events: a polling budget beside it says the opposite
+        (
+            &["--loopback", "-e", "--spin-us", "50"][..],
+            "cannot be used with",
+        ),
     ] {
         let o = perf(args);
         let (out, err) = text(&o);

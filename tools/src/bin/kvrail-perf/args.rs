@@ -176,10 +176,14 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) no_verify: bool,
     /// Adaptive progress: a waiting thread polls the completion queues itself for this many
-    /// microseconds (restarted by each completion) before sleeping (`progress_spin_us`; 0:
-    /// sleep at once).
-    #[arg(long, default_value_t = 0, value_name = "USEC")]
+    /// microseconds (restarted by each completion) before sleeping (`progress_spin_us`).
+    /// The default polls, as perftest does; `-e` (or 0) sleeps at once.
+    #[arg(long, default_value_t = 2000, value_name = "USEC")]
     pub(crate) spin_us: u32,
+    /// Sleep on completion events instead of polling (perftest's `-e`): the agent's own
+    /// default, `progress_spin_us` 0.
+    #[arg(short = 'e', long = "use_event", conflicts_with = "spin_us")]
+    pub(crate) use_event: bool,
     /// Serve the agent's metrics in the Prometheus format at ADDR:PORT while it runs.
     #[arg(long, value_name = "ADDR:PORT")]
     pub(crate) metrics_listen: Option<String>,

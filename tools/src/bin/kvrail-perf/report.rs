@@ -39,6 +39,16 @@ pub(crate) fn header(args: &Args, a: &Agent, peer: &str) -> String {
     if let Some(r) = a.notif_rail(peer) {
         s += &format!(" Notifications    : SEND/RECV channel on {r}\n");
     }
+    if transport == "verbs" {
+        s += &if args.use_event || args.spin_us == 0 {
+            " Completions      : sleeping on events (-e)\n".to_owned()
+        } else {
+            format!(
+                " Completions      : polled by the waiting thread, {} us budget\n",
+                args.spin_us
+            )
+        };
+    }
     if args.op != Op::Lat {
         s += &format!(
             " Transfers in flight: {}   Descriptors per transfer: {}\n",
