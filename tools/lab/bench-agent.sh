@@ -1,7 +1,8 @@
 #!/bin/bash
 # tools/lab/bench-agent.sh — runs INSIDE the lab:  tools/lab/run.sh tools/lab/bench-agent.sh
 # kvrail's agent (kvrail-perf --server / --client, two processes, the public API an engine
-# uses) next to ib_write_bw on the same rails, interleaved in one VM boot:
+# uses; its completions polled by the waiting thread, kvrail-perf's default, as perftest
+# polls) next to ib_write_bw on the same rails, interleaved in one VM boot:
 #   one rail  — sizes 256 KiB and 1 MiB, many transfers in flight (-t 32) and one (-t 1);
 #   two rails — ib_write_bw on both rails at once (sum) vs kvrail striped (--stripe-width 0)
 #               with -t 32 and -t 1, and one rail per transfer (stripe unset) with -t 32.

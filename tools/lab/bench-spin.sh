@@ -5,13 +5,13 @@
 # (t_typical) vs ib_send_lat, and 64 KiB WRITE with one transfer in flight vs
 # ib_write_bw -t 1. Prints one line per round. Timings under TCG are noisy: compare only
 # these runs. ~3 min.
-#   ROUNDS (3)  SPIN_US (100)  KVRAIL_PERF (target/release/kvrail-perf)
+#   ROUNDS (3)  SPIN_US (2000)  KVRAIL_PERF (target/release/kvrail-perf)
 set -u
 BENCH_NAME=bench-spin
 . "$(dirname "${BASH_SOURCE[0]}")/bench-lib.sh"
 need_perf
 ROUNDS=${ROUNDS:-3}
-SPIN=${SPIN_US:-100}
+SPIN=${SPIN_US:-2000}
 # kvrail-perf server/client on rail 0 with spin $1: op $2, size $3, depth $4 → the column
 # perftest reports (t_typical for lat, BW average otherwise)
 kv() {

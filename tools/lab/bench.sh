@@ -38,7 +38,7 @@ for op in write read; do
         u=$(ucx "$op" "$size" "$n")
         mc=-; [[ " ${BENCH_MC_SIZES:-$SIZES} " == *" $size "* ]] && mc=$(mooncake "$op" "$size")
         k=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n" --spin-us "$SPIN")
-        ks=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n")
+        ks=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n" -e)
         k1=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 1 "$n" --spin-us "$SPIN")
         cs=$(awk '/^# context switches per transfer/ {print $NF}' "$T/kv")
         r=$(ratio "$k" "$p"); rs=$(ratio "$ks" "$p"); r1=$(ratio "$k1" "$p"); ru=$(ratio "$k" "$u")
@@ -93,7 +93,7 @@ lat() {   # kvrail-perf --op lat, 64 B, extra args → t_typical
     wait || true
     grep -E '^ *64 +[0-9]+' "$T/kl" | tail -n 1 | awk '{print $5}'
 }
-kl=$(lat --spin-us "$SPIN"); kls=$(lat)
+kl=$(lat --spin-us "$SPIN"); kls=$(lat -e)
 printf 'latency 64 B (t_typical, usec): ib_send_lat %s, kvrail-perf --op lat polling %s (x%s), sleeping %s\n' "${pl:-?}" "${kl:-?}" "$(ratio "${kl:-0}" "${pl:-0}")" "${kls:-?}"
 LAT="{\"ib_send_lat_typical_us\":${pl:-null},\"kvrail_notif_typical_us\":${kl:-null},\"kvrail_notif_sleeping_typical_us\":${kls:-null}}"
 

@@ -36,6 +36,8 @@ use crate::transport::verbs::{
 const DEPTH: u32 = 512;
 /// Work requests per posted chunk (the last one signaled).
 const CHUNK: usize = 64;
+/// How often the progress thread looks at the ports while there is work in flight.
+const PORT_CHECK: Duration = Duration::from_millis(200);
 const WAKE: Token = Token(usize::MAX);
 /// First wait before a dead pair is rebuilt; it doubles up to [`REBUILD_MAX`] while
 /// rebuilt pairs keep failing, and resets once one completes work.
@@ -906,10 +908,12 @@ impl Verbs {
             .spawn(move || {
                 let _span = tracing::info_span!("agent", name = %shared.name).entered();
                 let mut events = Events::with_capacity(16);
+                let mut checked = std::time::Instant::now();
                 loop {
-                    // While transfers are in flight, look at the ports every 200 ms: a port
-                    // that went DOWN is retired and its work moved, without waiting for
-                    // the transport's retries to run out.
+                    // While transfers are in flight, look at the ports every 200 ms (not at
+                    // every wake-up: that was two port queries per completion event): a
+                    // port that went DOWN is retired and its work moved, without waiting
+                    // for the transport's retries to run out.
                     // A dead pair is looked at too, to be rebuilt when its port is back.
                     let watch = {
                         let e = lock(&me.engine);
@@ -917,7 +921,7 @@ impl Verbs {
                             || e.pairs.values().any(|q| q.dead.is_some())
                             || e.outs.values().any(|o| o.busy() || o.dead())
                     };
-                    let mut timeout = watch.then_some(Duration::from_millis(200));
+                    let mut timeout = watch.then(|| PORT_CHECK.saturating_sub(checked.elapsed()));
                     if let Some(t) = me.rearm_after() {
                         timeout = Some(timeout.map_or(t, |w| w.min(t)));
                     }
@@ -931,8 +935,9 @@ impl Verbs {
                     if shared.shutdown.load(std::sync::atomic::Ordering::Acquire) {
                         return;
                     }
-                    if watch {
+                    if watch && checked.elapsed() >= PORT_CHECK {
                         me.check_ports(&shared);
+                        checked = std::time::Instant::now();
                     }
                     for ev in events.iter() {
                         let Token(rail) = ev.token();

@@ -1,0 +1,94 @@
+#!/bin/bash
+# tools/lab/bench-goals.sh — runs INSIDE the lab:  tools/lab/run.sh tools/lab/bench-goals.sh
+# The performance goals of one rail, as medians of ROUNDS interleaved rounds in one VM boot
+# (rail 0; kvrail = kvrail-perf --server/--client, the agent API, its completions polled by
+# the waiting thread as perftest polls):
+#   deep queue   kvrail -t 32 vs ib_write_bw / ib_read_bw -t 32 at 64 KiB, 1 MiB, 8 MiB (goal >= 0.97)
+#   one at once  kvrail -t 1 at 256 KiB and 1 MiB vs perftest -t 32 (goal >= 0.9);
+#                kvrail -t 1 at 64 KiB vs ib_write_bw -t 1 (goal >= 0.9)
+#   latency      64 B notification round trip / 2 vs ib_send_lat, t_typical (goal <= 1.5)
+# Prints every round, then the medians, ratios and whether each goal held; JSON to
+# $BENCH_JSON (default target/bench-goals.json). Under TCG runs vary ±30 %: only the medians
+# of one run mean anything. ~4 min with ROUNDS=3.
+#   ROUNDS (3)  BENCH_MB (100: MiB moved per bandwidth run)  BENCH_SPIN_US (2000)
+set -u
+BENCH_NAME=bench-goals
+. "$(dirname "${BASH_SOURCE[0]}")/bench-lib.sh"
+need_perf
+ROUNDS=${ROUNDS:-3}
+MB=${BENCH_MB:-100}
+SPIN=${BENCH_SPIN_US:-2000}
+JSON=${BENCH_JSON:-target/bench-goals.json}
+iters() { local n=$(( MB * 1048576 / $1 )); [ "$n" -gt 3000 ] && n=3000; [ "$n" -lt 8 ] && n=8; echo "$n"; }
+K=$(mktemp -d /run/goals.XXXXXX)   # one file of values per measurement
+
+put() { echo "$2" >> "$K/$1"; }
+median() { sort -g "$K/$1" | awk '{v[NR]=$1} END {if (NR == 0) print 0; else if (NR % 2) print v[(NR+1)/2]; else printf "%.2f\n", (v[NR/2]+v[NR/2+1])/2}'; }
+
+lat_pt() {
+    local port; port=$(next_port)
+    timeout 120 ib_send_lat -d "${B[0]}" -p "$port" -x "$G" -s 64 -n 2000 > "$T/lat.srv" 2>&1 &
+    wait_listen "$port" || die "ib_send_lat server did not start"
+    timeout 120 ib_send_lat -d "${A[0]}" -p "$port" -x "$G" -s 64 -n 2000 "${BIPS[0]}" > "$T/lat" 2>&1 || true
+    wait || true
+    grep -E '^ *64 +[0-9]+' "$T/lat" | tail -n 1 | awk '{print $5}'
+}
+lat_kv() {
+    local port; port=$(next_port)
+    timeout 300 "$PERF" --server --listen 127.0.0.1:$port --transport verbs --rails "${B[0]}" --spin-us "$SPIN" > "$T/kl.srv" 2>&1 &
+    wait_listen "$port" || die "kvrail-perf server did not start"
+    timeout 300 "$PERF" --client 127.0.0.1:$port --transport verbs --rails "${A[0]}" --op lat -s 64 -n 2000 --spin-us "$SPIN" > "$T/kl" 2>&1 \
+        || { cat "$T/kl" "$T/kl.srv" >&2; die "kvrail-perf --op lat failed"; }
+    wait || true
+    grep -E '^ *64 +[0-9]+' "$T/kl" | tail -n 1 | awk '{print $5}'
+}
+
+for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
+    line="round $ROUND:"
+    for op in write read; do
+        for size in 65536 1048576 8388608; do
+            n=$(iters "$size")
+            p=$(perftest_one "$op" 0 "$size" 32 "$n"); put "pt_${op}_$size" "$p"
+            k=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n" --spin-us "$SPIN"); put "kv_${op}_$size" "$k"
+            put "r_${op}_$size" "$(ratio "$k" "$p")"
+            line+=" $op $size pt $p kv $k |"
+        done
+    done
+    n=$(iters 262144)
+    p=$(perftest_one write 0 262144 32 "$n"); put pt_write_262144 "$p"
+    k=$(kvrail "${A[0]}" "${B[0]}" write 262144 1 "$n" --spin-us "$SPIN"); put t1_262144 "$k"
+    put rt1_262144 "$(ratio "$k" "$p")"
+    k=$(kvrail "${A[0]}" "${B[0]}" write 1048576 1 "$(iters 1048576)" --spin-us "$SPIN"); put t1_1048576 "$k"
+    put rt1_1048576 "$(ratio "$k" "$(tail -n 1 "$K/pt_write_1048576")")"
+    n=$(iters 65536)
+    p=$(perftest_one write 0 65536 1 "$n"); put pt1_65536 "$p"
+    k=$(kvrail "${A[0]}" "${B[0]}" write 65536 1 "$n" --spin-us "$SPIN"); put t1_65536 "$k"
+    put rt1_65536 "$(ratio "$k" "$p")"
+    pl=$(lat_pt); kl=$(lat_kv); put lat_pt "${pl:-0}"; put lat_kv "${kl:-0}"
+    put rlat "$(ratio "${kl:-0}" "${pl:-0}")"
+    line+=" t1 256K/1M/64K $(tail -n 1 "$K/t1_262144")/$(tail -n 1 "$K/t1_1048576")/$k (ib_write_bw -t 1 $p) | lat $pl vs $kl us"
+    echo "$line"
+done
+
+goal() { awk -v v="$1" -v g="$2" -v dir="$3" 'BEGIN { ok = (dir == "min") ? (v >= g) : (v <= g); print ok ? "met" : "NOT met" }'; }
+echo
+echo "== medians of $ROUNDS interleaved rounds (MB/s = 2^20 B/s; latency us)"
+printf '%-44s %10s %10s %8s  %-8s\n' case reference kvrail ratio goal
+ROWS=()
+row() {   # label reference-key kvrail-key ratio-key goal-value min|max
+    local ref kv r g; ref=$(median "$2"); kv=$(median "$3"); r=$(median "$4"); g=$(goal "$r" "$5" "$6")
+    printf '%-44s %10s %10s %8s  %s %s %s\n' "$1" "$ref" "$kv" "$r" "$([ "$6" = min ] && echo ">=" || echo "<=")" "$5" "$g"
+    ROWS+=("{\"case\":\"$1\",\"reference\":$ref,\"kvrail\":$kv,\"ratio_median\":$r,\"goal\":\"$([ "$6" = min ] && echo ">=" || echo "<=") $5\",\"met\":$([ "$g" = met ] && echo true || echo false)}")
+}
+for op in write read; do
+    for size in 65536 1048576 8388608; do
+        row "$op $size -t 32 vs ib_${op}_bw -t 32" "pt_${op}_$size" "kv_${op}_$size" "r_${op}_$size" 0.97 min
+    done
+done
+row "write 262144 -t 1 vs ib_write_bw -t 32" pt_write_262144 t1_262144 rt1_262144 0.9 min
+row "write 1048576 -t 1 vs ib_write_bw -t 32" pt_write_1048576 t1_1048576 rt1_1048576 0.9 min
+row "write 65536 -t 1 vs ib_write_bw -t 1" pt1_65536 t1_65536 rt1_65536 0.9 min
+row "64 B latency vs ib_send_lat (t_typical)" lat_pt lat_kv rlat 1.5 max
+mkdir -p "$(dirname "$JSON")"
+( IFS=,; echo "{\"tool\":\"bench-goals\",\"rounds\":$ROUNDS,\"rail\":\"${A[0]}->${B[0]}\",\"spin_us\":$SPIN,\"rows\":[${ROWS[*]}]}" ) > "$JSON"
+echo "# written to $JSON"
