@@ -347,22 +347,27 @@ fn read_sizes(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
     side.peer.ok(&Cmd::Fill {
         segments: segs.clone(),
     })?;
-    let wrs: Vec<SendWr<'_>> = segs
-        .iter()
+    side.qp
+        .post_send(&reads(&side.mr, side.remote, &segs))
+        .map_err(s)?;
+    let cs = wait_completions(&side.cq, segs.len(), WAIT)?;
+    expect_ok(&cs, &(0..segs.len() as u64).collect::<Vec<_>>())?;
+    verify_region(&read_all(&side.mr), &segs)
+}
+
+/// One READ per segment, from the same offset of `remote` into `mr`, wr_id = its index.
+fn reads<'a>(mr: &'a Mr, remote: RemoteRegion, segs: &[Segment]) -> Vec<SendWr<'a>> {
+    segs.iter()
         .enumerate()
         .map(|(i, g)| {
             SendWr::read(
                 i as u64,
-                Sge::new(&side.mr, g.offset, g.len),
-                side.remote,
+                Sge::new(mr, g.offset, g.len),
+                remote,
                 g.offset as u64,
             )
         })
-        .collect();
-    side.qp.post_send(&wrs).map_err(s)?;
-    let cs = wait_completions(&side.cq, segs.len(), WAIT)?;
-    expect_ok(&cs, &(0..segs.len() as u64).collect::<Vec<_>>())?;
-    verify_region(&read_all(&side.mr), &segs)
+        .collect()
 }
 
 fn write_with_imm(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
@@ -852,19 +857,7 @@ fn outstanding_reads(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
             segments: segs.clone(),
         })?;
         let mr = Mr::alloc(&pd, N * LEN, Access::LOCAL_WRITE).map_err(s)?;
-        let wrs: Vec<SendWr<'_>> = segs
-            .iter()
-            .enumerate()
-            .map(|(i, g)| {
-                SendWr::read(
-                    i as u64,
-                    Sge::new(&mr, g.offset, g.len),
-                    remote,
-                    g.offset as u64,
-                )
-            })
-            .collect();
-        qp.post_send(&wrs).map_err(s)?;
+        qp.post_send(&reads(&mr, remote, &segs)).map_err(s)?;
         let cs = wait_completions(&cq, N, WAIT)?;
         expect_ok(&cs, &(0..N as u64).collect::<Vec<_>>())?;
         verify_region(&read_all(&mr), &segs)?;

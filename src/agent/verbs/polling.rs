@@ -77,9 +77,11 @@ impl Verbs {
     }
 
     /// A caller stops polling; `sleeping`: it ran out of budget and is going to sleep, so
-    /// the queues must raise events again.
+    /// the queues must raise events again and the progress thread must not wait out a
+    /// budget before dispatching them (a caller that got its answer tends to come back at
+    /// once: for it the queues stay unarmed a budget longer).
     pub(crate) fn stop_polling(&self, shared: &Shared, sleeping: bool) {
-        *lock(&self.polling.last) = Some(Instant::now());
+        *lock(&self.polling.last) = (!sleeping).then(Instant::now);
         let last = self.polling.pollers.fetch_sub(1, Ordering::AcqRel) == 1;
         if last && sleeping {
             self.rearm(shared);
