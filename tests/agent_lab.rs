@@ -45,6 +45,19 @@ fn agent(name: &str, devs: &[String], stripe: Option<i64>) -> Result<Agent, Stri
     Agent::new(name, cfg).map_err(s)
 }
 
+/// An agent whose waiting callers poll the completion queues for `spin_us`
+/// (`progress_spin_us`).
+fn polling_agent(name: &str, devs: &[String], spin_us: u32) -> Result<Agent, String> {
+    let cfg = AgentConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        backend: BackendChoice::Verbs,
+        devices: devs.to_vec(),
+        progress_spin_us: spin_us,
+        ..AgentConfig::default()
+    };
+    Agent::new(name, cfg).map_err(s)
+}
+
 fn wait(a: &Agent, x: XferId) -> Result<XferStatus, String> {
     let t = Instant::now();
     loop {
@@ -661,18 +674,8 @@ fn cpu_ticks() -> Result<u64, String> {
 /// waiting callers), which must stop polling once the completions stop and leave the queues
 /// armed for the progress thread.
 fn idle_cpu(t: &Topology) -> R {
-    let spinning = |name: &str, devs: &[String]| {
-        let cfg = AgentConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            backend: BackendChoice::Verbs,
-            devices: devs.to_vec(),
-            progress_spin_us: 20_000,
-            ..AgentConfig::default()
-        };
-        Agent::new(name, cfg).map_err(s)
-    };
-    let p = spinning("idle-p", &t.b_devs)?;
-    let d = spinning("idle-d", &t.a_devs)?;
+    let p = polling_agent("idle-p", &t.b_devs, 20_000)?;
+    let d = polling_agent("idle-d", &t.a_devs, 20_000)?;
     let peer_p = d.load_remote(p.side_channel_addr()).map_err(s)?;
     let peer_d = p.load_remote(d.side_channel_addr()).map_err(s)?;
     // received by waiting callers, which poll (and leave the queues unarmed behind them)

@@ -8,27 +8,15 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvrail::agent::XferStatus;
-use kvrail::agent::{Agent, AgentConfig, BackendChoice, Desc, RegionId, RemoteAccess, XferOp};
+use kvrail::agent::{Agent, Desc, RegionId, RemoteAccess, XferOp, XferStatus};
 
-use super::{ensure, pattern, s, Topology, R};
+use super::{ensure, pattern, polling_agent, s, Topology, R};
 
 const SLOT: u64 = 64 << 10;
 const SLOTS: u64 = 16;
 const THREADS: u64 = 3;
 const ROUNDS: u64 = 6;
 const NOTIFS: u64 = 3000;
-
-fn polling_agent(name: &str, devs: &[String]) -> Result<Agent, String> {
-    let cfg = AgentConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        backend: BackendChoice::Verbs,
-        devices: devs.to_vec(),
-        progress_spin_us: 50_000,
-        ..AgentConfig::default()
-    };
-    Agent::new(name, cfg).map_err(s)
-}
 
 fn msg(i: u64) -> Vec<u8> {
     let mut m = i.to_le_bytes().to_vec();
@@ -67,8 +55,8 @@ fn churn(a: &Agent, op: XferOp, peer: &str, (local, remote): (RegionId, RegionId
 }
 
 pub(super) fn callers_poll(t: &Topology) -> R {
-    let p = polling_agent("poll-p", &t.b_devs)?;
-    let d = polling_agent("poll-d", &t.a_devs)?;
+    let p = polling_agent("poll-p", &t.b_devs, 50_000)?;
+    let d = polling_agent("poll-d", &t.a_devs, 50_000)?;
     let len = (THREADS * SLOTS * SLOT) as usize;
     let src = p.register(len, RemoteAccess::READ, vec![]).map_err(s)?;
     let dst = d.register(len, RemoteAccess::NONE, vec![]).map_err(s)?;

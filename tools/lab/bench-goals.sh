@@ -25,24 +25,6 @@ K=$(mktemp -d /run/goals.XXXXXX)   # one file of values per measurement
 put() { echo "$2" >> "$K/$1"; }
 median() { sort -g "$K/$1" | awk '{v[NR]=$1} END {if (NR == 0) print 0; else if (NR % 2) print v[(NR+1)/2]; else printf "%.2f\n", (v[NR/2]+v[NR/2+1])/2}'; }
 
-lat_pt() {
-    local port; port=$(next_port)
-    timeout 120 ib_send_lat -d "${B[0]}" -p "$port" -x "$G" -s 64 -n 2000 > "$T/lat.srv" 2>&1 &
-    wait_listen "$port" || die "ib_send_lat server did not start"
-    timeout 120 ib_send_lat -d "${A[0]}" -p "$port" -x "$G" -s 64 -n 2000 "${BIPS[0]}" > "$T/lat" 2>&1 || true
-    wait || true
-    grep -E '^ *64 +[0-9]+' "$T/lat" | tail -n 1 | awk '{print $5}'
-}
-lat_kv() {
-    local port; port=$(next_port)
-    timeout 300 "$PERF" --server --listen 127.0.0.1:$port --transport verbs --rails "${B[0]}" --spin-us "$SPIN" > "$T/kl.srv" 2>&1 &
-    wait_listen "$port" || die "kvrail-perf server did not start"
-    timeout 300 "$PERF" --client 127.0.0.1:$port --transport verbs --rails "${A[0]}" --op lat -s 64 -n 2000 --spin-us "$SPIN" > "$T/kl" 2>&1 \
-        || { cat "$T/kl" "$T/kl.srv" >&2; die "kvrail-perf --op lat failed"; }
-    wait || true
-    grep -E '^ *64 +[0-9]+' "$T/kl" | tail -n 1 | awk '{print $5}'
-}
-
 for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
     line="round $ROUND:"
     for op in write read; do
@@ -64,7 +46,7 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
     p=$(perftest_one write 0 65536 1 "$n"); put pt1_65536 "$p"
     k=$(kvrail "${A[0]}" "${B[0]}" write 65536 1 "$n" --spin-us "$SPIN"); put t1_65536 "$k"
     put rt1_65536 "$(ratio "$k" "$p")"
-    pl=$(lat_pt); kl=$(lat_kv); put lat_pt "${pl:-0}"; put lat_kv "${kl:-0}"
+    pl=$(send_lat 2000); kl=$(kvrail_lat 2000 --spin-us "$SPIN"); put lat_pt "${pl:-0}"; put lat_kv "${kl:-0}"
     put rlat "$(ratio "${kl:-0}" "${pl:-0}")"
     line+=" t1 256K/1M/64K $(tail -n 1 "$K/t1_262144")/$(tail -n 1 "$K/t1_1048576")/$k (ib_write_bw -t 1 $p) | lat $pl vs $kl us"
     echo "$line"

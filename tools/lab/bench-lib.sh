@@ -136,4 +136,28 @@ kvrail() {
     avg_of "$T/kv"
 }
 
+# 64 B latency on rail 0, t_typical in us (perftest's column): ib_send_lat with $1 iterations
+send_lat() {
+    local port; port=$(next_port)
+    timeout 120 ib_send_lat -d "${B[0]}" -p "$port" -x "$G" -s 64 -n "$1" > "$T/lat.srv" 2>&1 &
+    wait_listen "$port" || die "ib_send_lat server did not start"
+    timeout 120 ib_send_lat -d "${A[0]}" -p "$port" -x "$G" -s 64 -n "$1" "${BIPS[0]}" > "$T/lat" 2>&1 || true
+    wait || true
+    grep -E '^ *64 +[0-9]+' "$T/lat" | tail -n 1 | awk '{print $5}'
+}
+
+# the same for kvrail-perf --op lat (a notification round trip / 2) server/client on rail 0:
+# iterations $1, extra args for both sides...
+kvrail_lat() {
+    local n=$1 port; shift
+    need_perf
+    port=$(next_port)
+    timeout 300 "$PERF" --server --listen 127.0.0.1:$port --transport verbs --rails "${B[0]}" "$@" > "$T/kl.srv" 2>&1 &
+    wait_listen "$port" || die "kvrail-perf server did not start"
+    timeout 300 "$PERF" --client 127.0.0.1:$port --transport verbs --rails "${A[0]}" --op lat -s 64 -n "$n" "$@" > "$T/kl" 2>&1 \
+        || { cat "$T/kl" "$T/kl.srv" >&2; die "kvrail-perf --op lat failed"; }
+    wait || true
+    grep -E '^ *64 +[0-9]+' "$T/kl" | tail -n 1 | awk '{print $5}'
+}
+
 ratio() { awk -v k="$1" -v p="$2" 'BEGIN{ if (p > 0) printf "%.3f", k/p; else print "null" }'; }

@@ -78,22 +78,8 @@ printf 'tcp loopback: iperf3 %s MB/s, kvrail-perf --transport tcp (1 MiB WRITE, 
 TCP="{\"iperf3_mbps\":$ip,\"kvrail_tcp_mbps\":$kt,\"ratio\":$(ratio "$kt" "$ip")}"
 
 # latency: ib_send_lat (64 B) vs kvrail-perf --op lat (a notification round trip / 2, 64 B)
-port=$(next_port)
-timeout 120 ib_send_lat -d "${B[0]}" -p "$port" -x "$G" -s 64 -n 1000 > "$T/lat.srv" 2>&1 &
-wait_listen "$port" || die "ib_send_lat server did not start"
-timeout 120 ib_send_lat -d "${A[0]}" -p "$port" -x "$G" -s 64 -n 1000 "${BIPS[0]}" > "$T/lat" 2>&1 || true
-wait || true
-pl=$(grep -E '^ *64 +[0-9]+' "$T/lat" | tail -n 1 | awk '{print $5}')
-lat() {   # kvrail-perf --op lat, 64 B, extra args → t_typical
-    local port; port=$(next_port)
-    timeout 300 "$PERF" --server --listen 127.0.0.1:$port --transport verbs --rails "${B[0]}" "$@" > "$T/kl.srv" 2>&1 &
-    wait_listen "$port" || die "kvrail-perf server did not start"
-    timeout 300 "$PERF" --client 127.0.0.1:$port --transport verbs --rails "${A[0]}" --op lat -s 64 -n 1000 "$@" > "$T/kl" 2>&1 \
-        || { cat "$T/kl" "$T/kl.srv" >&2; die "kvrail-perf --op lat failed"; }
-    wait || true
-    grep -E '^ *64 +[0-9]+' "$T/kl" | tail -n 1 | awk '{print $5}'
-}
-kl=$(lat --spin-us "$SPIN"); kls=$(lat -e)
+pl=$(send_lat 1000)
+kl=$(kvrail_lat 1000 --spin-us "$SPIN"); kls=$(kvrail_lat 1000 -e)
 printf 'latency 64 B (t_typical, usec): ib_send_lat %s, kvrail-perf --op lat polling %s (x%s), sleeping %s\n' "${pl:-?}" "${kl:-?}" "$(ratio "${kl:-0}" "${pl:-0}")" "${kls:-?}"
 LAT="{\"ib_send_lat_typical_us\":${pl:-null},\"kvrail_notif_typical_us\":${kl:-null},\"kvrail_notif_sleeping_typical_us\":${kls:-null}}"
 

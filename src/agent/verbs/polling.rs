@@ -107,6 +107,9 @@ impl Verbs {
 
     /// Callers poll now, or stopped less than one budget ago.
     fn callers_polling(&self) -> bool {
+        if self.spin.is_zero() {
+            return false; // nobody polls: no lock taken per completion event
+        }
         if self.polling.pollers.load(Ordering::Acquire) > 0 {
             return true;
         }
