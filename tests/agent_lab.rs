@@ -34,28 +34,30 @@ fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
 
-fn agent(name: &str, devs: &[String], stripe: Option<i64>) -> Result<Agent, String> {
-    let cfg = AgentConfig {
+/// A verbs agent on `devs`, configured further by `more`.
+fn verbs_agent(
+    name: &str,
+    devs: &[String],
+    more: impl FnOnce(&mut AgentConfig),
+) -> Result<Agent, String> {
+    let mut cfg = AgentConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         backend: BackendChoice::Verbs,
         devices: devs.to_vec(),
-        stripe_width: stripe,
         ..AgentConfig::default()
     };
+    more(&mut cfg);
     Agent::new(name, cfg).map_err(s)
+}
+
+fn agent(name: &str, devs: &[String], stripe: Option<i64>) -> Result<Agent, String> {
+    verbs_agent(name, devs, |c| c.stripe_width = stripe)
 }
 
 /// An agent whose waiting callers poll the completion queues for `spin_us`
 /// (`progress_spin_us`).
 fn polling_agent(name: &str, devs: &[String], spin_us: u32) -> Result<Agent, String> {
-    let cfg = AgentConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        backend: BackendChoice::Verbs,
-        devices: devs.to_vec(),
-        progress_spin_us: spin_us,
-        ..AgentConfig::default()
-    };
-    Agent::new(name, cfg).map_err(s)
+    verbs_agent(name, devs, |c| c.progress_spin_us = spin_us)
 }
 
 fn wait(a: &Agent, x: XferId) -> Result<XferStatus, String> {
