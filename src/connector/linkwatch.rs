@@ -114,11 +114,20 @@ mod tests {
     use super::*;
     use std::sync::mpsc;
 
-    fn tmp(name: &str) -> std::path::PathBuf {
+    /// A fixture directory of the test's own, removed when the test ends.
+    struct Tmp(std::path::PathBuf);
+
+    impl Drop for Tmp {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tmp(name: &str) -> Tmp {
         let d =
             std::env::temp_dir().join(format!("kvrail-linkwatch-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
-        d
+        Tmp(d)
     }
 
     fn set(root: &std::path::Path, dev: &str, state: &str) {
@@ -131,7 +140,7 @@ mod tests {
     #[test]
     fn fires_once_only_after_every_link_stayed_down() {
         let dir = tmp("once");
-        let root = dir.as_path();
+        let root = dir.0.as_path();
         set(root, "mlx5_0", "4: ACTIVE");
         set(root, "mlx5_1", "4: ACTIVE");
         let (tx, rx) = mpsc::channel();
@@ -159,7 +168,7 @@ mod tests {
     #[test]
     fn a_link_back_in_time_stops_the_clock_and_no_links_never_fire() {
         let dir = tmp("back");
-        let root = dir.as_path();
+        let root = dir.0.as_path();
         set(root, "rxe0", "1: DOWN");
         let (tx, rx) = mpsc::channel();
         let tx2 = tx.clone();

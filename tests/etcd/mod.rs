@@ -54,12 +54,15 @@ impl Etcd {
         );
         let (c, p) = (self.client, self.peer);
         // etcd runs under a watchdog shell: it goes when this test process does (a shared
-        // etcd in a static is never dropped), and when told (SIGTERM to the shell)
+        // etcd in a static is never dropped; the shell then removes its data directory, ~120 MB
+        // each), and when told (SIGTERM to the shell: the data stays for a restart)
         let watch = format!(
             "\"$0\" \"$@\" >/dev/null 2>&1 & e=$!; trap 'kill -9 $e 2>/dev/null; wait $e; exit 0' TERM; \
              while kill -0 {} 2>/dev/null && kill -0 $e 2>/dev/null; do sleep 0.2; done; \
-             kill -9 $e 2>/dev/null; wait $e",
-            std::process::id()
+             kill -9 $e 2>/dev/null; wait $e; kill -0 {} 2>/dev/null || rm -rf '{}'",
+            std::process::id(),
+            std::process::id(),
+            self.dir.display()
         );
         let child = Command::new("bash")
             .arg("-c")
