@@ -35,6 +35,7 @@ fn main() {
         ("read_sizes_1b_to_8mib", read_sizes),
         ("write_with_imm", write_with_imm),
         ("send_recv", send_recv),
+        ("inline_sends_and_writes", inline_sends),
         ("thousands_of_wrs_in_flight", many_in_flight),
         ("remote_range_checked_before_posting", remote_range_checked),
         ("write_outside_remote_region_fails_naming_op", |t, p, r| {
@@ -108,6 +109,8 @@ struct Opts {
     peer_size: usize,
     peer_access: &'static str,
     depth: u32,
+    /// `max_inline_data` asked for host A's queue pair.
+    inline: u32,
 }
 
 impl Opts {
@@ -118,11 +121,21 @@ impl Opts {
             peer_size,
             peer_access,
             depth: 256,
+            inline: 0,
         }
     }
 }
 
 fn local_qp(t: &Topology, rail: usize, depth: u32) -> Result<(Context, Pd, Cq, Qp), String> {
+    local_qp_inline(t, rail, depth, 0)
+}
+
+fn local_qp_inline(
+    t: &Topology,
+    rail: usize,
+    depth: u32,
+    inline: u32,
+) -> Result<(Context, Pd, Cq, Qp), String> {
     let ctx = Context::open(&t.a_devs[rail]).map_err(s)?;
     let gid = ctx.choose_gid(1, Some(t.a_ips[rail])).map_err(s)?;
     let pd = Pd::new(&ctx).map_err(s)?;
@@ -130,6 +143,7 @@ fn local_qp(t: &Topology, rail: usize, depth: u32) -> Result<(Context, Pd, Cq, Q
     let mut o = QpOptions::new(1, gid.index);
     o.max_send_wr = depth;
     o.max_recv_wr = depth;
+    o.max_inline_data = inline;
     let qp = Qp::new(&pd, &cq, &cq, &o).map_err(s)?;
     Ok((ctx, pd, cq, qp))
 }
@@ -157,7 +171,7 @@ fn peer_setup(
 
 fn setup(t: &Topology, peer: &PeerProcess, rail: usize, o: Opts) -> Result<Side, String> {
     let (mut conn, endpoint, remote) = peer_setup(t, peer, rail, &o)?;
-    let (_ctx, pd, cq, qp) = local_qp(t, rail, o.depth)?;
+    let (_ctx, pd, cq, qp) = local_qp_inline(t, rail, o.depth, o.inline)?;
     let mr = Mr::alloc(&pd, o.local_size, o.local_access).map_err(s)?;
     qp.connect(&endpoint, &ConnectOptions::default())
         .map_err(s)?;
@@ -391,6 +405,7 @@ fn write_with_imm(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
             },
             local: vec![Sge::new(&side.mr, g.offset, g.len)],
             signaled: i + 1 == segs.len(),
+            inline: false,
         })
         .collect();
     side.qp.post_send(&wrs).map_err(s)?;
@@ -470,6 +485,79 @@ fn send_recv(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
         })
         .collect();
     side.peer.ok(&Cmd::Verify { segments: landed })
+}
+
+/// SENDs and a WRITE posted inline (`IBV_SEND_INLINE`) land byte for byte although their
+/// source is overwritten right after posting; inline requests beyond the granted size, and
+/// READs, are refused before posting.
+fn inline_sends(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
+    const SLOT: usize = 4096;
+    let mut o = Opts::new(8192, 4 * SLOT, "w");
+    o.inline = 128;
+    let mut side = setup(t, peer, rail, o)?;
+    let max = side.qp.max_inline() as usize;
+    ensure(max >= 128, || format!("max_inline {max} < the 128 asked"))?;
+    let sizes = [1usize, 64, max, 100];
+    let (segs, _) = layout(&sizes, 450 + rail as u64);
+    side.peer.ok(&Cmd::PostRecv {
+        count: 3,
+        len: SLOT,
+    })?;
+    fill(&side.mr, &segs)?;
+    let mut wrs: Vec<SendWr<'_>> = segs[..3]
+        .iter()
+        .enumerate()
+        .map(|(i, g)| SendWr::send(i as u64, Sge::new(&side.mr, g.offset, g.len)).inlined())
+        .collect();
+    let w = &segs[3];
+    let dst = 3 * SLOT as u64 + 5;
+    wrs.push(SendWr::write(3, Sge::new(&side.mr, w.offset, w.len), side.remote, dst).inlined());
+    side.qp.post_send(&wrs).map_err(s)?;
+    // inline: the bytes were taken at post time
+    side.mr.write(0, &vec![0u8; side.mr.len()]).map_err(s)?;
+    expect_ok(&wait_completions(&side.cq, 4, WAIT)?, &[0, 1, 2, 3])?;
+    let Reply::Recvs(recvs) = side.peer.call(&Cmd::WaitRecv {
+        count: 3,
+        timeout_s: 120,
+    })?
+    else {
+        return Err("no receive list".into());
+    };
+    for (i, r) in recvs.iter().enumerate() {
+        ensure(
+            r.error.is_none() && r.wr_id == i as u64 && r.byte_len as usize == sizes[i],
+            || format!("receive {i}: {r:?}, expected {} bytes", sizes[i]),
+        )?;
+    }
+    let mut landed: Vec<Segment> = (segs[..3].iter().enumerate())
+        .map(|(i, g)| Segment {
+            offset: i * SLOT,
+            len: g.len,
+            seed: g.seed,
+        })
+        .collect();
+    landed.push(Segment {
+        offset: dst as usize,
+        len: w.len,
+        seed: w.seed,
+    });
+    side.peer.ok(&Cmd::Verify { segments: landed })?;
+    // refused before posting, naming why
+    let too_long = SendWr::send(9, Sge::new(&side.mr, 0, max + 1)).inlined();
+    match side.qp.post_send(&[too_long]) {
+        Err(e) if e.to_string().contains("inline") => {}
+        other => {
+            return Err(format!(
+                "{} B inline > max_inline {max}: {other:?}",
+                max + 1
+            ))
+        }
+    }
+    let read = SendWr::read(10, Sge::new(&side.mr, 0, 8), side.remote, 0).inlined();
+    match side.qp.post_send(&[read]) {
+        Err(e) if e.to_string().contains("cannot be posted inline") => Ok(()),
+        other => Err(format!("an inline READ: {other:?}")),
+    }
 }
 
 fn many_in_flight(t: &Topology, peer: &PeerProcess, rail: usize) -> R {

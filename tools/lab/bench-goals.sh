@@ -6,7 +6,9 @@
 #   deep queue   kvrail -t 32 vs ib_write_bw / ib_read_bw -t 32 at 64 KiB, 1 MiB, 8 MiB (goal >= 0.97)
 #   one at once  kvrail -t 1 at 256 KiB and 1 MiB vs perftest -t 32 (goal >= 0.9);
 #                kvrail -t 1 at 64 KiB vs ib_write_bw -t 1 (goal >= 0.9)
-#   latency      64 B notification round trip / 2 vs ib_send_lat, t_typical (goal <= 1.5)
+#   latency      64 B notification round trip / 2 vs ib_send_lat, t_typical (goal <= 1.5);
+#                also next to UCT active messages (ucx_perftest -t am_lat over rc_verbs, the
+#                fastest 64 B round trip here: no goal, for scale)
 # Prints every round, then the medians, ratios and whether each goal held; JSON to
 # $BENCH_JSON (default target/bench-goals.json). Under TCG runs vary ±30 %: only the medians
 # of one run mean anything. ~4 min with ROUNDS=3.
@@ -48,7 +50,8 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
     put rt1_65536 "$(ratio "$k" "$p")"
     pl=$(send_lat 2000); kl=$(kvrail_lat 2000 --spin-us "$SPIN"); put lat_pt "${pl:-0}"; put lat_kv "${kl:-0}"
     put rlat "$(ratio "${kl:-0}" "${pl:-0}")"
-    line+=" t1 256K/1M/64K $(tail -n 1 "$K/t1_262144")/$(tail -n 1 "$K/t1_1048576")/$k (ib_write_bw -t 1 $p) | lat $pl vs $kl us"
+    ul=$(ucx_lat 2000); put lat_ucx "${ul:-0}"; put rlat_ucx "$(ratio "${kl:-0}" "${ul:-0}")"
+    line+=" t1 256K/1M/64K $(tail -n 1 "$K/t1_262144")/$(tail -n 1 "$K/t1_1048576")/$k (ib_write_bw -t 1 $p) | lat $pl (UCT $ul) vs $kl us"
     echo "$line"
 done
 
@@ -58,7 +61,13 @@ echo "== medians of $ROUNDS interleaved rounds (MB/s = 2^20 B/s; latency us)"
 printf '%-44s %10s %10s %8s  %-8s\n' case reference kvrail ratio goal
 ROWS=()
 row() {   # label reference-key kvrail-key ratio-key goal-value min|max
-    local ref kv r g; ref=$(median "$2"); kv=$(median "$3"); r=$(median "$4"); g=$(goal "$r" "$5" "$6")
+    local ref kv r g; ref=$(median "$2"); kv=$(median "$3"); r=$(median "$4")
+    if [ "$6" = info ]; then   # no goal: a figure for scale
+        printf '%-44s %10s %10s %8s  (no goal)\n' "$1" "$ref" "$kv" "$r"
+        ROWS+=("{\"case\":\"$1\",\"reference\":$ref,\"kvrail\":$kv,\"ratio_median\":$r,\"goal\":null,\"met\":null}")
+        return
+    fi
+    g=$(goal "$r" "$5" "$6")
     printf '%-44s %10s %10s %8s  %s %s %s\n' "$1" "$ref" "$kv" "$r" "$([ "$6" = min ] && echo ">=" || echo "<=")" "$5" "$g"
     ROWS+=("{\"case\":\"$1\",\"reference\":$ref,\"kvrail\":$kv,\"ratio_median\":$r,\"goal\":\"$([ "$6" = min ] && echo ">=" || echo "<=") $5\",\"met\":$([ "$g" = met ] && echo true || echo false)}")
 }
@@ -71,6 +80,7 @@ row "write 262144 -t 1 vs ib_write_bw -t 32" pt_write_262144 t1_262144 rt1_26214
 row "write 1048576 -t 1 vs ib_write_bw -t 32" pt_write_1048576 t1_1048576 rt1_1048576 0.9 min
 row "write 65536 -t 1 vs ib_write_bw -t 1" pt1_65536 t1_65536 rt1_65536 0.9 min
 row "64 B latency vs ib_send_lat (t_typical)" lat_pt lat_kv rlat 1.5 max
+row "64 B latency vs UCT am_lat (median)" lat_ucx lat_kv rlat_ucx - info
 mkdir -p "$(dirname "$JSON")"
 ( IFS=,; echo "{\"tool\":\"bench-goals\",\"rounds\":$ROUNDS,\"rail\":\"${A[0]}->${B[0]}\",\"spin_us\":$SPIN,\"rows\":[${ROWS[*]}]}" ) > "$JSON"
 echo "# written to $JSON"

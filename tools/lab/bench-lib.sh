@@ -160,4 +160,19 @@ kvrail_lat() {
     grep -E '^ *64 +[0-9]+' "$T/kl" | tail -n 1 | awk '{print $5}'
 }
 
+# 64 B latency of UCT active messages over rc_verbs on rail 0 (ucx_perftest -t am_lat, the
+# median one-way latency in us it prints as "50.0%ile"): iterations $1; 0 when it failed
+ucx_lat() {
+    local port line; port=$(next_port)
+    UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 120 ucx_perftest -t am_lat -x rc_verbs -d "${B[0]}:1" \
+        -s 64 -n "$1" -p "$port" > "$T/ul.srv" 2>&1 &
+    wait_listen "$port" || { echo 0; return; }
+    UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t am_lat -x rc_verbs \
+        -d "${A[0]}:1" -s 64 -n "$1" > "$T/ul" 2>&1
+    wait || true
+    line=$(grep -E '^Final:' "$T/ul" | tail -n 1)
+    set -- $line
+    echo "${3:-0}"
+}
+
 ratio() { awk -v k="$1" -v p="$2" 'BEGIN{ if (p > 0) printf "%.3f", k/p; else print "null" }'; }

@@ -28,6 +28,8 @@ const SLOTS: u32 = 64;
 const SLOT_SIZE: usize = 1024;
 /// Sequence number bytes ahead of each message.
 const SEQ: usize = 8;
+/// Bytes of a frame the channel asks to post inline.
+const INLINE: u32 = 256;
 
 /// Which channel a queue pair carries.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -105,7 +107,16 @@ impl Verbs {
         o.max_send_wr = SLOTS + 1;
         o.max_recv_wr = SLOTS + 1;
         o.remote_access = Access::NONE;
-        let qp = Qp::new(&r.pd, &r.cq, &r.cq, &o).map_err(|e| e.to_string())?;
+        // small notifications go inline when the device can (most of them: a sequence
+        // number, the frame header and a few dozen bytes); without it, as before
+        o.max_inline_data = INLINE;
+        let qp = match Qp::new(&r.pd, &r.cq, &r.cq, &o) {
+            Ok(qp) => qp,
+            Err(_) => {
+                o.max_inline_data = 0;
+                Qp::new(&r.pd, &r.cq, &r.cq, &o).map_err(|e| e.to_string())?
+            }
+        };
         let ch = MsgChannel::new(&r.pd, qp.clone(), SLOTS, SLOT_SIZE).map_err(|e| e.to_string())?;
         Ok((qp, ch))
     }

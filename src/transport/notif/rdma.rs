@@ -238,10 +238,12 @@ impl MsgChannel {
         let off = (self.slots + s) as usize * self.slot;
         self.mr.write(off, &h.encode())?;
         self.mr.write(off + HEADER, payload)?;
-        let wr = SendWr::send(
-            u64::from(self.slots + s),
-            Sge::new(&self.mr, off, HEADER + payload.len()),
-        );
+        let len = HEADER + payload.len();
+        let mut wr = SendWr::send(u64::from(self.slots + s), Sge::new(&self.mr, off, len));
+        if len <= self.qp.max_inline() as usize {
+            // small frames ride in the work request (no fetch from memory by the device)
+            wr = wr.inlined();
+        }
         self.qp.post_send(&[wr])?;
         self.sent_frames += 1;
         Ok(())

@@ -38,6 +38,9 @@ pub struct QpOptions {
     /// At most this path MTU (None: the port's active MTU). The path MTU is the smaller of
     /// both ends' values.
     pub max_mtu: Option<Mtu>,
+    /// Bytes a send request may carry inline (0: none). The device may grant more
+    /// ([`Qp::max_inline`]); creating the queue pair fails when it cannot grant this much.
+    pub max_inline_data: u32,
 }
 
 impl QpOptions {
@@ -53,6 +56,7 @@ impl QpOptions {
             max_recv_sge: 4,
             remote_access: Access::REMOTE_READ | Access::REMOTE_WRITE,
             max_mtu: None,
+            max_inline_data: 0,
         }
     }
 }
@@ -200,6 +204,7 @@ struct QpInner {
     link_layer: LinkLayer,
     max_rd_atomic: u8,
     max_dest_rd_atomic: u8,
+    max_inline: u32,
     state: Mutex<QpState>,
     shared: Arc<QpShared>,
     // Released after the QP is destroyed: CQs (ibv_destroy_cq fails with EBUSY while a QP
@@ -298,6 +303,7 @@ impl Qp {
         init.cap.max_recv_wr = opts.max_recv_wr;
         init.cap.max_send_sge = opts.max_send_sge;
         init.cap.max_recv_sge = opts.max_recv_sge;
+        init.cap.max_inline_data = opts.max_inline_data;
         // SAFETY: live PD and CQs of the same context; `init` is fully initialized.
         let qp = unsafe { ffi::ibv_create_qp(pd.raw(), &mut init) };
         let qp = NonNull::new(qp).ok_or_else(|| Error::CreateQp {
@@ -307,6 +313,8 @@ impl Qp {
         })?;
         // SAFETY: just created.
         let qpn = unsafe { qp.as_ref().qp_num };
+        // what the provider granted (it writes the capabilities back)
+        let max_inline = init.cap.max_inline_data;
         let shared = Arc::new(QpShared {
             send: Mutex::new(WorkQueue::new(opts.max_send_wr as usize)),
             recv: Mutex::new(WorkQueue::new(opts.max_recv_wr as usize)),
@@ -336,6 +344,7 @@ impl Qp {
                 link_layer: port.link_layer,
                 max_rd_atomic: dev.max_qp_init_rd_atom.clamp(1, 255) as u8,
                 max_dest_rd_atomic,
+                max_inline,
                 state: Mutex::new(QpState::Reset),
                 shared,
                 send_cq: send_cq.inner.clone(),
@@ -567,6 +576,12 @@ impl Qp {
             .max_rd_atomic)
     }
 
+    /// Bytes a send request may carry inline ([`SendWr::inline`]): what the device granted
+    /// for [`QpOptions::max_inline_data`].
+    pub fn max_inline(&self) -> u32 {
+        self.inner.max_inline
+    }
+
     /// `Ok` while the QP can carry traffic; otherwise [`Error::QpInError`] with the first
     /// failed completion seen on it (or the state the device reports).
     ///
@@ -650,6 +665,9 @@ impl Qp {
             } else {
                 0
             };
+            if wr.inline {
+                r.send_flags |= ffi::ibv_send_flags::IBV_SEND_INLINE.0;
+            }
             let (opcode, imm) = match wr.op {
                 SendOp::Write { .. } => (ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE, None),
                 SendOp::WriteWithImm { imm, .. } => {
@@ -752,6 +770,18 @@ impl Qp {
         for (k, s) in wr.local.iter().enumerate() {
             if let Some(r) = self.check_sge(s, op == OpKind::Read) {
                 return fail(format!("local element {k}: {r}"));
+            }
+        }
+        if wr.inline {
+            if !matches!(op, OpKind::Send | OpKind::Write) {
+                return fail(format!("{op} cannot be posted inline (SEND and WRITE can)"));
+            }
+            if wr.len() > u64::from(self.inner.max_inline) {
+                return fail(format!(
+                    "{} bytes inline > the queue pair's max_inline {}",
+                    wr.len(),
+                    self.inner.max_inline
+                ));
             }
         }
         if let Some((remote, off)) = wr.op.remote() {

@@ -128,6 +128,11 @@ pub struct SendWr<'a> {
     /// one completes; the layer signals one by itself now and then (not reported) so an
     /// unsignaled stream cannot fill the queue.
     pub signaled: bool,
+    /// Post the bytes inline (`IBV_SEND_INLINE`): the device takes them from the work
+    /// request at post time, not from memory later (SEND and WRITE up to the queue pair's
+    /// [`crate::transport::verbs::Qp::max_inline`] bytes; perftest's latency tests do the
+    /// same for small messages).
+    pub inline: bool,
 }
 
 impl<'a> SendWr<'a> {
@@ -138,6 +143,7 @@ impl<'a> SendWr<'a> {
             op: SendOp::Write { remote, offset },
             local: vec![local],
             signaled: true,
+            inline: false,
         }
     }
 
@@ -148,6 +154,7 @@ impl<'a> SendWr<'a> {
             op: SendOp::Read { remote, offset },
             local: vec![local],
             signaled: true,
+            inline: false,
         }
     }
 
@@ -158,12 +165,19 @@ impl<'a> SendWr<'a> {
             op: SendOp::Send,
             local: vec![local],
             signaled: true,
+            inline: false,
         }
     }
 
     /// The same request without a completion.
     pub fn unsignaled(mut self) -> Self {
         self.signaled = false;
+        self
+    }
+
+    /// The same request with its bytes posted inline (see [`SendWr::inline`]).
+    pub fn inlined(mut self) -> Self {
+        self.inline = true;
         self
     }
 
