@@ -188,6 +188,17 @@ fn setup(t: &Topology, peer: &PeerProcess, rail: usize, o: Opts) -> Result<Side,
     })
 }
 
+/// The peer's next `count` receives (two minutes at most).
+fn wait_recvs(peer: &mut PeerConn, count: usize) -> Result<Vec<lab::peer::RecvDone>, String> {
+    match peer.call(&Cmd::WaitRecv {
+        count,
+        timeout_s: 120,
+    })? {
+        Reply::Recvs(recvs) => Ok(recvs),
+        r => Err(format!("no receive list: {r:?}")),
+    }
+}
+
 fn expect_ok(cs: &[Completion], want: &[u64]) -> R {
     let got: Vec<u64> = cs.iter().map(|c| c.wr_id).collect();
     if got != want {
@@ -411,13 +422,7 @@ fn write_with_imm(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
     side.qp.post_send(&wrs).map_err(s)?;
     let cs = wait_completions(&side.cq, 1, WAIT)?;
     expect_ok(&cs, &[segs.len() as u64 - 1])?;
-    let Reply::Recvs(recvs) = side.peer.call(&Cmd::WaitRecv {
-        count: segs.len(),
-        timeout_s: 120,
-    })?
-    else {
-        return Err("no receive list".into());
-    };
+    let recvs = wait_recvs(&mut side.peer, segs.len())?;
     for (i, r) in recvs.iter().enumerate() {
         ensure(
             r.error.is_none()
@@ -457,13 +462,7 @@ fn send_recv(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
         &wait_completions(&side.cq, segs.len(), WAIT)?,
         &(0..segs.len() as u64).collect::<Vec<_>>(),
     )?;
-    let Reply::Recvs(recvs) = side.peer.call(&Cmd::WaitRecv {
-        count: sizes.len(),
-        timeout_s: 120,
-    })?
-    else {
-        return Err("no receive list".into());
-    };
+    let recvs = wait_recvs(&mut side.peer, sizes.len())?;
     for (i, r) in recvs.iter().enumerate() {
         ensure(
             r.error.is_none()
@@ -516,13 +515,7 @@ fn inline_sends(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
     // inline: the bytes were taken at post time
     side.mr.write(0, &vec![0u8; side.mr.len()]).map_err(s)?;
     expect_ok(&wait_completions(&side.cq, 4, WAIT)?, &[0, 1, 2, 3])?;
-    let Reply::Recvs(recvs) = side.peer.call(&Cmd::WaitRecv {
-        count: 3,
-        timeout_s: 120,
-    })?
-    else {
-        return Err("no receive list".into());
-    };
+    let recvs = wait_recvs(&mut side.peer, 3)?;
     for (i, r) in recvs.iter().enumerate() {
         ensure(
             r.error.is_none() && r.wr_id == i as u64 && r.byte_len as usize == sizes[i],
