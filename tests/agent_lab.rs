@@ -92,6 +92,7 @@ fn main() {
         "lossy_slow_rail_single_and_striped_byte_exact",
         "grant_cost_next_to_the_read_it_fences",
         "callers_that_poll_move_every_byte_and_notification_in_order",
+        "a_reader_that_only_reads_notifications_polls",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -111,6 +112,7 @@ fn main() {
     r.run(cases[8], || lossy_rail(&t));
     r.run(cases[9], || grant_cost::grant_cost(&t));
     r.run(cases[10], || polling::callers_poll(&t));
+    r.run(cases[11], || polling::readers_poll(&t));
     r.finish();
 }
 

@@ -825,7 +825,11 @@ impl Agent {
     }
 
     /// Notifications received since the last call, in arrival order (per peer: send order).
+    /// With [`AgentConfig::progress_spin_us`] it polls the completion queues once first, as
+    /// [`Agent::status`] does: a NIXL-style loop that only reads notifications drives their
+    /// arrival itself instead of waiting for the progress thread.
     pub fn get_new_notifs(&self) -> Vec<(String, Vec<u8>)> {
+        self.shared.poll_once();
         lock(&self.shared.notifs).drain(..).collect()
     }
 

@@ -3,7 +3,8 @@
 //! completion queues itself and posts in place) while a notification stream goes from P to
 //! D, received with `wait_notifs`. Every byte is checked, the notifications arrive once each
 //! and in order, and `kvrail_completions_total{by="caller"}` shows the callers dispatched
-//! completions (the progress thread would otherwise have done all of it).
+//! completions (the progress thread would otherwise have done all of it). A reader that
+//! only calls `get_new_notifs` in a loop polls too.
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -133,5 +134,52 @@ pub(super) fn callers_poll(t: &Topology) -> R {
     );
     ensure(dc > 0.0 && pc > 0.0, || {
         format!("no completion was dispatched by a polling caller: D {dc}, P {pc}")
+    })
+}
+
+/// D reads a notification stream with `get_new_notifs` alone (a NIXL-style loop, no
+/// waiting call): every notification once and in order, and D's own reads dispatched
+/// completions (without the poll in `get_new_notifs` the progress thread does all of it).
+pub(super) fn readers_poll(t: &Topology) -> R {
+    const N: u64 = 2000;
+    let p = polling_agent("read-p", &t.b_devs, 2000)?;
+    let d = polling_agent("read-d", &t.a_devs, 2000)?;
+    let _ = d.load_remote(p.side_channel_addr()).map_err(s)?;
+    let peer_d = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    thread::scope(|sc| -> R {
+        let rx = sc.spawn(|| -> R {
+            let (mut next, until) = (0, Instant::now() + Duration::from_secs(120));
+            while next < N {
+                ensure(Instant::now() < until, || {
+                    format!("{next} of {N} notifications arrived")
+                })?;
+                for (who, m) in d.get_new_notifs() {
+                    ensure(who == "read-p", || format!("notification from {who}"))?;
+                    ensure(m == msg(next), || {
+                        format!("notification {next} wrong or out of order")
+                    })?;
+                    next += 1;
+                }
+                std::hint::spin_loop();
+            }
+            Ok(())
+        });
+        for i in 0..N {
+            p.send_notif(&peer_d, msg(i)).map_err(s)?;
+        }
+        rx.join().map_err(|_| "the reader panicked".to_string())?
+    })?;
+    let by = |who: &str| {
+        d.metrics()
+            .value(
+                "kvrail_completions_total",
+                &[("agent", d.name()), ("by", who)],
+            )
+            .unwrap_or(0.0)
+    };
+    let (caller, progress) = (by("caller"), by("progress"));
+    println!("    {N} notifications read with get_new_notifs; D's completions by the reader / progress thread: {caller} / {progress}");
+    ensure(caller > 0.0, || {
+        format!("the reader dispatched no completion (progress thread: {progress})")
     })
 }
