@@ -204,11 +204,11 @@ impl Engine {
 
     /// The local rails with a live queue pair to `peer`, in order.
     fn live_rails(&self, peer: &str, rails: usize) -> Vec<usize> {
+        let mut key = (peer.to_owned(), 0);
         (0..rails)
             .filter(|r| {
-                self.pairs
-                    .get(&(peer.to_owned(), *r))
-                    .is_some_and(|q| q.dead.is_none())
+                key.1 = *r;
+                self.pairs.get(&key).is_some_and(|q| q.dead.is_none())
             })
             .collect()
     }
@@ -634,25 +634,27 @@ impl Verbs {
         // posters move the rails in parallel, and nothing holds the engine lock through a
         // post.
         let in_place = plan.rails_used().len() == 1 && (e.runs.len() == 1 || !self.spin.is_zero());
-        let keys: Vec<(String, usize)> =
-            e.pairs.keys().filter(|(p, _)| p == peer).cloned().collect();
-        for k in keys {
-            self.pump_with(shared, &mut e, &k, in_place);
+        let mut key = (peer.to_owned(), 0);
+        for r in 0..self.rails.len() {
+            key.1 = r;
+            self.pump_with(shared, &mut e, &key, in_place);
         }
         Ok(())
     }
 
     /// Queue a plan's slices on the pairs to the run's peer.
     fn enqueue(&self, e: &mut Engine, id: u64, run: &Run, plan: &crate::transport::stripe::Plan) {
-        let pairs = self.pairs_with(&run.meta);
+        let mut key = (run.peer.clone(), 0);
         for (r, slices) in plan.per_rail.iter().enumerate() {
             if slices.is_empty() {
                 continue;
             }
-            let peer_rail = pairs.iter().find(|(l, _)| *l == r).map_or(r, |(_, j)| *j);
-            let Some(q) = e.pairs.get_mut(&(run.peer.clone(), r)) else {
+            key.1 = r;
+            let Some(q) = e.pairs.get_mut(&key) else {
                 continue;
             };
+            // the peer's rail this queue pair is connected to (paired when it was set up)
+            let peer_rail = q.peer_rail;
             for sl in slices {
                 let Some(m) = run.meta.regions.iter().find(|m| m.id == sl.remote_region) else {
                     continue;
