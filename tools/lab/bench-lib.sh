@@ -70,24 +70,31 @@ perftest_two() {   # op size depth iters → MB/s, both rails at once, summed
     die "concurrent ib_$1_bw failed twice"
 }
 
+# one ucx_perftest run over rc_verbs on rail 0 (server B, client A): test $1, size $2,
+# iterations $3, extra args... → its "Final:" line (empty when it gave none); status 1 when
+# the server did not start
+ucx_final() {
+    local t=$1 size=$2 n=$3 port; shift 3
+    port=$(next_port)
+    UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 300 ucx_perftest -t "$t" -x rc_verbs -d "${B[0]}:1" \
+        -s "$size" -n "$n" -p "$port" "$@" > "$T/ucx.srv" 2>&1 &
+    wait_listen "$port" || { kill %% 2> /dev/null; wait; return 1; }
+    UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 300 ucx_perftest 127.0.0.1 -p "$port" -t "$t" -x rc_verbs \
+        -d "${A[0]}:1" -s "$size" -n "$n" "$@" > "$T/ucx" 2>&1
+    wait || true
+    grep -E '^Final:' "$T/ucx" | tail -n 1
+}
+
 # ucx_perftest (UCT over rc_verbs, zcopy) on rail 0: op (write|read) size iters → MB/s
 ucx() {
     local t=put_bw; [ "$1" = read ] && t=get
-    local port try v line
-    port=$(next_port)
+    local try v line
     for try in 1 2; do
-        UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 300 ucx_perftest -t $t -x rc_verbs -d "${B[0]}:1" \
-            -D zcopy -s "$2" -n "$3" -p $port > "$T/ucx.srv" 2>&1 &
-        wait_listen $port || die "ucx_perftest server did not start"
-        UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 300 ucx_perftest 127.0.0.1 -p $port -t $t -x rc_verbs \
-            -d "${A[0]}:1" -D zcopy -s "$2" -n "$3" > "$T/ucx" 2>&1
-        wait || true
-        line=$(grep -E '^Final:' "$T/ucx" | tail -n 1)
+        line=$(ucx_final "$t" "$2" "$3" -D zcopy) || die "ucx_perftest server did not start"
         set -- "$1" "$2" "$3" $line
         v=${10:-0}
         ok "$v" && { echo "$v"; return; }
         echo "ucx_perftest gave no result (try $try):" >&2; tail -n 5 "$T/ucx" "$T/ucx.srv" >&2
-        port=$(next_port)
     done
     echo 0
 }
@@ -163,14 +170,7 @@ kvrail_lat() {
 # 64 B latency of UCT active messages over rc_verbs on rail 0 (ucx_perftest -t am_lat, the
 # median one-way latency in us it prints as "50.0%ile"): iterations $1; 0 when it failed
 ucx_lat() {
-    local port line; port=$(next_port)
-    UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 120 ucx_perftest -t am_lat -x rc_verbs -d "${B[0]}:1" \
-        -s 64 -n "$1" -p "$port" > "$T/ul.srv" 2>&1 &
-    wait_listen "$port" || { echo 0; return; }
-    UCX_IB_GID_INDEX=$G UCX_RC_TIMEOUT=2s timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t am_lat -x rc_verbs \
-        -d "${A[0]}:1" -s 64 -n "$1" > "$T/ul" 2>&1
-    wait || true
-    line=$(grep -E '^Final:' "$T/ul" | tail -n 1)
+    local line; line=$(ucx_final am_lat 64 "$1") || { echo 0; return; }
     set -- $line
     echo "${3:-0}"
 }

@@ -202,13 +202,13 @@ impl Engine {
         );
     }
 
-    /// The local rails with a live queue pair to `peer`, in order.
-    fn live_rails(&self, peer: &str, rails: usize) -> Vec<usize> {
-        let mut key = (peer.to_owned(), 0);
+    /// The local rails with a live queue pair to the peer of `key` (its rail is scratch: the
+    /// caller's one key serves every lookup of a post), in order.
+    fn live_rails(&self, key: &mut (String, usize), rails: usize) -> Vec<usize> {
         (0..rails)
             .filter(|r| {
                 key.1 = *r;
-                self.pairs.get(&key).is_some_and(|q| q.dead.is_none())
+                self.pairs.get(key).is_some_and(|q| q.dead.is_none())
             })
             .collect()
     }
@@ -584,7 +584,8 @@ impl Verbs {
             grants,
         } = req;
         let mut e = lock(&self.engine);
-        let rails = e.live_rails(peer, self.rails.len());
+        let mut key = (peer.to_owned(), 0);
+        let rails = e.live_rails(&mut key, self.rails.len());
         if rails.is_empty() {
             return Err(AgentError::Unsupported(format!(
                 "no working queue pair to {peer}"
@@ -618,7 +619,7 @@ impl Verbs {
             meta: meta.clone(),
             grants: grants.to_vec(),
         };
-        self.enqueue(&mut e, id, &run, &plan);
+        self.enqueue(&mut e, id, &run, &plan, &mut key);
         e.runs.insert(id, run);
         if plan.slices() == 0 {
             e.runs.remove(&id);
@@ -634,7 +635,6 @@ impl Verbs {
         // posters move the rails in parallel, and nothing holds the engine lock through a
         // post.
         let in_place = plan.rails_used().len() == 1 && (e.runs.len() == 1 || !self.spin.is_zero());
-        let mut key = (peer.to_owned(), 0);
         for r in 0..self.rails.len() {
             key.1 = r;
             self.pump_with(shared, &mut e, &key, in_place);
@@ -642,15 +642,21 @@ impl Verbs {
         Ok(())
     }
 
-    /// Queue a plan's slices on the pairs to the run's peer.
-    fn enqueue(&self, e: &mut Engine, id: u64, run: &Run, plan: &crate::transport::stripe::Plan) {
-        let mut key = (run.peer.clone(), 0);
+    /// Queue a plan's slices on the pairs to the run's peer (`key`: that peer, any rail).
+    fn enqueue(
+        &self,
+        e: &mut Engine,
+        id: u64,
+        run: &Run,
+        plan: &crate::transport::stripe::Plan,
+        key: &mut (String, usize),
+    ) {
         for (r, slices) in plan.per_rail.iter().enumerate() {
             if slices.is_empty() {
                 continue;
             }
             key.1 = r;
-            let Some(q) = e.pairs.get_mut(&key) else {
+            let Some(q) = e.pairs.get_mut(key) else {
                 continue;
             };
             // the peer's rail this queue pair is connected to (paired when it was set up)
@@ -702,7 +708,8 @@ impl Verbs {
             }
             q.queue.clear(); // every queued slice is also pending in its run: re-planned below
         }
-        let survivors = e.live_rails(&peer, self.rails.len());
+        let mut pk = (peer.clone(), 0);
+        let survivors = e.live_rails(&mut pk, self.rails.len());
         let ids: Vec<u64> = e
             .runs
             .iter()
@@ -728,7 +735,7 @@ impl Verbs {
             match planner.replan(&slices) {
                 Ok(plan) => {
                     run.progress.add(&plan);
-                    self.enqueue(e, id, &run, &plan);
+                    self.enqueue(e, id, &run, &plan, &mut pk);
                     e.runs.insert(id, run);
                 }
                 Err(no_rail) => shared.xfer_failed(id, format!("{why}; {no_rail}")),
