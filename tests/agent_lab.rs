@@ -8,6 +8,8 @@ mod grant_cost;
 mod lab;
 #[path = "agent_lab/polling.rs"]
 mod polling;
+#[path = "agent_lab/stalled_drop.rs"]
+mod stalled_drop;
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
@@ -93,6 +95,7 @@ fn main() {
         "grant_cost_next_to_the_read_it_fences",
         "callers_that_poll_move_every_byte_and_notification_in_order",
         "a_reader_that_only_reads_notifications_polls",
+        "a_sender_dropped_with_its_channel_stalled_sends_the_rest_over_tcp",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -113,6 +116,7 @@ fn main() {
     r.run(cases[9], || grant_cost::grant_cost(&t));
     r.run(cases[10], || polling::callers_poll(&t));
     r.run(cases[11], || polling::readers_poll(&t));
+    r.run(cases[12], || stalled_drop::stalled_channel_drop(&t));
     r.finish();
 }
 

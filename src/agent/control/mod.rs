@@ -425,13 +425,25 @@ impl Drop for Shutdown {
     fn drop(&mut self) {
         // what was queued for peers (notifications, WRITE data) goes out first, bounded:
         // the notification channels deliver theirs while the peers keep taking them (until
-        // FLUSH_ON_DROP passes without progress), then the TCP writers send theirs
+        // FLUSH_ON_DROP passes without progress: then what is left on them goes over TCP),
+        // then the TCP writers send theirs
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
             let (mut left, mut stall) = (usize::MAX, std::time::Instant::now());
             loop {
                 let n = v.notifs_in_flight();
-                if n == 0 || stall.elapsed() > FLUSH_ON_DROP {
+                if n == 0 {
+                    break;
+                }
+                if stall.elapsed() > FLUSH_ON_DROP {
+                    tracing::warn!(
+                        agent = %self.shared.name, left = n,
+                        "dropped with notifications a channel did not deliver for \
+                         {FLUSH_ON_DROP:?}: they go over TCP"
+                    );
+                    let why =
+                        format!("no progress for {FLUSH_ON_DROP:?} while the agent was dropped");
+                    v.give_up_chans(&self.shared, &why);
                     break;
                 }
                 if n < left {

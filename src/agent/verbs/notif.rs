@@ -261,6 +261,20 @@ impl Verbs {
             .sum()
     }
 
+    /// The agent is being dropped and its channels made no progress for a flush bound: every
+    /// message still on one goes over TCP instead (in order, numbered, so the peer takes
+    /// each once), where the TCP writers' own flush sends it. Never dropped silently.
+    pub(crate) fn give_up_chans(&self, shared: &Shared, why: &str) {
+        let mut e = lock(&self.engine);
+        let peers: Vec<String> = (e.outs.iter())
+            .filter(|(_, o)| o.busy())
+            .map(|(p, _)| p.clone())
+            .collect();
+        for p in peers {
+            self.fail_out_chan(shared, &mut e, &p, why);
+        }
+    }
+
     /// Send a notification to `peer`: on its channel, or over TCP (with its sequence number)
     /// once the channel failed, or plainly over TCP when there is no channel.
     pub(crate) fn notify(&self, shared: &Shared, peer: &str, bytes: Vec<u8>) {
