@@ -8,7 +8,9 @@
 #                kvrail -t 1 at 64 KiB vs ib_write_bw -t 1 (goal >= 0.9)
 #   latency      64 B notification round trip / 2 vs ib_send_lat, t_typical (goal <= 1.5);
 #                also next to UCT active messages (ucx_perftest -t am_lat over rc_verbs, the
-#                fastest 64 B round trip here: no goal, for scale)
+#                fastest 64 B round trip here: no goal, for scale), and the floors under the
+#                agent's figure (kvrail-verbs-lat, no goal): the verbs layer's plain SENDs
+#                and the notification channel's framing on them
 # Prints every round, then the medians, ratios and whether each goal held; JSON to
 # $BENCH_JSON (default target/bench-goals.json). Under TCG runs vary ±30 %: only the medians
 # of one run mean anything. ~4 min with ROUNDS=3.
@@ -51,7 +53,9 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
     pl=$(send_lat 2000); kl=$(kvrail_lat 2000 --spin-us "$SPIN"); put lat_pt "${pl:-0}"; put lat_kv "${kl:-0}"
     put rlat "$(ratio "${kl:-0}" "${pl:-0}")"
     ul=$(ucx_lat 2000); put lat_ucx "${ul:-0}"; put rlat_ucx "$(ratio "${kl:-0}" "${ul:-0}")"
-    line+=" t1 256K/1M/64K $(tail -n 1 "$K/t1_262144")/$(tail -n 1 "$K/t1_1048576")/$k (ib_write_bw -t 1 $p) | lat $pl (UCT $ul) vs $kl us"
+    vs=$(verbs_lat send 2000); put lat_vsend "${vs:-0}"; put rlat_vsend "$(ratio "${vs:-0}" "${pl:-0}")"
+    vc=$(verbs_lat channel 2000); put lat_vch "${vc:-0}"; put rlat_vch "$(ratio "${vc:-0}" "${pl:-0}")"
+    line+=" t1 256K/1M/64K $(tail -n 1 "$K/t1_262144")/$(tail -n 1 "$K/t1_1048576")/$k (ib_write_bw -t 1 $p) | lat $pl (UCT $ul; verbs layer $vs, channel $vc) vs $kl us"
     echo "$line"
 done
 
@@ -81,6 +85,8 @@ row "write 1048576 -t 1 vs ib_write_bw -t 32" pt_write_1048576 t1_1048576 rt1_10
 row "write 65536 -t 1 vs ib_write_bw -t 1" pt1_65536 t1_65536 rt1_65536 0.9 min
 row "64 B latency vs ib_send_lat (t_typical)" lat_pt lat_kv rlat 1.5 max
 row "64 B latency vs UCT am_lat (median)" lat_ucx lat_kv rlat_ucx - info
+row "64 B verbs layer, SENDs, vs ib_send_lat" lat_pt lat_vsend rlat_vsend - info
+row "64 B verbs layer, channel, vs ib_send_lat" lat_pt lat_vch rlat_vch - info
 mkdir -p "$(dirname "$JSON")"
 ( IFS=,; echo "{\"tool\":\"bench-goals\",\"rounds\":$ROUNDS,\"rail\":\"${A[0]}->${B[0]}\",\"spin_us\":$SPIN,\"rows\":[${ROWS[*]}]}" ) > "$JSON"
 echo "# written to $JSON"

@@ -167,6 +167,15 @@ kvrail_lat() {
     grep -E '^ *64 +[0-9]+' "$T/kl" | tail -n 1 | awk '{print $5}'
 }
 
+# 64 B latency of kvrail's verbs layer alone on rail 0 (kvrail-verbs-lat, t_typical in us):
+# mode $1 (send: plain SENDs; channel: the notification channel's framing), $2 round trips;
+# 0 when it failed
+verbs_lat() {
+    local bin=${PERF%/*}/kvrail-verbs-lat
+    "$bin" --dev-a "${A[0]}" --dev-b "${B[0]}" --mode "$1" -s 64 -n "$2" 2> /dev/null \
+        | awk '$1 == 64 {v = $5} END {print v + 0}'
+}
+
 # 64 B latency of UCT active messages over rc_verbs on rail 0 (ucx_perftest -t am_lat, the
 # median one-way latency in us it prints as "50.0%ile"): iterations $1; 0 when it failed
 ucx_lat() {

@@ -87,6 +87,7 @@ fn main() {
         "mtu_cap_and_a_missing_gid_index",
         "two_queue_pairs_per_rail_both_carry_bytes",
         "bidirectional_on_rail_0",
+        "verbs_layer_latency_plain_sends_and_the_channel",
     ];
     let Some(lab) = Lab::from_env() else {
         println!("perf_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -99,6 +100,7 @@ fn main() {
     r.run(cases[1], || mtu_and_gid(&lab));
     r.run(cases[2], || two_qps(&lab));
     r.run(cases[3], || bidirectional(&lab));
+    r.run(cases[4], verbs_lat);
     r.finish();
 }
 
@@ -187,5 +189,55 @@ fn bidirectional(lab: &Lab) -> R {
     ensure(
         v["results"]["n_iterations"] == 200 && v["test_info"]["Bidirectional"] == "ON",
         || format!("{v}"),
+    )
+}
+
+/// `kvrail-verbs-lat` on rail 0: plain SENDs (inline and not) and the notification channel
+/// (one slot and several frames per message); each run checks every message that came back
+/// and prints a positive typical latency. A plain SEND larger than its buffer is refused.
+fn verbs_lat() -> R {
+    let bin = env!("CARGO_BIN_EXE_kvrail-verbs-lat");
+    for (size, extra) in [
+        ("64", &["--mode", "send"][..]),
+        ("4096", &["--mode", "send", "--inline", "256"]),
+        ("64", &["--inline", "256"]),
+        ("3000", &[]),
+    ] {
+        let o = Command::new(bin)
+            .args(["-s", size, "-n", "200"])
+            .args(extra)
+            .output()
+            .map_err(|e| e.to_string())?;
+        let out = String::from_utf8_lossy(&o.stdout);
+        ensure(o.status.success(), || {
+            format!(
+                "{size} {extra:?}: {out}{}",
+                String::from_utf8_lossy(&o.stderr)
+            )
+        })?;
+        ensure(out.contains("# data check: every message"), || {
+            out.to_string()
+        })?;
+        // the result line: #bytes #iterations t_min t_max t_typical ...
+        let typical = (out.lines())
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|w| w.first() == Some(&size) && w.get(1) == Some(&"200"))
+            .and_then(|w| w.get(4)?.parse::<f64>().ok());
+        ensure(typical.is_some_and(|t| t > 0.0), || {
+            format!("{size} {extra:?}: {out}")
+        })?;
+        println!(
+            "    -s {size} {extra:?}: t_typical {:.2} us",
+            typical.unwrap_or_default()
+        );
+    }
+    let o = Command::new(bin)
+        .args(["--mode", "send", "-s", "5000"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure(
+        o.status.code() == Some(1) && err.contains("at most 4096"),
+        || format!("{:?}: {err}", o.status),
     )
 }

@@ -9,14 +9,14 @@
 
 #[path = "../logging.rs"]
 mod logging;
+#[path = "../verbs_pair.rs"]
+mod verbs_pair;
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use kvrail::transport::verbs::{
-    Access, Completion, ConnectOptions, Context, Cq, Mr, Pd, Qp, QpOptions, SendWr, Sge,
-};
+use kvrail::transport::verbs::{Access, Completion, Mr, SendWr, Sge};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Op {
@@ -39,18 +39,8 @@ enum Op {
 struct Args {
     #[command(flatten)]
     log: logging::LogArgs,
-    /// Initiator device (default: the lab's host A device of --rail).
-    #[arg(long)]
-    dev_a: Option<String>,
-    /// Target device (default: the lab's host B device of --rail).
-    #[arg(long)]
-    dev_b: Option<String>,
-    /// Lab rail whose devices to use when --dev-a/--dev-b are not given.
-    #[arg(long, default_value_t = 0)]
-    rail: usize,
-    /// Port on both devices.
-    #[arg(long, default_value_t = 1)]
-    port: u8,
+    #[command(flatten)]
+    pair: verbs_pair::PairArgs,
     /// Operation.
     #[arg(long, value_enum, default_value_t = Op::Write)]
     op: Op,
@@ -68,69 +58,14 @@ struct Args {
     slots: usize,
 }
 
-struct Side {
-    _ctx: Context,
-    pd: Pd,
-    cq: Cq,
-    qp: Qp,
-}
-
-fn open(dev: &str, port: u8, depth: u32) -> Result<Side, String> {
-    let ctx = Context::open(dev).map_err(|e| e.to_string())?;
-    let gid = ctx.choose_gid(port, None).map_err(|e| e.to_string())?;
-    eprintln!("# {dev} port {port}: {}", gid.reason);
-    let pd = Pd::new(&ctx).map_err(|e| e.to_string())?;
-    let cq = Cq::new(&ctx, depth * 2 + 16).map_err(|e| e.to_string())?;
-    let mut o = QpOptions::new(port, gid.index);
-    o.max_send_wr = depth;
-    o.max_recv_wr = 1;
-    let qp = Qp::new(&pd, &cq, &cq, &o).map_err(|e| e.to_string())?;
-    Ok(Side {
-        _ctx: ctx,
-        pd,
-        cq,
-        qp,
-    })
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| {
-            ((i ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8 ^ i as u8
-        })
-        .collect()
-}
-
-fn lab_dev(var: &str, rail: usize) -> Option<String> {
-    std::env::var(var)
-        .ok()?
-        .split_whitespace()
-        .nth(rail)
-        .map(str::to_owned)
-}
-
 fn run(a: &Args) -> Result<(), String> {
-    let dev_a = a
-        .dev_a
-        .clone()
-        .or_else(|| lab_dev("LAB_A_DEVS", a.rail))
-        .ok_or("no --dev-a and no lab topology")?;
-    let dev_b = a
-        .dev_b
-        .clone()
-        .or_else(|| lab_dev("LAB_B_DEVS", a.rail))
-        .ok_or("no --dev-b and no lab topology")?;
-    let (init, target) = (
-        open(&dev_a, a.port, a.depth)?,
-        open(&dev_b, a.port, a.depth)?,
-    );
-    init.qp
-        .connect(&target.qp.endpoint(), &ConnectOptions::default())
-        .map_err(|e| e.to_string())?;
-    target
-        .qp
-        .connect(&init.qp.endpoint(), &ConnectOptions::default())
-        .map_err(|e| e.to_string())?;
+    let (dev_a, dev_b) = a.pair.devices()?;
+    let shape = verbs_pair::Shape {
+        send: a.depth,
+        recv: 1,
+        inline: 0,
+    };
+    let (init, target) = verbs_pair::connect(&dev_a, &dev_b, a.pair.port, &shape)?;
     let mtu = init.qp.path_mtu().map_err(|e| e.to_string())?;
     let len = a.size * a.slots;
     // Least access: the target of a WRITE needs REMOTE_WRITE, the source of a READ
@@ -147,7 +82,7 @@ fn run(a: &Args) -> Result<(), String> {
     let src = Mr::alloc(src_pd, len, src_access).map_err(|e| e.to_string())?;
     let dst = Mr::alloc(dst_pd, len, dst_access).map_err(|e| e.to_string())?;
     for k in 0..a.slots {
-        src.write(k * a.size, &pattern(k as u64 + 1, a.size))
+        src.write(k * a.size, &verbs_pair::pattern(k as u64 + 1, a.size))
             .map_err(|e| e.to_string())?;
     }
     let (local, remote) = match a.op {
@@ -157,7 +92,7 @@ fn run(a: &Args) -> Result<(), String> {
     println!(
         "# kvrail-verbs-bw: {:?} {dev_a} -> {dev_b} port {}, path MTU {}, depth {}",
         a.op,
-        a.port,
+        a.pair.port,
         mtu.bytes(),
         a.depth
     );
@@ -211,10 +146,10 @@ fn run(a: &Args) -> Result<(), String> {
     for k in 0..a.slots.min(a.iters) {
         let mut got = vec![0u8; a.size];
         dst.read(k * a.size, &mut got).map_err(|e| e.to_string())?;
-        if got != pattern(k as u64 + 1, a.size) {
+        if got != verbs_pair::pattern(k as u64 + 1, a.size) {
             let at = got
                 .iter()
-                .zip(pattern(k as u64 + 1, a.size))
+                .zip(verbs_pair::pattern(k as u64 + 1, a.size))
                 .position(|(x, y)| *x != y)
                 .unwrap_or(0);
             return Err(format!("data check FAILED: slot {k} differs at byte {at}"));
