@@ -388,6 +388,88 @@ fn burst_of_100k_notifications_in_order() {
     }
 }
 
+/// Callers that wait with a polling budget (`progress_spin_us`) find small answers while
+/// they look, on TCP too (no sleep and wake-up per answer); on TCP a large transfer's
+/// waiter takes the sleeping path at once (its copies need the CPU). Every byte checked;
+/// `kvrail_waits_total` says where each answer was found.
+#[test]
+fn waiting_callers_with_a_budget_find_small_answers_while_polling() {
+    let conf = |host| AgentConfig {
+        progress_spin_us: 5000,
+        ..cfg(host)
+    };
+    let p = Agent::new("prefill-0", conf(Host::B)).unwrap();
+    let d = Agent::new("decode-0", conf(Host::A)).unwrap();
+    const SMALL: usize = 4096;
+    const LARGE: usize = 1 << 20;
+    const K: u64 = 100;
+    let src = d.register(LARGE, RemoteAccess::NONE, vec![]).unwrap();
+    let dst = p.register(LARGE, RemoteAccess::WRITE, vec![]).unwrap();
+    let peer = d.load_remote(p.side_channel_addr()).unwrap();
+    let p_peer = p.load_remote(d.side_channel_addr()).unwrap();
+    let waits = |by: &str| {
+        d.metrics()
+            .value("kvrail_waits_total", &[("agent", "decode-0"), ("by", by)])
+            .unwrap_or(-1.0)
+    };
+    let write = |len: usize, seed: u64| {
+        let bytes = pattern(seed, len);
+        d.write_region(src, 0, &bytes).unwrap();
+        let x = d
+            .create_xfer(
+                XferOp::Write,
+                vec![Desc::new(src, 0, len as u64)],
+                &peer,
+                vec![Desc::new(dst, 0, len as u64)],
+                None,
+            )
+            .unwrap();
+        d.post(x).unwrap();
+        assert_eq!(
+            d.wait(x, Duration::from_secs(60)).unwrap(),
+            XferStatus::Done
+        );
+        d.release(x).unwrap();
+        let mut got = vec![0u8; len];
+        p.read_region(dst, 0, &mut got).unwrap();
+        assert!(got == bytes, "{len} B WRITE {seed}: wrong bytes");
+    };
+    for i in 0..K {
+        write(SMALL, i);
+    }
+    let (polling, sleeping) = (waits("polling"), waits("sleeping"));
+    assert_eq!(polling + sleeping, K as f64);
+    assert!(
+        polling >= (K / 2) as f64,
+        "{polling} of {K} small answers found while polling"
+    );
+    for i in 0..4 {
+        write(LARGE, K + i);
+    }
+    if !on_verbs() {
+        // (on verbs the waiter polls the completion queue for any size, within the budget)
+        assert_eq!(
+            (waits("polling") - polling, waits("sleeping") - sleeping),
+            (0.0, 4.0),
+            "waits for 1 MiB transfers on TCP (polling, sleeping)"
+        );
+    }
+    // notifications: found while polling too
+    let before = waits("polling");
+    for i in 0..50u32 {
+        p.send_notif(&p_peer, i.to_le_bytes().to_vec()).unwrap();
+        let got = d.wait_notifs(Duration::from_secs(60));
+        assert_eq!(
+            got,
+            vec![("prefill-0".to_owned(), i.to_le_bytes().to_vec())]
+        );
+    }
+    assert!(
+        waits("polling") - before >= 25.0,
+        "notifications not found while polling"
+    );
+}
+
 /// Notifications queued when the sending agent is dropped still arrive, every one, in order
 /// (the agent drains its channels while the peer keeps taking them, its TCP writers within a
 /// bound, before the connections close).

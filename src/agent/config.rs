@@ -53,14 +53,16 @@ pub struct AgentConfig {
     pub gid_index: Option<u32>,
     /// At most this path MTU in bytes (256, 512, 1024, 2048, 4096; perftest's `-m`).
     pub mtu: Option<u32>,
-    /// Adaptive progress (verbs): a caller waiting in [`Agent::wait`](super::Agent::wait) or
+    /// Adaptive progress: a caller waiting in [`Agent::wait`](super::Agent::wait) or
     /// [`Agent::wait_notifs`](super::Agent::wait_notifs) polls the completion queues itself
     /// (notifications' too) for up to this many microseconds before sleeping, each
     /// completion it finds restarting the budget; what it finds it dispatches in place, and
     /// one-rail transfers posted meanwhile are posted by the posting thread itself (as
     /// perftest's one thread posts and polls). [`Agent::status`](super::Agent::status) polls
     /// once. 0 (the default): nobody polls; the progress thread sleeps on the completion
-    /// channels and wakes waiters. An idle agent never spins either way.
+    /// channels and wakes waiters. An idle agent never spins either way. On TCP the
+    /// waiting caller looks for its answer (delivered by the connection's reader thread)
+    /// through the budget before sleeping: no sleep and wake-up per answer.
     pub progress_spin_us: u32,
     /// Queue pairs per rail to each peer (perftest's `-q`; 1..=16, default 1). Each is a
     /// lane of its own (named `DEV:PORT/qpK`, with its own completion queue) that the

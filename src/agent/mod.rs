@@ -768,19 +768,23 @@ impl Agent {
     /// Block until transfer `id` is no longer in progress, or `timeout` passed; returns its
     /// status then (still [`XferStatus::InProgress`] on a timeout). Sleeps; an engine
     /// thread that would otherwise spin on [`Agent::status`] can wait here instead. With
-    /// [`AgentConfig::progress_spin_us`] it polls the completion queues itself first.
+    /// [`AgentConfig::progress_spin_us`] it polls the completion queues itself first (on
+    /// TCP it looks for the answer of a transfer of at most 16 KiB before sleeping).
     ///
     /// # Errors
     /// [`AgentError::NoXfer`].
     pub fn wait(&self, id: XferId, timeout: std::time::Duration) -> Result<XferStatus, AgentError> {
         let deadline = std::time::Instant::now() + timeout;
-        let polled = self.shared.spin_until(deadline, || {
+        let budget = (self.shared).spin_budget(|| lock(&self.shared.xfers).bytes(id));
+        let polled = self.shared.spin_until(budget, deadline, || {
             let st = lock(&self.shared.xfers).status(id)?.clone();
             Ok((st != XferStatus::InProgress).then_some(st))
         })?;
         if let Some(st) = polled {
+            self.shared.stats.waits[0].inc();
             return Ok(st);
         }
+        self.shared.stats.waits[1].inc();
         let mut xfers = lock(&self.shared.xfers);
         loop {
             let st = xfers.status(id)?;
@@ -835,16 +839,20 @@ impl Agent {
 
     /// Like [`Agent::get_new_notifs`], but sleeps until at least one notification is there
     /// or `timeout` passed (then the list is empty). With
-    /// [`AgentConfig::progress_spin_us`] it polls the completion queues itself first.
+    /// [`AgentConfig::progress_spin_us`] it polls the completion queues itself first (on
+    /// TCP it looks for the notifications before sleeping).
     pub fn wait_notifs(&self, timeout: std::time::Duration) -> Vec<(String, Vec<u8>)> {
         let deadline = std::time::Instant::now() + timeout;
-        let polled = self.shared.spin_until(deadline, || {
+        let budget = self.shared.spin_budget(|| None);
+        let polled = self.shared.spin_until(budget, deadline, || {
             let mut q = lock(&self.shared.notifs);
             Ok((!q.is_empty()).then(|| q.drain(..).collect()))
         });
         if let Ok(Some(got)) = polled {
+            self.shared.stats.waits[0].inc();
             return got;
         }
+        self.shared.stats.waits[1].inc();
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         route::drain_waiting(&self.shared.notifs, &self.shared.notif_cv, left)
     }

@@ -28,6 +28,9 @@ pub(crate) struct AgentStats {
     pub(crate) handshake_failures: Counter,
     pub(crate) grants_made: Counter,
     pub(crate) grants_revoked: Counter,
+    /// Waits (`Agent::wait`, `Agent::wait_notifs`) by where the answer was found: [0] by
+    /// the waiting thread within its polling budget, [1] after it (the sleeping path).
+    pub(crate) waits: [Counter; 2],
 }
 
 impl AgentStats {
@@ -68,6 +71,14 @@ impl AgentStats {
                 "Grants made over fenced memory.",
             ),
             grants_revoked: one("kvrail_grants_revoked_total", "Grants revoked."),
+            waits: ["polling", "sleeping"].map(|by| {
+                r.counter(
+                    "kvrail_waits_total",
+                    "Waits for a transfer or a notification, by where the answer was found: \
+                     by the waiting thread within progress_spin_us, or on the sleeping path.",
+                    &[("agent", agent), ("by", by)],
+                )
+            }),
             registry: r,
         }
     }

@@ -200,6 +200,12 @@ impl<R: Held> XferTable<R> {
         Ok(x)
     }
 
+    /// The bytes transfer `id` moves (its local descriptors' lengths summed).
+    pub(crate) fn bytes(&self, id: XferId) -> Option<u64> {
+        let x = self.xfers.get(&id.0)?;
+        Some(x.local.iter().map(|d| d.len).sum())
+    }
+
     /// Post transfer `id`, holding `held` (the caller marked them busy) until it ends.
     ///
     /// # Errors
