@@ -775,7 +775,9 @@ impl Agent {
     /// [`AgentError::NoXfer`].
     pub fn wait(&self, id: XferId, timeout: std::time::Duration) -> Result<XferStatus, AgentError> {
         let deadline = std::time::Instant::now() + timeout;
-        let budget = (self.shared).spin_budget(|| lock(&self.shared.xfers).bytes(id));
+        let budget = self
+            .shared
+            .spin_budget(|| lock(&self.shared.xfers).bytes(id));
         let polled = self.shared.spin_until(budget, deadline, || {
             let st = lock(&self.shared.xfers).status(id)?.clone();
             Ok((st != XferStatus::InProgress).then_some(st))

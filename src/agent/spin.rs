@@ -65,7 +65,7 @@ impl Shared {
     /// On TCP the caller has no queue to poll (the connections' reader threads deliver),
     /// but looking for a small answer through the budget before sleeping saves a sleep and
     /// a wake-up per answer (4 KiB WRITEs, 32 in flight, host loopback, five interleaved
-    /// rounds: 231-264k transfers/s sleeping at once, 247-330k looking). For a large one
+    /// rounds: 205-235k transfers/s sleeping at once, 264-307k looking). For a large one
     /// the looking thread takes a CPU the copies need (64 KiB to 8 MiB, 8 in flight:
     /// 0.6-0.8 of the bandwidth on two cores), so it sleeps at once.
     pub(crate) fn spin_budget(&self, bytes: impl FnOnce() -> Option<u64>) -> Duration {
