@@ -93,6 +93,32 @@ fn collect_notifs(a: &Agent, n: usize, limit: Duration) -> Vec<Vec<u8>> {
     got
 }
 
+/// One transfer of `len` bytes from offset 0 of `local` to offset 0 of `peer`'s `remote`:
+/// made, posted, waited for (it must be done) and released.
+fn post_wait_release(
+    a: &Agent,
+    op: XferOp,
+    (local, peer, remote): (RegionId, &str, RegionId),
+    len: u64,
+    notif: Option<Vec<u8>>,
+) {
+    let x = a
+        .create_xfer(
+            op,
+            vec![Desc::new(local, 0, len)],
+            peer,
+            vec![Desc::new(remote, 0, len)],
+            notif,
+        )
+        .unwrap();
+    a.post(x).unwrap();
+    assert_eq!(
+        a.wait(x, Duration::from_secs(60)).unwrap(),
+        XferStatus::Done
+    );
+    a.release(x).unwrap();
+}
+
 /// `a` (re)loads `b`'s metadata, e.g. after `b` registered memory.
 fn load(a: &Agent, b: &Agent) -> String {
     a.load_remote(b.side_channel_addr()).unwrap()
@@ -268,21 +294,8 @@ fn release_right_after_done_keeps_every_notification() {
         } else {
             XferOp::Write
         };
-        let x = d
-            .create_xfer(
-                op,
-                vec![Desc::new(dst, 0, 8192)],
-                &peer,
-                vec![Desc::new(src, 0, 8192)],
-                Some(format!("n{i}").into_bytes()),
-            )
-            .unwrap();
-        d.post(x).unwrap();
-        assert_eq!(
-            d.wait(x, Duration::from_secs(60)).unwrap(),
-            XferStatus::Done
-        );
-        d.release(x).unwrap();
+        let notif = Some(format!("n{i}").into_bytes());
+        post_wait_release(&d, op, (dst, &peer, src), 8192, notif);
     }
     let got = collect_notifs(&p, rounds, Duration::from_secs(60));
     let want: Vec<Vec<u8>> = (0..rounds).map(|i| format!("n{i}").into_bytes()).collect();
@@ -415,21 +428,7 @@ fn waiting_callers_with_a_budget_find_small_answers_while_polling() {
     let write = |len: usize, seed: u64| {
         let bytes = pattern(seed, len);
         d.write_region(src, 0, &bytes).unwrap();
-        let x = d
-            .create_xfer(
-                XferOp::Write,
-                vec![Desc::new(src, 0, len as u64)],
-                &peer,
-                vec![Desc::new(dst, 0, len as u64)],
-                None,
-            )
-            .unwrap();
-        d.post(x).unwrap();
-        assert_eq!(
-            d.wait(x, Duration::from_secs(60)).unwrap(),
-            XferStatus::Done
-        );
-        d.release(x).unwrap();
+        post_wait_release(&d, XferOp::Write, (src, &peer, dst), len as u64, None);
         let mut got = vec![0u8; len];
         p.read_region(dst, 0, &mut got).unwrap();
         assert!(got == bytes, "{len} B WRITE {seed}: wrong bytes");
