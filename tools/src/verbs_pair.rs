@@ -91,6 +91,17 @@ pub(crate) fn connect(
     Ok((a, b))
 }
 
+/// A verbs tool's exit: 0 when `res` is Ok, else its error on stderr (named `tool`) and 1.
+pub(crate) fn exit(tool: &str, res: Result<(), String>) -> std::process::ExitCode {
+    match res {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{tool}: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// The bytes of test pattern `seed` (every byte depends on the seed and its offset).
 pub(crate) fn pattern(seed: u64, len: usize) -> Vec<u8> {
     (0..len as u64)

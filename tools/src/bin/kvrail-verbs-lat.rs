@@ -234,11 +234,5 @@ fn run(a: &Args) -> Result<(), String> {
 fn main() -> ExitCode {
     let a = Args::parse();
     logging::init(&a.log);
-    match run(&a) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kvrail-verbs-lat: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    verbs_pair::exit("kvrail-verbs-lat", run(&a))
 }
