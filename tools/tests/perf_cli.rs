@@ -85,6 +85,56 @@ fn json_read_with_many_descriptors() {
     assert!(!out.contains("BW peak"), "no table in --json mode");
 }
 
+/// `--slots 1` is perftest's layout (every transfer in flight moves the same bytes); the
+/// default takes one buffer per transfer in flight. Both check every byte, WRITE and READ.
+#[test]
+fn slots_choose_the_buffers_transfers_take_in_turn() {
+    for (op, slots, want) in [
+        ("write", Some("1"), 1),
+        ("read", Some("1"), 1),
+        ("write", Some("3"), 3),
+        ("read", None, 8),
+    ] {
+        let mut args = vec![
+            "--loopback",
+            "--transport",
+            "tcp",
+            "--op",
+            op,
+            "-s",
+            "256K",
+            "-n",
+            "40",
+            "-t",
+            "8",
+            "--json",
+        ];
+        if let Some(n) = slots {
+            args.extend(["--slots", n]);
+        }
+        let o = perf(&args);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{args:?}: {out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON document");
+        let r = &v["results"][0];
+        assert_eq!(r["slots"], want, "{args:?}: {r}");
+        assert_eq!(r["iterations"], 40, "{r}");
+        assert_eq!(r["wrong_bytes"], 0, "{args:?}: {r}");
+    }
+    let o = perf(&[
+        "--loopback",
+        "--transport",
+        "tcp",
+        "-n",
+        "5",
+        "--slots",
+        "2",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains(" Buffers per side : 2 (--slots)"), "{out}");
+}
+
 #[test]
 fn sweep_and_report_gbits() {
     let o = perf(&[
@@ -171,6 +221,10 @@ fn bad_arguments_are_refused_with_the_flag_named() {
         (
             &["--loopback", "--descs", "0"][..],
             "--descs must be at least 1",
+        ),
+        (
+            &["--loopback", "--slots", "0"][..],
+            "--slots must be at least 1",
         ),
         (
             &["--loopback", "-s", "3", "--descs", "4"][..],

@@ -107,6 +107,11 @@ pub(crate) struct Args {
     /// Transfer requests in flight (`-t 1`: one at a time).
     #[arg(short = 't', long = "tx-depth", alias = "depth", default_value_t = 32)]
     pub(crate) depth: usize,
+    /// Buffers of the message size in each side's region, which the transfers take in turn
+    /// (default: one per transfer in flight, 64 MiB at most). 1 is perftest's layout: every
+    /// transfer in flight moves the same bytes, so the memory touched is one message's.
+    #[arg(long, value_name = "N")]
+    pub(crate) slots: Option<u64>,
     /// Descriptors per transfer request (the message split into this many pieces).
     #[arg(long, default_value_t = 1)]
     pub(crate) descs: u64,
@@ -266,6 +271,9 @@ impl Args {
         }
         if self.depth == 0 {
             return Err("-t/--tx-depth must be at least 1".into());
+        }
+        if self.slots == Some(0) {
+            return Err("--slots must be at least 1".into());
         }
         if self.descs == 0 {
             return Err("--descs must be at least 1".into());

@@ -30,6 +30,8 @@ pub(crate) struct Bw {
     /// Context switches of this process (all threads, voluntary and not) per transfer
     /// during the timed loop; None where /proc is not readable.
     pub(crate) ctx_switches_per_xfer: Option<f64>,
+    /// Buffers of `bytes` each side's transfers took in turn (`BwSpec::slots`).
+    pub(crate) slots: u64,
 }
 
 /// Context switches of this process's live threads so far (Linux /proc).
@@ -179,6 +181,7 @@ pub(crate) fn bandwidth(s: &BwSpec<'_>) -> Result<Bw, String> {
         avg_bps: avg,
         msg_rate_mpps: n as f64 / secs / 1e6,
         ctx_switches_per_xfer: cs,
+        slots: s.slots,
     })
 }
 

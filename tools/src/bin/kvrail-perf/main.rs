@@ -197,7 +197,9 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
     let peer = a.load_remote(server).map_err(e)?;
     let sizes = args.sizes();
     let max = sizes.iter().copied().max().unwrap_or(1);
-    let slots = (args.depth as u64).min((SLOT_BYTES / max).max(1));
+    let slots = (args.depth as u64)
+        .min((SLOT_BYTES / max).max(1))
+        .min(args.slots.unwrap_or(u64::MAX));
     let len = slots * max;
     // -b: each side's region has a second half, for the direction the server drives (which
     // needs access to ours)
@@ -339,7 +341,10 @@ fn bw_run(
     (stop, verify): (Stop, bool),
 ) -> Result<(Bw, Option<u64>), String> {
     let e = |e: kvrail::agent::AgentError| e.to_string();
-    let slots = (args.depth as u64).min(len / size).max(1);
+    let slots = (args.depth as u64)
+        .min(len / size)
+        .min(args.slots.unwrap_or(u64::MAX))
+        .max(1);
     let op = if args.op == Op::Write {
         XferOp::Write
     } else {

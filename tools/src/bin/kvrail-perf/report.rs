@@ -54,6 +54,10 @@ pub(crate) fn header(args: &Args, a: &Agent, peer: &str) -> String {
             " Transfers in flight: {}   Descriptors per transfer: {}\n",
             args.depth, args.descs
         );
+        s += &match args.slots {
+            None => " Buffers per side : one per transfer in flight (64 MiB at most)\n".to_owned(),
+            Some(n) => format!(" Buffers per side : {n} (--slots), taken in turn\n"),
+        };
     }
     if args.bidirectional {
         s += " Bidirectional    : on (the server runs the same toward us; BW is the sum)\n";
@@ -143,6 +147,7 @@ pub(crate) fn json(
                 "msg_rate_mpps": b.msg_rate_mpps,
                 "ctx_switches_per_xfer": b.ctx_switches_per_xfer,
                 "wrong_bytes": wrong,
+                "slots": b.slots,
             })
         })
         .collect();
