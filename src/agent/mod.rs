@@ -144,6 +144,10 @@ pub(crate) struct Shared {
     shutdown: std::sync::atomic::AtomicBool,
     /// Payload bytes the CPU copied in transfers (see [`Agent::payload_bytes_copied`]).
     copied: std::sync::atomic::AtomicU64,
+    /// Transfers ended so far (bumped under the table's lock by `finish`): a polling waiter
+    /// takes that lock only when this moved, instead of on every look, which kept the
+    /// thread finishing transfers waiting for it.
+    ended: std::sync::atomic::AtomicU64,
     /// Side-channel connections refused by authentication.
     auth_refused: std::sync::atomic::AtomicU64,
     /// The verbs data path, when the agent runs on RDMA.
@@ -307,6 +311,7 @@ impl Agent {
             next_conn: std::sync::atomic::AtomicU64::new(1),
             shutdown: std::sync::atomic::AtomicBool::new(false),
             copied: std::sync::atomic::AtomicU64::new(0),
+            ended: std::sync::atomic::AtomicU64::new(0),
             auth_refused: std::sync::atomic::AtomicU64::new(0),
             #[cfg(feature = "verbs")]
             verbs,
@@ -778,7 +783,14 @@ impl Agent {
         let budget = self
             .shared
             .spin_budget(|| lock(&self.shared.xfers).bytes(id));
+        let ended = &self.shared.ended;
+        let mut seen = None; // the count of ended transfers at the last look
         let polled = self.shared.spin_until(budget, deadline, || {
+            let now = ended.load(std::sync::atomic::Ordering::Acquire);
+            if seen == Some(now) {
+                return Ok(None); // nothing ended since: no need to look
+            }
+            seen = Some(now);
             let st = lock(&self.shared.xfers).status(id)?.clone();
             Ok((st != XferStatus::InProgress).then_some(st))
         })?;
@@ -1116,6 +1128,8 @@ impl Shared {
             for r in held {
                 r.release();
             }
+            self.ended
+                .fetch_add(1, std::sync::atomic::Ordering::Release);
             self.xfer_done_cv.notify_all();
         }
     }
