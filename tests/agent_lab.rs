@@ -96,6 +96,7 @@ fn main() {
         "callers_that_poll_move_every_byte_and_notification_in_order",
         "a_reader_that_only_reads_notifications_polls",
         "a_sender_dropped_with_its_channel_stalled_sends_the_rest_over_tcp",
+        "messages_in_the_receivers_queue_when_the_sender_drops_still_arrive",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -117,6 +118,7 @@ fn main() {
     r.run(cases[10], || polling::callers_poll(&t));
     r.run(cases[11], || polling::readers_poll(&t));
     r.run(cases[12], || stalled_drop::stalled_channel_drop(&t));
+    r.run(cases[13], || stalled_drop::queued_at_the_receiver(&t));
     r.finish();
 }
 

@@ -1,7 +1,8 @@
 //! An agent dropped while its notification channel makes no progress (rail 0's packets all
 //! lost, its port still ACTIVE, so nothing fails the channel): after the drop's flush
 //! bound passes without progress, what is still on the channel goes over TCP — the receiver
-//! gets every notification exactly once and in order, none lost to the drop.
+//! gets every notification exactly once and in order, none lost to the drop. And messages
+//! still in the receiver's completion queue when the sender closes its connection arrive too.
 
 use std::time::{Duration, Instant};
 
@@ -38,4 +39,35 @@ pub(super) fn stalled_channel_drop(t: &Topology) -> R {
     let res = expect_notifs(&d, "sender", (N / 2, N), Duration::from_secs(60));
     drop(netem);
     res
+}
+
+/// The last messages are still in the receiver's completion queue when the dropped sender
+/// closes its connection (a sender counts a message delivered once the receiver's queue
+/// pair has it): they are handed out all the same, none lost with the channel. The
+/// receiver's callers poll (a 1 s budget) and one just got its answer, so for that budget
+/// its progress thread leaves the queue to them: nobody looks at it until after the close.
+pub(super) fn queued_at_the_receiver(t: &Topology) -> R {
+    const N: u64 = 20;
+    let p = agent("sender", &t.a_devs, None)?;
+    let d = super::polling_agent("receiver", &t.b_devs, 1_000_000)?;
+    let peer = p.load_remote(d.side_channel_addr()).map_err(s)?;
+    p.send_notif(&peer, notif_msg(0)).map_err(s)?;
+    let first = d.wait_notifs(Duration::from_secs(30));
+    super::ensure(first == [("sender".to_owned(), notif_msg(0))], || {
+        format!("the first notification: {} messages", first.len())
+    })?;
+    for i in 1..N {
+        p.send_notif(&peer, notif_msg(i)).map_err(s)?;
+    }
+    let t0 = Instant::now();
+    drop(p);
+    let dropped = t0.elapsed();
+    // the receiver sees the connection end (and its channel go) before anyone polls
+    std::thread::sleep(Duration::from_millis(200));
+    println!(
+        "    the sender's drop took {:.3} s; the receiver looks {:.3} s after its last poll",
+        dropped.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+    expect_notifs(&d, "sender", (1, N), Duration::from_secs(30))
 }

@@ -577,11 +577,12 @@ fn target(shared: &Shared, s: TcpStream, first: Msg) -> Result<(), String> {
     let from = info.agent;
     let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     let res = target_loop(shared, &mut r, &mut w, &from, conn);
-    shared.forget_conn(conn);
+    // the channel first: what it still delivers is numbered on this connection
     #[cfg(feature = "verbs")]
     if let Some(v) = &shared.verbs {
-        v.drop_in_chan(conn);
+        v.drop_in_chan(shared, conn);
     }
+    shared.forget_conn(conn);
     res
 }
 

@@ -17,6 +17,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use super::polling::Poller;
 use super::{lock, Engine, Verbs};
 use crate::agent::Shared;
 use crate::transport::notif::rdma::MsgChannel;
@@ -30,6 +31,9 @@ const SLOT_SIZE: usize = 1024;
 const SEQ: usize = 8;
 /// Bytes of a frame the channel asks to post inline.
 const INLINE: u32 = 256;
+/// Polls of the completion queue (each up to its batch) before a closed connection's
+/// receiving channel goes.
+const DRAIN_ON_CLOSE: usize = 64;
 
 /// Which channel a queue pair carries.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -246,11 +250,27 @@ impl Verbs {
         Ok(qp.endpoint())
     }
 
-    /// Target: the connection `conn` ended; its channel goes.
-    pub(crate) fn drop_in_chan(&self, conn: u64) {
+    /// Target: the connection `conn` ended; its channel goes — after what its queue pair
+    /// received is dispatched. The sender counts a message delivered once our queue pair has
+    /// it, and a dropped agent closes its connection once all are: those last messages may
+    /// still sit in our completion queue, and went with the channel when it went first (a
+    /// notification lost now and then when a sender was dropped under load).
+    pub(crate) fn drop_in_chan(&self, shared: &Shared, conn: u64) {
+        let key = ChanKey::In(conn);
+        let rail = (lock(&self.engine).chan_qpn.iter())
+            .find(|(_, k)| **k == key)
+            .map(|((rail, _), _)| *rail);
+        if let Some(rail) = rail {
+            // bounded: on a busy rail the queue may never be empty for long
+            for _ in 0..DRAIN_ON_CLOSE {
+                if self.drain(shared, rail, Poller::Progress) == 0 {
+                    break;
+                }
+            }
+        }
         let mut e = lock(&self.engine);
         e.ins.remove(&conn);
-        e.chan_qpn.retain(|_, k| *k != ChanKey::In(conn));
+        e.chan_qpn.retain(|_, k| *k != key);
     }
 
     /// Messages the notification channels still have on their way.
