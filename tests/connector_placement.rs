@@ -78,3 +78,28 @@ fn a_host_without_rdma_is_not_a_verbs_failure_for_auto() {
     let a = Agent::new("x", placed("no-rdma", 0, BackendChoice::Auto)).unwrap();
     assert_eq!(a.metadata().backend, BackendKind::Tcp);
 }
+
+/// An agent given `devices` reads only their GID tables; the rails and every refusal are
+/// what the full discovery gives: named usable ports; a named port that is not usable (the
+/// management NIC, a NIC on the wrong node) or not there is refused naming the devices.
+#[test]
+fn configured_devices_get_the_rails_and_refusals_of_a_full_discovery() {
+    let with = |devices: &[&str], numa: i32| {
+        let mut c = placed("two-socket-8nic", 0, BackendChoice::Verbs);
+        c.numa = numa;
+        c.devices = devices.iter().map(|d| d.to_string()).collect();
+        rails(&c)
+    };
+    assert_eq!(
+        with(&["mlx5_5", "mlx5_2:1"], -1).unwrap(),
+        ["mlx5_2:1", "mlx5_5:1"]
+    );
+    assert_eq!(with(&["mlx5_1"], 0).unwrap(), ["mlx5_1:1"]);
+    for (devices, numa) in [(&["mlx5_8"][..], -1), (&["mlx5_5"], 0), (&["mlx5_99"], -1)] {
+        let e = with(devices, numa).unwrap_err();
+        assert!(
+            e.contains(&format!("none of the configured devices {devices:?}")),
+            "{devices:?} on node {numa}: {e}"
+        );
+    }
+}

@@ -232,3 +232,34 @@ fn a_missing_root_is_a_host_without_rdma() {
     let h = discover(&r, &AddrSource::for_root(&r)).unwrap();
     assert!(h.ports.is_empty());
 }
+
+/// Discovery that reads only some ports' GID tables (an agent given `devices`): those ports
+/// exactly as a full discovery sees them, every other port listed with no GIDs.
+#[test]
+fn gid_tables_only_of_the_named_ports() {
+    let r = root("two-socket-8nic");
+    let full = host("two-socket-8nic");
+    let some = kvrail::rails::discover_gids_of(&r, &AddrSource::for_root(&r), |dev, port| {
+        (dev, port) == ("mlx5_2", 1) || dev == "mlx5_5"
+    })
+    .unwrap();
+    assert_eq!(some.ports.len(), full.ports.len());
+    for (s, f) in some.ports.iter().zip(&full.ports) {
+        if ["mlx5_2", "mlx5_5"].contains(&s.device.as_str()) {
+            assert_eq!(s, f);
+            assert!(!s.gids.is_empty(), "{}", s.name());
+        } else {
+            assert!(s.gids.is_empty(), "{}", s.name());
+            assert_eq!((&s.device, s.port, &s.state), (&f.device, f.port, &f.state));
+        }
+    }
+    assert_eq!(
+        selected(&some, -1),
+        [
+            "mlx5_2:1 GID[3] ::ffff:10.2.0.1",
+            "mlx5_5:1 GID[3] ::ffff:10.5.0.1"
+        ]
+    );
+    let all = kvrail::rails::discover_gids_of(&r, &AddrSource::for_root(&r), |_, _| true);
+    assert_eq!(all.unwrap(), full);
+}

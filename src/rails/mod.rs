@@ -18,7 +18,7 @@ mod verdict;
 
 pub use addrs::{AddrSource, Ipv4If};
 pub use sysfs::{
-    default_route_ifaces, discover, natural_cmp, parse_sysfs_gid, pci_numa_node,
+    default_route_ifaces, discover, discover_gids_of, natural_cmp, parse_sysfs_gid, pci_numa_node,
     roce_mtu_for_netdev_mtu, HostView, PortInfo, SysfsRoot,
 };
 pub use verdict::{judge, judge_all, select, Rail, RailError, Reason, Verdict};

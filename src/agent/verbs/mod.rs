@@ -25,7 +25,7 @@ pub(crate) use rebuild::QpRequest;
 use super::region::Region;
 use super::{AgentConfig, AgentError, Desc, Shared, XferOp};
 use crate::agent::metadata::{AgentMetadata, RailAddr};
-use crate::rails::{discover, select, AddrSource, Ipv4If, SysfsRoot};
+use crate::rails::{discover, discover_gids_of, select, AddrSource, Ipv4If, SysfsRoot};
 use crate::transport::stripe::{DescPair, Planner, Progress, StripeMode, XferState};
 use crate::transport::verbs::{
     probe_dmabuf, Access, Completion, Context, Cq, DmabufSupport, Mr, Pd, Qp, QpOptions,
@@ -268,8 +268,23 @@ pub(crate) fn config_rails(config: &AgentConfig) -> Result<Vec<crate::rails::Rai
         .sysfs_root
         .as_ref()
         .map_or_else(SysfsRoot::system, |p| SysfsRoot::new(p.clone()));
-    let host = discover(&root, &AddrSource::for_root(&root))
-        .map_err(|e| OpenError::NoRdma(format!("RDMA discovery failed: {e}")))?;
+    let addrs = AddrSource::for_root(&root);
+    let failed = |e: std::io::Error| OpenError::NoRdma(format!("RDMA discovery failed: {e}"));
+    if !config.devices.is_empty() {
+        // only the named devices' GID tables (one file per entry); when that selects
+        // nothing, the full discovery below explains why, every port with its reasons
+        let named = |dev: &str, port: u8| {
+            (config.devices.iter()).any(|d| super::config::device_matches(d, dev, port))
+        };
+        let host = discover_gids_of(&root, &addrs, named).map_err(failed)?;
+        if let Ok(mut rails) = select(&host, config.numa) {
+            rails.retain(|r| named(&r.port.device, r.port.port));
+            if !rails.is_empty() {
+                return Ok(rails);
+            }
+        }
+    }
+    let host = discover(&root, &addrs).map_err(failed)?;
     if host.ports.is_empty() {
         return Err(OpenError::NoRdma(format!(
             "no RDMA device under {}",
