@@ -10,18 +10,21 @@
 # Needs what tools/lab/setup.sh installs. KVRAIL_SKIP_LAB=1 runs tier 1 only (and says so).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+START=$(date +%s)
+# each step's header says how far in it starts (so a log shows where the time went)
+step() { echo "=== [$(( $(date +%s) - START )) s] $*"; }
 
-echo "=== tier 1: cargo test --workspace"
+step "tier 1: cargo test --workspace"
 cargo test --workspace
-echo "=== tier 1: the connector suites in metadata-store mode (a real etcd; P's parameters name its engine only)"
+step "tier 1: the connector suites in metadata-store mode (a real etcd; P's parameters name its engine only)"
 KVRAIL_CONNECTOR_ETCD=1 cargo test --workspace --test connector_suite --test connector_engines
-echo "=== tier 1: the agent API example (examples/agent_pair.rs)"
+step "tier 1: the agent API example (examples/agent_pair.rs)"
 # (built by `cargo test --workspace` above, with its features: `cargo run --example` would
 # resolve other features and build kvrail again)
 "${CARGO_TARGET_DIR:-target}/debug/examples/agent_pair"
-echo "=== tier 1: the Python package (pip install, pytest, the NIXL-API program on NIXL and on kvrail)"
+step "tier 1: the Python package (pip install, pytest, the NIXL-API program on NIXL and on kvrail)"
 bash python/run-tests.sh
-echo "=== tier 1: the fuzz targets under AFL++, ${KVRAIL_FUZZ_SECS:-20} s each (fuzz/run.sh; fails on any crash or hang)"
+step "tier 1: the fuzz targets under AFL++, ${KVRAIL_FUZZ_SECS:-20} s each (fuzz/run.sh; fails on any crash or hang)"
 bash fuzz/run.sh --secs "${KVRAIL_FUZZ_SECS:-20}"
 
 if [ "${KVRAIL_SKIP_LAB:-0}" = 1 ]; then
@@ -35,36 +38,35 @@ fi
 # dependencies again for each (~3 min of a CI run on a 2-core machine).
 export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/tools/lab/run.sh"
 T0=$(date +%s)
-echo "=== tier 2: verbs suite inside the Soft-RoCE lab"
+step "tier 2: verbs suite inside the Soft-RoCE lab"
 cargo test --workspace --test verbs_lab
-echo "=== tier 2: the agent's shared suite on the verbs backend inside the Soft-RoCE lab"
+step "tier 2: the agent's shared suite on the verbs backend inside the Soft-RoCE lab"
 cargo test --workspace --test agent_suite -- --test-threads=1
-echo "=== tier 2: the engine's own memory (Vec, file mmap, raw range, NPU) in place on verbs"
+step "tier 2: the engine's own memory (Vec, file mmap, raw range, NPU) in place on verbs"
 cargo test --workspace --test agent_memory -- --test-threads=1
-echo "=== tier 2: NPU memory through the agent (its host bounce on verbs; RBLN test runtime) and the dma-buf probe"
+step "tier 2: NPU memory through the agent (its host bounce on verbs; RBLN test runtime) and the dma-buf probe"
 cargo test --workspace --test bounce_suite -- --test-threads=1
-echo "=== tier 2: the C ABI on verbs: the C example, the C error checks, the Python ctypes check"
-cargo build -q -p kvrail-ffi --lib   # the cdylib the C and Python programs load (not built in the VM)
+step "tier 2: the C ABI on verbs: the C example, the C error checks, the Python ctypes check"
 # (the test runs in ffi/; the VM may write only there unless told: the C programs go to target/)
 LAB_RW="$PWD" cargo test --workspace --test c_abi -- c_ python
-echo "=== tier 2: the NIXL-API program (python/tests) on kvrail.nixl over verbs"
+step "tier 2: the NIXL-API program (python/tests) on kvrail.nixl over verbs"
 tools/lab/run.sh env LAB=1 bash python/run-tests.sh
-echo "=== tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) on verbs"
+step "tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) on verbs"
 cargo test --workspace --test connector_suite -- --test-threads=1
-echo "=== tier 2: fencing of freed blocks through the connector (late READ and WRITE) on verbs"
+step "tier 2: fencing of freed blocks through the connector (late READ and WRITE) on verbs"
 cargo test --workspace --test connector_fence -- --test-threads=1
-echo "=== tier 2: heterogeneous TP, push_stream and swa_window_mode between multi-rank engines on verbs"
+step "tier 2: heterogeneous TP, push_stream and swa_window_mode between multi-rank engines on verbs"
 cargo test --workspace --test connector_engines -- --test-threads=1
-echo "=== tier 2: link_down_exit_s with the real rxe links taken down"
+step "tier 2: link_down_exit_s with the real rxe links taken down"
 cargo test --workspace --test connector_link_down -- --test-threads=1
-echo "=== tier 2: kvrail-demo (proxy, P, D processes) on verbs across both rails"
+step "tier 2: kvrail-demo (proxy, P, D processes) on verbs across both rails"
 cargo test --workspace --test demo -- --test-threads=1
-echo "=== tier 2: agent metadata through etcd on verbs (etcd inside the VM; a restarted P's new queue pairs and rkeys)"
+step "tier 2: agent metadata through etcd on verbs (etcd inside the VM; a restarted P's new queue pairs and rkeys)"
 cargo test --workspace --test store_etcd -- --test-threads=1
-echo "=== tier 2: the agent's verbs-only cases (rails, striping, rail failure) inside the lab"
+step "tier 2: the agent's verbs-only cases (rails, striping, rail failure) inside the lab"
 cargo test --workspace --test agent_lab
-echo "=== tier 2: kvrail-rails (list, gids against ibv_devinfo, probe, link down) inside the Soft-RoCE lab"
+step "tier 2: kvrail-rails (list, gids against ibv_devinfo, probe, link down) inside the Soft-RoCE lab"
 cargo test --workspace --test rails_lab
-echo "=== tier 2: kvrail-perf with perftest's command lines (-d -x -m, --out_json_file) on verbs"
+step "tier 2: kvrail-perf with perftest's command lines (-d -x -m, --out_json_file) on verbs"
 cargo test --workspace --test perf_lab
-echo "=== tier 2 done in $(( $(date +%s) - T0 )) s"
+step "tier 2 done in $(( $(date +%s) - T0 )) s"

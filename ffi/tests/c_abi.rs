@@ -11,28 +11,20 @@ fn crate_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// target/<profile>/, holding a fresh libkvrail_ffi.so. Cargo builds only the rlib for
-/// tests, so the cdylib is built here (once per test process; a no-op when current). Inside
-/// the lab VM cargo is not run: tools/test.sh builds the cdylib before booting it.
+/// Where the cdylib this test was built with lies: the test binary's own directory
+/// (target/<profile>/deps/). Cargo builds the library with all its crate types for its
+/// tests, so `libkvrail_ffi.so` there is the one of this build, with this build's features
+/// (a separate `cargo build -p kvrail-ffi` resolved other features: it built kvrail and its
+/// dependencies again, and the two builds took turns overwriting the same file).
 fn lib_dir() -> PathBuf {
-    static BUILT: std::sync::Once = std::sync::Once::new();
-    BUILT.call_once(|| {
-        if std::env::var_os("LAB_GUEST").is_some() {
-            return;
-        }
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-q", "-p", "kvrail-ffi", "--lib"]);
-        if env!("CARGO_TARGET_TMPDIR").contains("/release/")
-            || std::env::current_exe().is_ok_and(|e| e.to_string_lossy().contains("/release/"))
-        {
-            cmd.arg("--release");
-        }
-        let st = cmd.status().expect("running cargo build for the cdylib");
-        assert!(st.success(), "building the cdylib failed");
-    });
     let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
+    let dir = exe.parent().unwrap().to_path_buf();
+    assert!(
+        dir.join("libkvrail_ffi.so").is_file(),
+        "no libkvrail_ffi.so beside {}: build this test with cargo",
+        exe.display()
+    );
+    dir
 }
 
 fn generate() -> String {
