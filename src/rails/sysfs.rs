@@ -89,9 +89,9 @@ impl SysfsRoot {
 /// Compare names so that `mlx5_2` sorts before `mlx5_10`: as runs of (text, number)
 /// (a run with no digits counts 0, a number too long for u64 as u64::MAX), then bytewise.
 ///
-/// Allocation-free: a port's `gids` directory lists up to 2,048 names (Soft-RoCE's table),
-/// sorted at every discovery; keys built as strings per comparison made that sort ~60 M
-/// instructions per device (callgrind), a visible part of an agent's start under emulation.
+/// Allocation-free: a port's `gids` directory lists 1,024 names on Soft-RoCE (256 on a
+/// ConnectX port), sorted at every discovery; keys built as strings per comparison made
+/// that sort ~30 M instructions per port (callgrind), part of an agent's start.
 pub fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
     natural_runs(a).cmp(natural_runs(b)).then_with(|| a.cmp(b))
 }
