@@ -4,6 +4,7 @@
 //! (`kvrail._logging`).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
@@ -21,6 +22,8 @@ struct Queue {
 struct Logger {
     q: Mutex<Queue>,
     ready: Condvar,
+    /// The package stopped draining (interpreter exit): `take_logs` no longer waits.
+    stopped: AtomicBool,
 }
 
 fn logger() -> &'static Logger {
@@ -28,6 +31,7 @@ fn logger() -> &'static Logger {
     L.get_or_init(|| Logger {
         q: Mutex::new(Queue::default()),
         ready: Condvar::new(),
+        stopped: AtomicBool::new(false),
     })
 }
 
@@ -87,7 +91,7 @@ pub(crate) fn take_logs(py: Python<'_>, timeout_s: f64) -> (Vec<(u32, String, St
     py.allow_threads(|| {
         let l = logger();
         let mut q = l.q.lock().unwrap_or_else(PoisonError::into_inner);
-        if q.records.is_empty() {
+        if q.records.is_empty() && !l.stopped.load(Ordering::Acquire) {
             q = l
                 .ready
                 .wait_timeout(q, t)
@@ -97,4 +101,21 @@ pub(crate) fn take_logs(py: Python<'_>, timeout_s: f64) -> (Vec<(u32, String, St
         let dropped = std::mem::take(&mut q.dropped);
         (q.records.drain(..).collect(), dropped)
     })
+}
+
+/// Stop draining: a `take_logs` waiting now returns at once, and later ones do not wait.
+///
+/// The package calls it at interpreter exit (`atexit`), then joins its draining thread.
+/// A daemon thread that comes back from `take_logs` (taking the GIL again) after the
+/// interpreter began finalizing is ended by Python with `pthread_exit`, whose forced unwind
+/// through the native frames aborts the process ("FATAL: exception not rethrown"); agents
+/// dropped at exit log, which woke the thread at exactly that moment (6 of 10 exits of a
+/// program that kept four agent pairs alive with DEBUG logging aborted).
+#[pyfunction]
+pub(crate) fn stop_logs() {
+    let l = logger();
+    l.stopped.store(true, Ordering::Release);
+    // under the queue's lock, so a taker between its check and its wait cannot miss it
+    let _q = l.q.lock().unwrap_or_else(PoisonError::into_inner);
+    l.ready.notify_all();
 }

@@ -239,6 +239,33 @@ def test_kvrail_logs_reach_python_logging():
         kvrail.set_log_level(logging.WARNING)
 
 
+def test_exit_with_live_agents_logging_does_not_abort():
+    """A program that exits with agents alive and DEBUG logging on: the agents log as they
+    are dropped, which woke the package's log-draining thread while the interpreter
+    finalized, and Python ending that thread mid-call aborted the process ("FATAL: exception
+    not rethrown", 6 of 10 exits). Five exits, each must end with status 0."""
+    import subprocess
+    import sys
+
+    program = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)\n"
+        "import kvrail\n"
+        "kvrail.set_log_level(logging.DEBUG)\n"
+        "agents = []\n"
+        "for i in range(4):\n"
+        "    p = kvrail.Agent(f'p{i}', {'backend': 'tcp', 'listen': '127.0.0.1:0'})\n"
+        "    d = kvrail.Agent(f'd{i}', {'backend': 'tcp', 'listen': '127.0.0.1:0'})\n"
+        "    p.load_remote(d.metadata())\n"
+        "    agents += [p, d]\n"
+        "print('exiting', flush=True)\n"
+    )
+    for i in range(5):
+        o = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+        assert o.returncode == 0 and "exiting" in o.stdout, (i, o.returncode, o.stderr[-2000:])
+        assert "FATAL" not in o.stderr, (i, o.stderr[-2000:])
+
+
 @pytest.fixture
 def etcd(tmp_path):
     """A real etcd (Debian's etcd-server) on free loopback ports: its etcd://HOST:PORT."""
