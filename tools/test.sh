@@ -32,10 +32,10 @@ if [ "${KVRAIL_SKIP_LAB:-0}" = 1 ]; then
     exit 0
 fi
 # Each lab test binary runs in its own VM boot (cargo hands it to tools/lab/run.sh).
-# `--workspace --test NAME` everywhere: the same feature set as tier 1's `cargo test
-# --workspace` (etcd included: kvrail-tools asks for it), so tier 1's test binaries serve as
-# they are; `-p` or `--features` would resolve other features and build kvrail and its
-# dependencies again for each (~3 min of a CI run on a 2-core machine).
+# `--workspace --test NAME` everywhere (as tier 1's store-mode run): one feature set for
+# all of them (etcd included: kvrail-tools asks for it), built once; `-p` or `--features`
+# per suite resolved other features and built kvrail and part of its dependencies again
+# for each (~3 min of a CI run on a 2-core machine).
 export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/tools/lab/run.sh"
 T0=$(date +%s)
 step "tier 2: verbs suite inside the Soft-RoCE lab"
