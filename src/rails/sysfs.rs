@@ -12,9 +12,9 @@ use serde::Serialize;
 use super::addrs::{AddrSource, Ipv4If};
 use super::gid::{Gid, GidEntry, GidType};
 
-/// Bytes asked for by a file's first read: a sysfs attribute is at most a page and comes
-/// whole in one read.
-const SMALL_READ: usize = 4096;
+/// Bytes asked for by a file's first read, on the stack: a GID, a state or an MTU fits
+/// (a GID file is 40 bytes); a read that fills it goes on to the end.
+const SMALL_READ: usize = 256;
 
 /// The root that `sys/` and `proc/` are read under.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,12 +56,15 @@ impl SysfsRoot {
     pub(crate) fn read(&self, rel: &str) -> Option<String> {
         use std::io::Read;
         let mut f = fs::File::open(self.join(rel)).ok()?;
-        let mut buf = vec![0u8; SMALL_READ];
-        let n = f.read(&mut buf).ok()?;
-        buf.truncate(n);
-        if n == SMALL_READ {
-            f.read_to_end(&mut buf).ok()?;
+        let mut small = [0u8; SMALL_READ];
+        let n = f.read(&mut small).ok()?;
+        if n < SMALL_READ {
+            return std::str::from_utf8(&small[..n])
+                .ok()
+                .map(|s| s.trim().to_owned());
         }
+        let mut buf = small.to_vec();
+        f.read_to_end(&mut buf).ok()?;
         String::from_utf8(buf).ok().map(|s| s.trim().to_owned())
     }
 
