@@ -1,8 +1,8 @@
 #!/bin/bash
 # tools/test.sh — every test kvrail has, the way CI runs them:
 #   1. tier 1 on this host: `cargo test --workspace` (lab suites print SKIPPED here; the
-#      kvrail-demo crash soak runs 1,000 requests a mode), the Python package, and the fuzz
-#      targets under AFL++ for KVRAIL_FUZZ_SECS (20) s each;
+#      kvrail-demo crash soak runs 600 requests a mode), the Python package, and the fuzz
+#      targets under AFL++ for KVRAIL_FUZZ_SECS (15) s each;
 #   2. tier 2 in the lab: the verbs suite on real queue pairs (Soft-RoCE, two rails, host A
 #      and host B in separate processes), the agent's shared suite (the same one tier 1 runs
 #      on TCP) on verbs, the NIXL-API Python program on kvrail.nixl, the engine's own memory and NPU memory through the agent's host bounce on verbs, the C ABI's C and Python checks on verbs, agent metadata through etcd on verbs, the connector suite and kvrail-demo (a crash soak too) on verbs, the agent's verbs-only cases (a lossy rail under tc netem too), kvrail-rails list/gids/probe/link-down, and kvrail-perf's perftest command lines,
@@ -16,57 +16,80 @@ step() { echo "=== [$(( $(date +%s) - START )) s] $*"; }
 
 step "tier 1: cargo test --workspace"
 cargo test --workspace
+
+# Every later suite runs a test binary that build made, from its package's directory as
+# cargo runs it. `cargo test --test NAME` resolves features for one package's
+# dev-dependencies only, so the connector's, the tools' and the C ABI's suites each got a
+# kvrail (and part of its dependencies) of their own: three more builds, ~2 min of a CI
+# run. The list comes from cargo itself (nothing is built here: everything is fresh).
+BINS="${CARGO_TARGET_DIR:-target}/test-binaries.tsv"
+cargo test --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, os, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
+        print(m["target"]["name"], m["executable"], os.path.dirname(m["manifest_path"]), sep="\t")
+' > "$BINS"
+# suite NAME [ARGS...]: run test binary NAME (under $RUNNER when set) in its package's directory
+suite() {
+    local name=$1 exe dir
+    shift
+    IFS=$'\t' read -r _ exe dir < <(awk -F'\t' -v n="$name" '$1 == n' "$BINS") || true
+    if [ -z "${exe:-}" ]; then
+        echo "tools/test.sh: no test binary named $name in $BINS" >&2
+        exit 1
+    fi
+    (cd "$dir" && ${RUNNER:+"$RUNNER"} "$exe" "$@")
+}
+
 step "tier 1: the connector suites in metadata-store mode (a real etcd; P's parameters name its engine only)"
-KVRAIL_CONNECTOR_ETCD=1 cargo test --workspace --test connector_suite --test connector_engines
+KVRAIL_CONNECTOR_ETCD=1 suite connector_suite
+KVRAIL_CONNECTOR_ETCD=1 suite connector_engines
 step "tier 1: the agent API example (examples/agent_pair.rs)"
 # (built by `cargo test --workspace` above, with its features: `cargo run --example` would
 # resolve other features and build kvrail again)
 "${CARGO_TARGET_DIR:-target}/debug/examples/agent_pair"
 step "tier 1: the Python package (pip install, pytest, the NIXL-API program on NIXL and on kvrail)"
 bash python/run-tests.sh
-step "tier 1: the fuzz targets under AFL++, ${KVRAIL_FUZZ_SECS:-20} s each (fuzz/run.sh; fails on any crash or hang)"
-bash fuzz/run.sh --secs "${KVRAIL_FUZZ_SECS:-20}"
+step "tier 1: the fuzz targets under AFL++, ${KVRAIL_FUZZ_SECS:-15} s each (fuzz/run.sh; fails on any crash or hang)"
+bash fuzz/run.sh --secs "${KVRAIL_FUZZ_SECS:-15}"
 
 if [ "${KVRAIL_SKIP_LAB:-0}" = 1 ]; then
     echo "=== tier 2 (lab): SKIPPED because KVRAIL_SKIP_LAB=1"
     exit 0
 fi
-# Each lab test binary runs in its own VM boot (cargo hands it to tools/lab/run.sh).
-# `--workspace --test NAME` everywhere (as tier 1's store-mode run): one feature set for
-# all of them (etcd included: kvrail-tools asks for it), built once; `-p` or `--features`
-# per suite resolved other features and built kvrail and part of its dependencies again
-# for each (~3 min of a CI run on a 2-core machine).
-export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/tools/lab/run.sh"
+# Each lab test binary runs in its own VM boot (tools/lab/run.sh, the runner cargo would use).
+RUNNER="$PWD/tools/lab/run.sh"
 T0=$(date +%s)
 step "tier 2: verbs suite inside the Soft-RoCE lab"
-cargo test --workspace --test verbs_lab
+suite verbs_lab
 step "tier 2: the agent's shared suite on the verbs backend inside the Soft-RoCE lab"
-cargo test --workspace --test agent_suite -- --test-threads=1
+suite agent_suite --test-threads=1
 step "tier 2: the engine's own memory (Vec, file mmap, raw range, NPU) in place on verbs"
-cargo test --workspace --test agent_memory -- --test-threads=1
+suite agent_memory --test-threads=1
 step "tier 2: NPU memory through the agent (its host bounce on verbs; RBLN test runtime) and the dma-buf probe"
-cargo test --workspace --test bounce_suite -- --test-threads=1
+suite bounce_suite --test-threads=1
 step "tier 2: the C ABI on verbs: the C example, the C error checks, the Python ctypes check"
 # (the test runs in ffi/; the VM may write only there unless told: the C programs go to target/)
-LAB_RW="$PWD" cargo test --workspace --test c_abi -- c_ python
+LAB_RW="$PWD" suite c_abi c_ python
 step "tier 2: the NIXL-API program (python/tests) on kvrail.nixl over verbs"
 tools/lab/run.sh env LAB=1 bash python/run-tests.sh
 step "tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) on verbs"
-cargo test --workspace --test connector_suite -- --test-threads=1
+suite connector_suite --test-threads=1
 step "tier 2: fencing of freed blocks through the connector (late READ and WRITE) on verbs"
-cargo test --workspace --test connector_fence -- --test-threads=1
+suite connector_fence --test-threads=1
 step "tier 2: heterogeneous TP, push_stream and swa_window_mode between multi-rank engines on verbs"
-cargo test --workspace --test connector_engines -- --test-threads=1
+suite connector_engines --test-threads=1
 step "tier 2: link_down_exit_s with the real rxe links taken down"
-cargo test --workspace --test connector_link_down -- --test-threads=1
+suite connector_link_down --test-threads=1
 step "tier 2: kvrail-demo (proxy, P, D processes) on verbs across both rails"
-cargo test --workspace --test demo -- --test-threads=1
+suite demo --test-threads=1
 step "tier 2: agent metadata through etcd on verbs (etcd inside the VM; a restarted P's new queue pairs and rkeys)"
-cargo test --workspace --test store_etcd -- --test-threads=1
+suite store_etcd --test-threads=1
 step "tier 2: the agent's verbs-only cases (rails, striping, rail failure) inside the lab"
-cargo test --workspace --test agent_lab
+suite agent_lab
 step "tier 2: kvrail-rails (list, gids against ibv_devinfo, probe, link down) inside the Soft-RoCE lab"
-cargo test --workspace --test rails_lab
+suite rails_lab
 step "tier 2: kvrail-perf with perftest's command lines (-d -x -m, --out_json_file) on verbs"
-cargo test --workspace --test perf_lab
+suite perf_lab
 step "tier 2 done in $(( $(date +%s) - T0 )) s"
