@@ -37,6 +37,7 @@ pub mod agent;
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub mod bounce;
 pub mod connector;
+mod idhash;
 pub mod mem;
 pub mod metrics;
 pub mod proto;

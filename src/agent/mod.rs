@@ -60,6 +60,7 @@ pub use route::NotifRoute;
 #[cfg(feature = "verbs")]
 pub(crate) use verbs::config_rails;
 
+use crate::idhash::IdMap;
 use crate::proto::handshake::HandshakeInfo;
 use metadata::{AgentMetadata, BackendKind, MemKind, RegionMeta};
 use region::Region;
@@ -138,7 +139,7 @@ pub(crate) struct Shared {
     loading: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
     /// Numbered notifications per target connection (see [`notifs`]).
-    seqs: Mutex<HashMap<u64, notifs::Ordered>>,
+    seqs: Mutex<IdMap<u64, notifs::Ordered>>,
     /// Ids of target connections.
     next_conn: std::sync::atomic::AtomicU64,
     shutdown: std::sync::atomic::AtomicBool,
@@ -307,7 +308,7 @@ impl Agent {
             notif_cv: wake::Wake::default(),
             loading: Mutex::new(HashMap::new()),
             notifs: Mutex::new(VecDeque::new()),
-            seqs: Mutex::new(HashMap::new()),
+            seqs: Mutex::new(IdMap::default()),
             next_conn: std::sync::atomic::AtomicU64::new(1),
             shutdown: std::sync::atomic::AtomicBool::new(false),
             copied: std::sync::atomic::AtomicU64::new(0),

@@ -5,6 +5,8 @@
 
 use std::collections::BTreeMap;
 
+use smallvec::{smallvec, SmallVec};
+
 use super::{control, lock, Shared};
 
 /// Most notifications held back waiting for an earlier one, per connection. A correct peer
@@ -23,14 +25,15 @@ pub(crate) struct Ordered {
 }
 
 impl Ordered {
-    /// Take message `seq`; returns the messages now deliverable, in order.
-    pub(crate) fn take(&mut self, seq: u64, bytes: Vec<u8>) -> Vec<Vec<u8>> {
+    /// Take message `seq`; returns the messages now deliverable, in order (almost always
+    /// just this one: kept off the heap).
+    pub(crate) fn take(&mut self, seq: u64, bytes: Vec<u8>) -> SmallVec<[Vec<u8>; 1]> {
         if seq < self.next {
-            return Vec::new(); // delivered already (sent again after a channel failed)
+            return SmallVec::new(); // delivered already (sent again after a channel failed)
         }
         if seq > self.next {
             if self.held.contains_key(&seq) {
-                return Vec::new(); // held already (sent again after a channel failed)
+                return SmallVec::new(); // held already (sent again after a channel failed)
             }
             if self.held.len() < MAX_HELD && self.held_bytes + bytes.len() <= MAX_HELD_BYTES {
                 self.held_bytes += bytes.len();
@@ -44,9 +47,9 @@ impl Ordered {
                     "too many notifications (or bytes) out of order; dropped"
                 );
             }
-            return Vec::new();
+            return SmallVec::new();
         }
-        let mut out = vec![bytes];
+        let mut out: SmallVec<[Vec<u8>; 1]> = smallvec![bytes];
         self.next += 1;
         while let Some(b) = self.held.remove(&self.next) {
             self.held_bytes -= b.len();
@@ -90,12 +93,15 @@ mod tests {
     #[test]
     fn in_order_once_each() {
         let mut o = Ordered::default();
-        assert_eq!(o.take(0, b"a".to_vec()), vec![b"a".to_vec()]);
+        assert_eq!(o.take(0, b"a".to_vec()).as_slice(), [b"a".to_vec()]);
         assert!(o.take(2, b"c".to_vec()).is_empty());
         assert!(o.take(0, b"a".to_vec()).is_empty(), "duplicate");
-        assert_eq!(o.take(1, b"b".to_vec()), vec![b"b".to_vec(), b"c".to_vec()]);
+        assert_eq!(
+            o.take(1, b"b".to_vec()).as_slice(),
+            [b"b".to_vec(), b"c".to_vec()]
+        );
         assert!(o.take(2, b"c".to_vec()).is_empty(), "resent after delivery");
-        assert_eq!(o.take(3, b"d".to_vec()), vec![b"d".to_vec()]);
+        assert_eq!(o.take(3, b"d".to_vec()).as_slice(), [b"d".to_vec()]);
     }
 
     #[test]

@@ -9,11 +9,9 @@
 //! `tests.rs` drives two agents' tables through a virtual-time network with injected
 //! completions, errors and rail loss.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use super::metadata::AgentMetadata;
 use super::{AgentError, Desc, RegionId, XferError, XferId, XferOp, XferStatus};
+use crate::idhash::IdMap;
 
 /// A region a posted transfer holds busy.
 pub(crate) trait Held: Clone {
@@ -48,38 +46,16 @@ pub(crate) enum Arrival {
     Complete,
 }
 
-/// Hashes a transfer id by one multiplication (Fibonacci hashing) instead of SipHash: the
-/// ids are this agent's own sequence numbers, so nobody outside can choose keys that
-/// collide (a peer's answer only looks an id up), and the lookups sit on every answer's path.
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
 /// Every transfer of an agent.
 pub(crate) struct XferTable<R> {
-    xfers: HashMap<u64, Entry<R>, BuildHasherDefault<IdHasher>>,
+    xfers: IdMap<u64, Entry<R>>,
     next: u64,
 }
 
 impl<R: Held> Default for XferTable<R> {
     fn default() -> Self {
         Self {
-            xfers: HashMap::default(),
+            xfers: IdMap::default(),
             next: 1,
         }
     }

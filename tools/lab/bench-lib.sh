@@ -169,10 +169,11 @@ kvrail_lat() {
 
 # 64 B latency of kvrail's verbs layer alone on rail 0 (kvrail-verbs-lat, t_typical in us):
 # mode $1 (send: plain SENDs; channel: the notification channel's framing), $2 round trips;
-# 0 when it failed
+# 0 when it failed. Inline up to 256 B, as ib_send_lat posts its 64 B and as the agent's
+# channel does (without it these rows compared non-inline SENDs with perftest's inline ones).
 verbs_lat() {
     local bin=${PERF%/*}/kvrail-verbs-lat
-    "$bin" --dev-a "${A[0]}" --dev-b "${B[0]}" --mode "$1" -s 64 -n "$2" 2> /dev/null \
+    "$bin" --dev-a "${A[0]}" --dev-b "${B[0]}" --mode "$1" --inline 256 -s 64 -n "$2" 2> /dev/null \
         | awk '$1 == 64 {v = $5} END {print v + 0}'
 }
 

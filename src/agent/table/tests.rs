@@ -513,24 +513,6 @@ fn arriving_bytes_complete_a_read_once() {
     );
 }
 
-/// The table's id hash spreads this agent's sequential ids over every bucket of a table
-/// their size (low bits: the bucket; high seven: the probe tag) and is not the identity.
-#[test]
-fn sequential_ids_hash_to_distinct_buckets() {
-    use std::hash::{BuildHasher, BuildHasherDefault};
-    let h = BuildHasherDefault::<super::IdHasher>::default();
-    for bits in [4u32, 10, 16] {
-        let n = 1u64 << bits;
-        let buckets: std::collections::HashSet<u64> =
-            (1..=n).map(|id| h.hash_one(id) & (n - 1)).collect();
-        assert_eq!(buckets.len() as u64, n, "{n} ids into {n} buckets");
-    }
-    let tags: std::collections::HashSet<u64> =
-        (1..=1024u64).map(|id| h.hash_one(id) >> 57).collect();
-    assert!(tags.len() > 100, "top-bit tags vary: {}", tags.len());
-    assert_ne!(h.hash_one(7u64), 7);
-}
-
 proptest! {
     /// Random latencies, a random rail loss, a random fault: every run ends done (every
     /// byte in place, one notification after the last byte) or failed (no notification),

@@ -25,6 +25,7 @@ pub(crate) use rebuild::QpRequest;
 use super::region::Region;
 use super::{AgentConfig, AgentError, Desc, Shared, XferOp};
 use crate::agent::metadata::{AgentMetadata, RailAddr};
+use crate::idhash::IdMap;
 use crate::rails::{discover, discover_gids_of, select, AddrSource, Ipv4If, SysfsRoot};
 use crate::transport::stripe::{DescPair, Planner, Progress, StripeMode, XferState};
 use crate::transport::verbs::{
@@ -162,8 +163,8 @@ struct Engine {
     /// (peer, local rail) → its queue pair and queue.
     pairs: HashMap<(String, usize), PairQ>,
     /// (rail, qpn) → pair (QP numbers are per device, so the rail is part of the key).
-    qpn: HashMap<(usize, u32), (String, usize)>,
-    runs: HashMap<u64, Run>,
+    qpn: IdMap<(usize, u32), (String, usize)>,
+    runs: IdMap<u64, Run>,
     /// Bytes completed on each rail since start.
     done_bytes: Vec<u64>,
     /// Rebuilds of dead pairs: new queue pairs sent to each peer, answered in order.
@@ -173,9 +174,9 @@ struct Engine {
     /// Notification channels we send on, per peer.
     outs: HashMap<String, notif::OutChan>,
     /// Notification channels we receive on, per target connection.
-    ins: HashMap<u64, notif::InChan>,
+    ins: IdMap<u64, notif::InChan>,
     /// (rail, qpn) → the channel a queue pair carries.
-    chan_qpn: HashMap<(usize, u32), notif::ChanKey>,
+    chan_qpn: IdMap<(usize, u32), notif::ChanKey>,
     /// Channels being rebuilt: the new sending end, waiting for the peer's endpoint.
     chan_rebuilding: HashMap<String, notif::NewChan>,
     /// Dead channels: when the next rebuild may start, and the backoff after that.
@@ -579,8 +580,8 @@ impl Verbs {
         e.retry.retain(|(p, _), _| p != peer);
         e.rebuilding.remove(peer);
         e.outs.remove(peer);
-        e.chan_qpn
-            .retain(|_, k| *k != notif::ChanKey::Out(peer.to_owned()));
+        let chan = notif::ChanKey::Out(peer.into());
+        e.chan_qpn.retain(|_, k| *k != chan);
     }
 
     pub(crate) fn has_peer(&self, peer: &str) -> bool {

@@ -15,6 +15,7 @@
 //! by number across both paths.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::polling::Poller;
@@ -38,8 +39,9 @@ const DRAIN_ON_CLOSE: usize = 64;
 /// Which channel a queue pair carries.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(super) enum ChanKey {
-    /// Ours to a peer (we send).
-    Out(String),
+    /// Ours to a peer (we send). Shared, not owned: the key is cloned out of the map for
+    /// every completion of the channel (a `String` was an allocation each).
+    Out(Arc<str>),
     /// A peer's to us, by target connection id (we receive).
     In(u64),
 }
@@ -128,10 +130,9 @@ impl Verbs {
     /// Initiator: the channel to `peer` is connected; notifications to it go there.
     pub(crate) fn add_out_chan(&self, peer: &str, rail: usize, qp: &Qp, ch: MsgChannel) {
         let mut e = lock(&self.engine);
-        e.chan_qpn
-            .retain(|_, k| *k != ChanKey::Out(peer.to_owned()));
-        e.chan_qpn
-            .insert((rail, qp.qpn()), ChanKey::Out(peer.to_owned()));
+        let key = ChanKey::Out(peer.into());
+        e.chan_qpn.retain(|_, k| *k != key);
+        e.chan_qpn.insert((rail, qp.qpn()), key);
         e.outs.insert(
             peer.to_owned(),
             OutChan {
@@ -202,7 +203,7 @@ impl Verbs {
             tracing::warn!(%peer, rail = %self.rails[rail].name, error = %why, "notification channel not rebuilt");
             return;
         }
-        let key = ChanKey::Out(peer.to_owned());
+        let key = ChanKey::Out(peer.into());
         e.chan_qpn.retain(|_, k| *k != key);
         e.chan_qpn.insert((rail, qp.qpn()), key);
         e.chan_retry.remove(peer);
@@ -372,7 +373,7 @@ impl Verbs {
     ) {
         match key {
             ChanKey::Out(peer) => {
-                let Some(o) = e.outs.get_mut(peer) else {
+                let Some(o) = e.outs.get_mut(&**peer) else {
                     return;
                 };
                 if o.dead {
@@ -403,16 +404,16 @@ impl Verbs {
                     tracing::warn!(from = %i.from, error = %err, "notification channel failed");
                     i.dead = true;
                 }
-                while let Some(m) = i.ch.recv() {
+                while let Some(mut m) = i.ch.recv() {
                     if m.len() < SEQ {
                         tracing::warn!(from = %i.from, "notification without a sequence number; channel closed");
                         i.dead = true;
                         let _ = i.ch.qp().set_error();
                         break;
                     }
-                    let (seq, bytes) = m.split_at(SEQ);
-                    let seq = u64::from_le_bytes(seq.try_into().expect("8 bytes"));
-                    shared.deliver_seq_notif(*conn, &i.from, seq, bytes.to_vec());
+                    let seq = u64::from_le_bytes(m[..SEQ].try_into().expect("8 bytes"));
+                    m.drain(..SEQ); // the bytes move down in place: no second buffer
+                    shared.deliver_seq_notif(*conn, &i.from, seq, m);
                 }
             }
         }

@@ -47,6 +47,8 @@ pub struct MsgChannel {
     /// Bytes of the front backlog message already framed.
     cursor: usize,
     asm: Assembler,
+    /// The frame being read out of its receive slot (reused).
+    frame: Vec<u8>,
     inbox: VecDeque<Vec<u8>>,
     failed: Option<String>,
     sent_frames: u64,
@@ -81,6 +83,7 @@ impl MsgChannel {
             backlog: VecDeque::new(),
             cursor: 0,
             asm: Assembler::default(),
+            frame: Vec::with_capacity(slot),
             inbox: VecDeque::new(),
             failed: None,
             sent_frames: 0,
@@ -167,14 +170,18 @@ impl MsgChannel {
             _ => {
                 let i = c.wr_id as usize;
                 let len = (c.byte_len as usize).min(self.slot);
-                let mut frame = vec![0u8; len];
-                self.mr.read(i * self.slot, &mut frame)?;
+                // one buffer for every frame (a frame's bytes leave it in the message the
+                // assembler builds)
+                let frame = &mut self.frame;
+                frame.resize(len, 0);
+                self.mr.read(i * self.slot, frame)?;
                 // repost before the credit for this slot can be handed back
                 self.qp.post_recv(&[RecvWr {
                     wr_id: c.wr_id,
                     local: vec![Sge::new(&self.mr, i * self.slot, self.slot)],
                 }])?;
-                let h = Header::decode(&frame).inspect_err(|e| {
+                let frame = &self.frame;
+                let h = Header::decode(frame).inspect_err(|e| {
                     self.failed.get_or_insert_with(|| e.to_string());
                 })?;
                 self.credits.received(h.credits)?;
@@ -193,7 +200,9 @@ impl MsgChannel {
     fn pump(&mut self) -> Result<(), ChannelError> {
         while !self.backlog.is_empty() && self.credits.can_send_data() && !self.free_send.is_empty()
         {
-            let msg = &self.backlog[0];
+            // taken out while its frame is posted (no copy of the frame's bytes), put back
+            // unless this was its last frame
+            let msg = std::mem::take(&mut self.backlog[0]);
             let (range, first, last) = fragments(msg.len() - self.cursor, self.slot)
                 .next()
                 .map(|(r, _, l)| {
@@ -204,13 +213,15 @@ impl MsgChannel {
                     )
                 })
                 .expect("one fragment at least");
-            let payload = msg[range.clone()].to_vec();
+            let posted = self.post_frame(first, last, false, &msg[range.clone()]);
             self.cursor = range.end;
             if last {
                 self.backlog.pop_front();
                 self.cursor = 0;
+            } else {
+                self.backlog[0] = msg;
             }
-            self.post_frame(first, last, false, &payload)?;
+            posted?;
         }
         if self.credits.should_return() && !self.free_send.is_empty() {
             self.post_frame(false, false, true, &[])?;

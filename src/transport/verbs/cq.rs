@@ -1,6 +1,5 @@
 //! Completion queues, their completion channels (an fd for mio), and polling in batches.
 
-use std::collections::HashMap;
 use std::ffi::CStr;
 use std::fmt;
 use std::os::fd::{AsRawFd, RawFd};
@@ -14,6 +13,7 @@ use super::device::{Context, ContextInner};
 use super::error::{from_ret, last_os_error, Error};
 use super::qp::QpShared;
 use super::wr::{OpKind, Retired, RECV_BIT};
+use crate::idhash::IdMap;
 
 /// Completions read per `ibv_poll_cq` call.
 const POLL_BATCH: usize = 64;
@@ -103,7 +103,7 @@ pub(crate) struct CqInner {
     channel: Option<NonNull<ffi::ibv_comp_channel>>,
     entries: u32,
     /// Queue pairs whose completions land here, by qpn.
-    qps: Mutex<HashMap<u32, Arc<QpShared>>>,
+    qps: Mutex<IdMap<u32, Arc<QpShared>>>,
     // Released last: the CQ and channel are destroyed first.
     ctx: Arc<ContextInner>,
 }
@@ -145,7 +145,7 @@ impl CqInner {
         self.lock_qps().remove(&qpn);
     }
 
-    fn lock_qps(&self) -> MutexGuard<'_, HashMap<u32, Arc<QpShared>>> {
+    fn lock_qps(&self) -> MutexGuard<'_, IdMap<u32, Arc<QpShared>>> {
         self.qps.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -247,7 +247,7 @@ impl Cq {
                 cq,
                 channel: ch,
                 entries,
-                qps: Mutex::new(HashMap::new()),
+                qps: Mutex::new(IdMap::default()),
                 ctx: ctx.inner.clone(),
             }),
         };
@@ -406,7 +406,7 @@ impl Cq {
 }
 
 /// Match one work completion with its pending request.
-fn retire(qps: &HashMap<u32, Arc<QpShared>>, wc: &ffi::ibv_wc) -> Option<Completion> {
+fn retire(qps: &IdMap<u32, Arc<QpShared>>, wc: &ffi::ibv_wc) -> Option<Completion> {
     let recv = wc.wr_id & RECV_BIT != 0;
     let seq = wc.wr_id & !RECV_BIT;
     let ok = wc.status == ffi::ibv_wc_status::IBV_WC_SUCCESS;

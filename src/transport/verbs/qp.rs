@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use rdma_mummy_sys as ffi;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use super::cq::{Cq, CqInner, WcError};
 use super::device::{Mtu, PortState};
@@ -83,6 +84,11 @@ pub struct Endpoint {
 
 /// Outstanding READs assumed of a peer whose endpoint does not say (see [`Endpoint::rd_atomic`]).
 const UNSAID_RD_ATOMIC: u8 = 16;
+
+/// Work requests of one post kept on the stack (more go to the heap).
+const INLINE_WRS: usize = 2;
+/// SGEs of one post kept on the stack.
+const INLINE_SGES: usize = 4;
 
 /// Connection parameters (RTR / RTS attributes).
 #[derive(Debug, Clone)]
@@ -649,11 +655,13 @@ impl Qp {
                 depth: q.depth,
             });
         }
+        // On the stack for the usual post (one or two requests of a few SGEs each: a
+        // notification frame, a transfer's slice); the heap only for longer lists.
         let nsge: usize = wrs.iter().map(|w| w.local.len()).sum();
-        let mut sges: Vec<ffi::ibv_sge> = Vec::with_capacity(nsge);
-        let mut pend = Vec::with_capacity(wrs.len());
+        let mut sges: SmallVec<[ffi::ibv_sge; INLINE_SGES]> = SmallVec::with_capacity(nsge);
+        let mut pend: SmallVec<[Pending; INLINE_WRS]> = SmallVec::with_capacity(wrs.len());
         // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those).
-        let mut raw: Vec<ffi::ibv_send_wr> = (0..wrs.len())
+        let mut raw: SmallVec<[ffi::ibv_send_wr; INLINE_WRS]> = (0..wrs.len())
             .map(|_| unsafe { std::mem::zeroed() })
             .collect();
         for (wr, r) in wrs.iter().zip(raw.iter_mut()) {
@@ -689,7 +697,7 @@ impl Qp {
                     rkey: remote.rkey,
                 };
             }
-            let mut refs = Vec::with_capacity(wr.local.len());
+            let mut refs = SmallVec::with_capacity(wr.local.len());
             for s in &wr.local {
                 sges.push(ffi::ibv_sge {
                     addr: s.mr.addr() + s.offset as u64,
@@ -706,7 +714,8 @@ impl Qp {
                 _refs: refs,
             });
         }
-        // Link the list and point each request at its SGEs (the vectors no longer move).
+        // Link the list and point each request at its SGEs (`raw` and `sges` stay where they
+        // are, on the stack or in their heap buffers, until the post below returns).
         let mut at = 0;
         for i in 0..raw.len() {
             let n = raw[i].num_sge as usize;
@@ -869,12 +878,12 @@ impl Qp {
             });
         }
         let nsge: usize = wrs.iter().map(|w| w.local.len()).sum();
-        let mut sges: Vec<ffi::ibv_sge> = Vec::with_capacity(nsge);
-        let mut raw: Vec<ffi::ibv_recv_wr> = Vec::with_capacity(wrs.len());
-        let mut pend = Vec::with_capacity(wrs.len());
+        let mut sges: SmallVec<[ffi::ibv_sge; INLINE_SGES]> = SmallVec::with_capacity(nsge);
+        let mut raw: SmallVec<[ffi::ibv_recv_wr; INLINE_WRS]> = SmallVec::with_capacity(wrs.len());
+        let mut pend: SmallVec<[Pending; INLINE_WRS]> = SmallVec::with_capacity(wrs.len());
         for wr in wrs {
             let (seq, _) = q.next(true);
-            let mut refs = Vec::with_capacity(wr.local.len());
+            let mut refs = SmallVec::with_capacity(wr.local.len());
             for s in &wr.local {
                 sges.push(ffi::ibv_sge {
                     addr: s.mr.addr() + s.offset as u64,

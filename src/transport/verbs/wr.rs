@@ -4,6 +4,8 @@
 use std::collections::VecDeque;
 use std::fmt;
 
+use smallvec::SmallVec;
+
 use super::mr::{Mr, MrRef, RemoteRegion};
 
 /// The operation of a work request or completion.
@@ -214,7 +216,7 @@ pub(crate) struct Pending {
     /// (unless it is an error).
     pub(crate) report: bool,
     /// Regions kept alive (and counted busy) until the completion is polled.
-    pub(crate) _refs: Vec<MrRef>,
+    pub(crate) _refs: SmallVec<[MrRef; 2]>,
 }
 
 /// The outstanding work requests of one queue, in post order (a queue completes in order).
@@ -296,7 +298,7 @@ mod tests {
             wr_id: 100 + seq,
             op: OpKind::Write,
             report: true,
-            _refs: Vec::new(),
+            _refs: SmallVec::new(),
         }
     }
 
