@@ -114,15 +114,29 @@ pub(crate) enum Msg {
     },
 }
 
-/// Append one message's frame to `out` (to be written later, with others).
+/// Append one message's frame to `out` (to be written later, with others): the body is
+/// encoded in place behind room for its length, which is filled in after (no body vector
+/// of its own, grown and copied for every message of a batch). On an error `out` is as it
+/// was.
 pub(crate) fn encode_into(out: &mut Vec<u8>, m: &Msg) -> std::io::Result<()> {
-    let body = rmp_serde::to_vec(m)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    let len = u32::try_from(body.len())
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    out.extend_from_slice(&len.to_be_bytes());
-    out.extend_from_slice(&body);
-    Ok(())
+    let at = out.len();
+    out.extend_from_slice(&[0; 4]);
+    let len = rmp_serde::encode::write(out, m)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        .and_then(|()| {
+            u32::try_from(out.len() - at - 4)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        });
+    match len {
+        Ok(len) => {
+            out[at..at + 4].copy_from_slice(&len.to_be_bytes());
+            Ok(())
+        }
+        Err(e) => {
+            out.truncate(at);
+            Err(e)
+        }
+    }
 }
 
 /// Write one message.
@@ -244,5 +258,47 @@ impl<R: Read> Reader<R> {
             }
             self.dec.push(&self.buf[..n]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{encode_into, Msg, Reader};
+
+    /// A batch's frames, encoded in place, are exactly `send`'s frames one after another
+    /// (length prefix + the same msgpack body), and a reader takes them back in order.
+    #[test]
+    fn frames_encoded_in_place_are_the_wire_frames() {
+        let msgs = [
+            Msg::WriteData {
+                xfer: 7,
+                region: 3,
+                offset: 1 << 40,
+                len: 4096,
+                grant: 9,
+            },
+            Msg::WriteEnd {
+                xfer: 7,
+                notif: Some(b"done".to_vec()),
+            },
+            Msg::Notif(vec![0xab; 300]),
+            Msg::SeqNotif {
+                seq: u64::MAX,
+                bytes: Vec::new(),
+            },
+        ];
+        let mut batch = b"earlier".to_vec();
+        let mut wire = b"earlier".to_vec();
+        for m in &msgs {
+            encode_into(&mut batch, m).unwrap();
+            super::send(&mut wire, m).unwrap();
+        }
+        assert_eq!(batch, wire);
+        let mut r = Reader::new(&batch[b"earlier".len()..]);
+        for m in &msgs {
+            let got = r.next().unwrap().expect("a message");
+            assert_eq!(format!("{got:?}"), format!("{m:?}"));
+        }
+        assert!(r.next().unwrap().is_none());
     }
 }
