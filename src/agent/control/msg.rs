@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 
 use serde::{Deserialize, Serialize};
 
-use crate::proto::frame::{self, FrameDecoder};
+use crate::proto::frame::FrameDecoder;
 use crate::proto::handshake::HandshakeInfo;
 
 /// Largest frame (data travels raw after its header frame; metadata is the largest).
@@ -139,12 +139,10 @@ pub(crate) fn encode_into(out: &mut Vec<u8>, m: &Msg) -> std::io::Result<()> {
     }
 }
 
-/// Write one message.
+/// Write one message (its frame as [`encode_into`] makes it).
 pub(crate) fn send(w: &mut impl Write, m: &Msg) -> std::io::Result<()> {
-    let body = rmp_serde::to_vec(m)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    let f = frame::encode(&body)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let mut f = Vec::new();
+    encode_into(&mut f, m)?;
     w.write_all(&f)
 }
 
@@ -265,8 +263,8 @@ impl<R: Read> Reader<R> {
 mod tests {
     use super::{encode_into, Msg, Reader};
 
-    /// A batch's frames, encoded in place, are exactly `send`'s frames one after another
-    /// (length prefix + the same msgpack body), and a reader takes them back in order.
+    /// A batch's frames, encoded in place, are exactly the wire's frames one after another
+    /// (`frame::encode` of the message's msgpack body), and a reader takes them back in order.
     #[test]
     fn frames_encoded_in_place_are_the_wire_frames() {
         let msgs = [
@@ -291,7 +289,8 @@ mod tests {
         let mut wire = b"earlier".to_vec();
         for m in &msgs {
             encode_into(&mut batch, m).unwrap();
-            super::send(&mut wire, m).unwrap();
+            let body = rmp_serde::to_vec(m).unwrap();
+            wire.extend(crate::proto::frame::encode(&body).unwrap());
         }
         assert_eq!(batch, wire);
         let mut r = Reader::new(&batch[b"earlier".len()..]);
