@@ -11,6 +11,8 @@ mod grants;
 mod lab;
 #[path = "agent_suite/metrics.rs"]
 mod metrics;
+#[path = "agent_suite/tcp_conns.rs"]
+mod tcp_conns;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};

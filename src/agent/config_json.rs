@@ -2,6 +2,7 @@
 
 use serde::Deserialize;
 
+use super::config::MAX_TCP_CONNS;
 use super::{AgentConfig, BackendChoice};
 use crate::mem::ConfigError;
 
@@ -27,6 +28,7 @@ struct ConfigJson {
     gid_index: Option<u32>,
     mtu: Option<u32>,
     qps_per_rail: Option<u32>,
+    tcp_conns: Option<u32>,
     progress_spin_us: Option<u32>,
     metadata_store: Option<String>,
     metadata_namespace: Option<String>,
@@ -49,7 +51,8 @@ impl AgentConfig {
     /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`; `cluster_secret` (at least
     /// 16 bytes; see [`AgentConfig::cluster_secret`]); `metrics_listen` ("ip:port" of the
     /// Prometheus endpoint, see [`AgentConfig::metrics_listen`]); `gid_index`, `mtu` (see
-    /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16); `progress_spin_us` (see
+    /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16); `tcp_conns` (1 to 16, see
+    /// [`AgentConfig::tcp_conns`]); `progress_spin_us` (see
     /// [`AgentConfig::progress_spin_us`]); `metadata_store` ("etcd://HOST:PORT[,…]"),
     /// `metadata_namespace`, `metadata_lease_ttl_s` (see [`AgentConfig::metadata_store`]).
     ///
@@ -135,6 +138,12 @@ impl AgentConfig {
             }
             c.qps_per_rail = q;
         }
+        if let Some(n) = j.tcp_conns {
+            if !(1..=MAX_TCP_CONNS).contains(&n) {
+                return Err(bad("tcp_conns", format!("{n}: use 1 to {MAX_TCP_CONNS}")));
+            }
+            c.tcp_conns = n;
+        }
         if let Some(m) = j.mtu {
             if ![256, 512, 1024, 2048, 4096].contains(&m) {
                 return Err(bad("mtu", format!("{m}: use 256, 512, 1024, 2048 or 4096")));
@@ -169,9 +178,10 @@ mod tests {
     fn keys_and_errors_name_the_key() {
         let c = AgentConfig::from_json(
             r#"{"backend":"tcp","listen":"127.0.0.1:0","model":"m","dtype":"bf16",
-                "attn_backend":"a","draft_model":"d","block_size":32}"#,
+                "attn_backend":"a","draft_model":"d","block_size":32,"tcp_conns":4}"#,
         )
         .unwrap();
+        assert_eq!(c.tcp_conns, 4);
         assert_eq!(c.backend, BackendChoice::Tcp);
         assert_eq!(
             (
@@ -188,6 +198,8 @@ mod tests {
             (r#"{"backend":"ucx"}"#, "backend"),
             (r#"{"listen":"nope"}"#, "listen"),
             (r#"{"block_size":0}"#, "block_size"),
+            (r#"{"tcp_conns":0}"#, "tcp_conns"),
+            (r#"{"tcp_conns":17}"#, "tcp_conns"),
             (r#"{"cluster_secret":"short"}"#, "cluster_secret"),
             (r#"{"metadata_store":"redis://h:1"}"#, "metadata_store"),
             (r#"{"metadata_namespace":"n"}"#, "metadata_namespace"),

@@ -50,7 +50,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub use config::{AgentConfig, BackendChoice};
+pub use config::{AgentConfig, BackendChoice, MAX_TCP_CONNS};
 pub use control::auth::{ClusterSecret, MIN_SECRET};
 pub use error::{AgentError, Fault, XferError};
 pub use grant::{Grant, GrantRange, MAX_GRANT_RANGES};
@@ -225,6 +225,13 @@ impl Agent {
         crate::transport::stripe::StripeMode::from_stripe_width(config.stripe_width)
             .map_err(|e| AgentError::Unsupported(format!("stripe_width: {e}")))?;
         metadata::check_name(name).map_err(AgentError::Unsupported)?;
+        if !(1..=config::MAX_TCP_CONNS).contains(&config.tcp_conns) {
+            return Err(AgentError::Unsupported(format!(
+                "tcp_conns {}: use 1 to {}",
+                config.tcp_conns,
+                config::MAX_TCP_CONNS
+            )));
+        }
         #[cfg(feature = "verbs")]
         let verbs = match config.backend {
             BackendChoice::Tcp => {
@@ -722,10 +729,6 @@ impl Agent {
             x.held.iter().any(|r| r.kind != MemKind::Host)
                 || (!peer_dev.is_empty() && x.remote.iter().any(|d| peer_dev.contains(&d.region.0)))
         };
-        let tcp = backend::TcpPath {
-            tx: p.conn.sender(),
-            open: p.conn.is_open(),
-        };
         #[cfg(feature = "verbs")]
         let verbs: Option<&dyn backend::Backend> = self
             .shared
@@ -735,15 +738,22 @@ impl Agent {
             .map(|v| v as &dyn backend::Backend);
         #[cfg(not(feature = "verbs"))]
         let verbs: Option<&dyn backend::Backend> = None;
+        let tcp;
+        let chosen: &dyn backend::Backend = match (verbs, self.shared.bounce.get()) {
+            (Some(_), Some(engine)) if device => engine,
+            (Some(v), _) => v,
+            (None, _) => {
+                // the peer's TCP connection (one of its lanes, for a large transfer)
+                let bytes = posted.local.iter().map(|(_, d)| d.len).sum();
+                let (tx, open) = p.conn.sender_for(bytes, posted.notif.is_some());
+                tcp = backend::TcpPath { tx, open };
+                &tcp
+            }
+        };
         // Nothing is handed over with the agent's maps locked: a backend that fails the
         // transfer takes them again (and the verbs engine is never taken under them).
         drop(xfers);
         drop(peers);
-        let chosen: &dyn backend::Backend = match (verbs, self.shared.bounce.get()) {
-            (Some(_), Some(engine)) if device => engine,
-            (Some(v), _) => v,
-            _ => &tcp,
-        };
         if let Err(e) = chosen.start(self, posted) {
             self.shared
                 .finish(id.0, Err(XferError::Post(e.to_string())));

@@ -101,6 +101,21 @@ impl AgentStats {
         }
     }
 
+    /// The counters of transfers sent on each TCP connection to a peer (`conn` "0" the
+    /// first; `AgentConfig::tcp_conns`), for `n` connections.
+    pub(crate) fn tcp_lanes(&self, agent: &str, n: usize) -> Vec<Counter> {
+        (0..n)
+            .map(|k| {
+                self.registry.counter(
+                    "kvrail_tcp_conn_transfers_total",
+                    "Transfers sent over TCP, by which of a peer's connections carried them \
+                     (0: the first; large ones without a notification spread over all).",
+                    &[("agent", agent), ("conn", &k.to_string())],
+                )
+            })
+            .collect()
+    }
+
     /// Series read from the agent's state at scrape time.
     pub(crate) fn watch(&self, shared: &Arc<Shared>) {
         let agent = shared.name.as_str();

@@ -99,7 +99,12 @@ pub(crate) fn fetch_metadata(
     }
 }
 
-/// This agent's data connection to one peer.
+/// A transfer at least this large, carrying no notification, may go on any of a peer's TCP
+/// connections (`AgentConfig::tcp_conns`); the rest goes on the first.
+pub(crate) const LANE_MIN: u64 = 1 << 20;
+
+/// This agent's data connection to one peer: the first (control, small work and
+/// notifications, in order) and, on the TCP backend, more lanes for large transfers.
 pub(crate) struct PeerConn {
     tx: mpsc::Sender<Work>,
     stream: TcpStream,
@@ -107,14 +112,57 @@ pub(crate) struct PeerConn {
     closed: Arc<std::sync::atomic::AtomicBool>,
     /// Work items the writer has finished (sent or failed): a drop waits while this moves.
     sent: Arc<std::sync::atomic::AtomicU64>,
+    /// The other connections (`AgentConfig::tcp_conns` - 1 of them on TCP; none on verbs).
+    lanes: Vec<Self>,
+    /// Which connection the next large transfer takes (0: this one).
+    turn: std::sync::atomic::AtomicUsize,
+    /// Transfers sent on each connection (this one first).
+    counts: Vec<crate::metrics::Counter>,
 }
 
 impl PeerConn {
+    /// Connect to `peer` at `addr`: attach (and exchange queue pairs on verbs), then open
+    /// the TCP backend's further lanes. A lane that cannot be opened is logged and left out
+    /// (the peer is served on fewer connections).
     pub(crate) fn connect(
         shared: Arc<Shared>,
         addr: SocketAddr,
         peer: &str,
         meta: &crate::agent::metadata::AgentMetadata,
+    ) -> Result<Self, AgentError> {
+        let mut first = Self::open(shared.clone(), addr, peer, Some(meta))?;
+        // lanes only where the data goes over TCP (not to a peer served by queue pairs)
+        #[cfg(feature = "verbs")]
+        let on_tcp =
+            shared.verbs.is_none() || meta.backend != crate::agent::metadata::BackendKind::Verbs;
+        #[cfg(not(feature = "verbs"))]
+        let on_tcp = true;
+        let lanes = if on_tcp {
+            shared.config.tcp_conns.saturating_sub(1)
+        } else {
+            0
+        };
+        for k in 1..=lanes {
+            match Self::open(shared.clone(), addr, peer, None) {
+                Ok(lane) => first.lanes.push(lane),
+                Err(e) => {
+                    tracing::warn!(agent = %shared.name, %peer, error = %e,
+                        "TCP connection {k} of {} not opened: large transfers use fewer",
+                        lanes + 1);
+                    break;
+                }
+            }
+        }
+        first.counts = shared.stats.tcp_lanes(&shared.name, first.lanes.len() + 1);
+        Ok(first)
+    }
+
+    /// One connection: attach, with the queue-pair exchange when `meta` is given (the first).
+    fn open(
+        shared: Arc<Shared>,
+        addr: SocketAddr,
+        peer: &str,
+        meta: Option<&crate::agent::metadata::AgentMetadata>,
     ) -> Result<Self, AgentError> {
         let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
             .map_err(|e| conn_err("cannot connect to the data address of", addr, e))?;
@@ -148,7 +196,15 @@ impl PeerConn {
             },
         )?;
         #[cfg(feature = "verbs")]
-        crate::agent::verbs::exchange::open_qps(&shared, &mut w, &mut reader, (addr, peer), meta)?;
+        if let Some(meta) = meta {
+            crate::agent::verbs::exchange::open_qps(
+                &shared,
+                &mut w,
+                &mut reader,
+                (addr, peer),
+                meta,
+            )?;
+        }
         #[cfg(not(feature = "verbs"))]
         let _ = meta;
         s.set_read_timeout(None).ok();
@@ -197,23 +253,43 @@ impl PeerConn {
             shared,
             closed,
             sent,
+            lanes: Vec::new(),
+            turn: std::sync::atomic::AtomicUsize::new(0),
+            counts: Vec::new(),
         })
+    }
+
+    /// The writer queue for a transfer of `bytes` (`notif`: it carries one): the next open
+    /// connection in turn for a large one without a notification, else the first; and
+    /// whether that connection is open.
+    pub(crate) fn sender_for(&self, bytes: u64, notif: bool) -> (mpsc::Sender<Work>, bool) {
+        let mut k = 0;
+        if !self.lanes.is_empty() && bytes >= LANE_MIN && !notif {
+            k = self.turn.fetch_add(1, Ordering::Relaxed) % (self.lanes.len() + 1);
+            // a lane that closed is skipped (the first answers for the peer's state)
+            if k > 0 && !self.lanes[k - 1].is_open() {
+                k = 0;
+            }
+        }
+        if let Some(c) = self.counts.get(k) {
+            c.inc();
+        }
+        let conn = if k == 0 { self } else { &self.lanes[k - 1] };
+        (conn.tx.clone(), self.is_open())
+    }
+
+    /// Every connection's writer queue and progress count (the first's first).
+    pub(crate) fn writers(&self) -> Vec<(mpsc::Sender<Work>, Arc<std::sync::atomic::AtomicU64>)> {
+        std::iter::once(self)
+            .chain(&self.lanes)
+            .map(|c| (c.tx.clone(), c.sent.clone()))
+            .collect()
     }
 
     pub(crate) fn submit(&self, w: Work) {
         if let Err(mpsc::SendError(Work::Xfer { id, .. })) = self.tx.send(w) {
             self.shared.finish(id, Err(XferError::Closed));
         }
-    }
-
-    /// The writer's queue (send to it with no agent lock held).
-    pub(crate) fn sender(&self) -> mpsc::Sender<Work> {
-        self.tx.clone()
-    }
-
-    /// The count of work items the writer has finished (it moves while the peer takes them).
-    pub(crate) fn progress(&self) -> Arc<std::sync::atomic::AtomicU64> {
-        self.sent.clone()
     }
 
     /// Queue work for the writer; false when the connection is closed.
@@ -232,6 +308,9 @@ impl PeerConn {
     pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::Release);
         let _ = self.stream.shutdown(NetShutdown::Both);
+        for l in &self.lanes {
+            l.close();
+        }
     }
 }
 
@@ -455,7 +534,7 @@ impl Drop for Shutdown {
         // each TCP writer: flushed, or FLUSH_ON_DROP without one item sent (a peer that
         // stopped taking them), never a fixed total that a slow peer or a loaded host misses
         let writers: Vec<_> = (lock(&self.shared.peers).values())
-            .map(|p| (p.conn.sender(), p.conn.progress()))
+            .flat_map(|p| p.conn.writers())
             .collect();
         for (w, sent) in writers {
             let (tx, rx) = mpsc::sync_channel(1);

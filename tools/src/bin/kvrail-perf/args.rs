@@ -159,6 +159,10 @@ pub(crate) struct Args {
     /// completion queue; transfers spread over them like over rails.
     #[arg(short = 'q', long = "qp", default_value_t = 1)]
     pub(crate) qps: u32,
+    /// TCP connections to the peer (1 to 16; the agent's default 2): transfers of 1 MiB and
+    /// more spread over them (AgentConfig::tcp_conns).
+    #[arg(long, default_value_t = kvrail::agent::AgentConfig::default().tcp_conns)]
+    pub(crate) tcp_conns: u32,
     /// Both directions at once (perftest's -b): the server runs the same operation toward
     /// the client meanwhile; the line is the sum (the server's WRITEs are checked too).
     #[arg(short = 'b', long)]
@@ -244,6 +248,13 @@ impl Args {
     pub(crate) fn validate(&self) -> Result<(), String> {
         if !(1..=16).contains(&self.qps) {
             return Err(format!("-q {}: use 1 to 16 queue pairs per rail", self.qps));
+        }
+        if !(1..=kvrail::agent::MAX_TCP_CONNS).contains(&self.tcp_conns) {
+            return Err(format!(
+                "--tcp-conns {}: use 1 to {}",
+                self.tcp_conns,
+                kvrail::agent::MAX_TCP_CONNS
+            ));
         }
         if self.qps > 1 && self.transport == Transport::Tcp {
             return Err(format!(

@@ -105,6 +105,7 @@ fn config(args: &Args, devices: &[String], listen: &str) -> Result<AgentConfig, 
         gid_index: args.gid_index,
         mtu: args.mtu,
         qps_per_rail: args.qps,
+        tcp_conns: args.tcp_conns,
         progress_spin_us: if args.use_event { 0 } else { args.spin_us },
         ..AgentConfig::default()
     };

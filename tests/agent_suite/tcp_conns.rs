@@ -1,0 +1,128 @@
+//! Large transfers spread over a peer's TCP connections (`AgentConfig::tcp_conns`): WRITEs
+//! and READs of 2 MiB, all in flight at once, land byte-exact whichever connection carried
+//! them, and the counters show every connection carried some; a large transfer with a
+//! notification stays on the first, and its notification still follows its bytes; with
+//! `tcp_conns` 1 everything goes on one connection. On verbs the data goes over queue pairs:
+//! the bytes are checked there, the connection counters are not (no TCP transfer).
+
+use std::time::Duration;
+
+use kvrail::agent::{Agent, AgentConfig, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
+
+use super::{cfg, collect_notifs, load, on_verbs, pattern, wait, Host};
+
+const LEN: u64 = 2 << 20;
+const N: u64 = 12;
+
+/// Transfers `a` sent on its peers' connection `conn` so far.
+fn sent_on(a: &Agent, conn: usize) -> f64 {
+    let k = conn.to_string();
+    let l = [("agent", a.name()), ("conn", k.as_str())];
+    (a.metrics().value("kvrail_tcp_conn_transfers_total", &l)).unwrap_or(0.0)
+}
+
+fn with_conns(host: Host, n: u32) -> AgentConfig {
+    AgentConfig {
+        tcp_conns: n,
+        ..cfg(host)
+    }
+}
+
+/// Post `op` of N descriptors' worth (one transfer each, all in flight), wait for all.
+fn all_at_once(d: &Agent, peer: &str, op: XferOp, (local, remote): (RegionId, RegionId)) {
+    let xs: Vec<XferId> = (0..N)
+        .map(|k| {
+            let (l, r) = (
+                Desc::new(local, k * LEN, LEN),
+                Desc::new(remote, k * LEN, LEN),
+            );
+            let x = d.create_xfer(op, vec![l], peer, vec![r], None).unwrap();
+            d.post(x).unwrap();
+            x
+        })
+        .collect();
+    for x in xs {
+        assert_eq!(wait(d, x), XferStatus::Done);
+    }
+}
+
+#[test]
+fn large_transfers_spread_over_the_connections_land_whole() {
+    let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
+    let d = Agent::new("decode-0", with_conns(Host::A, 3)).unwrap();
+    let total = (N * LEN) as usize;
+    let remote = p.register(total, RemoteAccess::READ_WRITE, vec![]).unwrap();
+    let src = d.register(total, RemoteAccess::NONE, vec![]).unwrap();
+    let back = d.register(total, RemoteAccess::NONE, vec![]).unwrap();
+    let peer = load(&d, &p);
+    let bytes = pattern(31, total);
+    d.write_region(src, 0, &bytes).unwrap();
+    let before: Vec<f64> = (0..3).map(|k| sent_on(&d, k)).collect();
+    all_at_once(&d, &peer, XferOp::Write, (src, remote));
+    let mut got = vec![0u8; total];
+    p.read_region(remote, 0, &mut got).unwrap();
+    assert!(got == bytes, "WRITE bytes differ");
+    // read back what another pattern put there
+    let other = pattern(32, total);
+    p.write_region(remote, 0, &other).unwrap();
+    all_at_once(&d, &peer, XferOp::Read, (back, remote));
+    d.read_region(back, 0, &mut got).unwrap();
+    assert!(got == other, "READ bytes differ");
+    if !on_verbs() {
+        let used: Vec<f64> = (0..3).map(|k| sent_on(&d, k) - before[k]).collect();
+        assert_eq!(used.iter().sum::<f64>(), (2 * N) as f64, "{used:?}");
+        assert!(
+            used.iter().all(|&n| n >= 1.0),
+            "a connection idle: {used:?}"
+        );
+    }
+    // a large transfer with a notification goes on the first; the notification follows
+    // its bytes
+    let again = pattern(33, total);
+    d.write_region(src, 0, &again).unwrap();
+    let first = sent_on(&d, 0);
+    let x = d
+        .create_xfer(
+            XferOp::Write,
+            vec![Desc::new(src, 0, N * LEN)],
+            &peer,
+            vec![Desc::new(remote, 0, N * LEN)],
+            Some(b"landed".to_vec()),
+        )
+        .unwrap();
+    d.post(x).unwrap();
+    assert_eq!(
+        collect_notifs(&p, 1, Duration::from_secs(120)),
+        [b"landed".to_vec()]
+    );
+    p.read_region(remote, 0, &mut got).unwrap();
+    assert!(got == again, "the notification came before the bytes");
+    assert_eq!(wait(&d, x), XferStatus::Done);
+    if !on_verbs() {
+        assert_eq!(sent_on(&d, 0) - first, 1.0);
+    }
+}
+
+#[test]
+fn one_connection_when_asked() {
+    let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
+    let d = Agent::new("decode-0", with_conns(Host::A, 1)).unwrap();
+    let total = (N * LEN) as usize;
+    let remote = p.register(total, RemoteAccess::WRITE, vec![]).unwrap();
+    let src = d.register(total, RemoteAccess::NONE, vec![]).unwrap();
+    let peer = load(&d, &p);
+    let bytes = pattern(34, total);
+    d.write_region(src, 0, &bytes).unwrap();
+    all_at_once(&d, &peer, XferOp::Write, (src, remote));
+    let mut got = vec![0u8; total];
+    p.read_region(remote, 0, &mut got).unwrap();
+    assert!(got == bytes, "WRITE bytes differ");
+    if !on_verbs() {
+        assert_eq!(sent_on(&d, 0), N as f64);
+        assert_eq!(sent_on(&d, 1), 0.0, "a second connection with tcp_conns 1");
+    }
+    let Err(e) = Agent::new("decode-1", with_conns(Host::A, 0)) else {
+        panic!("tcp_conns 0 accepted");
+    };
+    assert!(e.to_string().contains("tcp_conns 0"), "{e}");
+}
