@@ -71,13 +71,15 @@ pub struct AgentConfig {
     /// lane of its own (named `DEV:PORT/qpK`, with its own completion queue) that the
     /// planner spreads transfers over like rails.
     pub qps_per_rail: u32,
-    /// TCP connections to each peer on the TCP backend (1..=16, default 2). Each is a lane
-    /// with its own writer and reader threads; a transfer of at least 1 MiB that carries no
-    /// notification goes whole on the next lane in turn, so large transfers in flight share
-    /// the cores (one connection's sender runs on one core: its copy into the socket and, on
-    /// loopback, the receiver's TCP work). Small work, notifications and transfers carrying
-    /// one stay on the first connection, in order. 1: one connection per peer. On verbs the
-    /// data goes over queue pairs and one connection is opened.
+    /// TCP connections to each peer on the TCP backend (1..=16, default 1). With more, each
+    /// is a lane with its own writer and reader threads: a transfer of at least 1 MiB that
+    /// carries no notification goes whole on the next lane in turn, so large transfers in
+    /// flight spread over several cores (one connection's sender runs on one core: its copy
+    /// into the socket and, on loopback, the receiver's TCP work). Small work,
+    /// notifications and transfers carrying one stay on the first connection, in order.
+    /// Worth it where cores are idle while one connection's sender is busy; on a 2-core
+    /// host running both ends the cores are already busy and it gained nothing (README). On
+    /// verbs the data goes over queue pairs and one connection is opened.
     pub tcp_conns: u32,
     /// Where rail discovery reads sysfs and `/proc/net/route` (None: the running system;
     /// a fixture tree in tests, see `tests/fixtures/make_sysfs.py`).
@@ -124,7 +126,7 @@ impl Default for AgentConfig {
             gid_index: None,
             mtu: None,
             qps_per_rail: 1,
-            tcp_conns: 2,
+            tcp_conns: 1,
             progress_spin_us: 0,
             sysfs_root: None,
             bounce: crate::bounce::BounceConfig::default(),

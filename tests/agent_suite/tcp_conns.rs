@@ -2,14 +2,16 @@
 //! and READs of 2 MiB, all in flight at once, land byte-exact whichever connection carried
 //! them, and the counters show every connection carried some; a large transfer with a
 //! notification stays on the first, and its notification still follows its bytes; with
-//! `tcp_conns` 1 everything goes on one connection. On verbs the data goes over queue pairs:
+//! `tcp_conns` 1 everything goes on one connection; every connection proves the cluster
+//! secret, and a peer that dies with large transfers in flight on all of them fails each
+//! one (none hangs, none reports done). On verbs the data goes over queue pairs:
 //! the bytes are checked there, the connection counters are not (no TCP transfer).
 
 use std::time::Duration;
 
 use kvrail::agent::{Agent, AgentConfig, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
 
-use super::{cfg, collect_notifs, load, on_verbs, pattern, wait, Host};
+use super::{cfg, collect_notifs, load, on_verbs, pattern, wait, with_secret, Host};
 
 const LEN: u64 = 2 << 20;
 const N: u64 = 12;
@@ -125,4 +127,81 @@ fn one_connection_when_asked() {
         panic!("tcp_conns 0 accepted");
     };
     assert!(e.to_string().contains("tcp_conns 0"), "{e}");
+}
+
+#[test]
+fn every_connection_proves_the_secret_and_a_dying_peer_fails_them_all() {
+    const K: &str = "a cluster secret of more than sixteen bytes";
+    let p = Agent::new("prefill-0", with_secret(Host::B, Some(K))).unwrap();
+    let d = Agent::new(
+        "decode-0",
+        AgentConfig {
+            tcp_conns: 3,
+            ..with_secret(Host::A, Some(K))
+        },
+    )
+    .unwrap();
+    let total = (N * LEN) as usize;
+    let remote = p.register(total, RemoteAccess::READ_WRITE, vec![]).unwrap();
+    let src = d.register(total, RemoteAccess::NONE, vec![]).unwrap();
+    let peer = load(&d, &p);
+    let bytes = pattern(35, total);
+    d.write_region(src, 0, &bytes).unwrap();
+    all_at_once(&d, &peer, XferOp::Write, (src, remote));
+    let mut got = vec![0u8; total];
+    p.read_region(remote, 0, &mut got).unwrap();
+    assert!(got == bytes, "WRITE bytes differ");
+    if !on_verbs() {
+        let used: Vec<f64> = (0..3).map(|k| sent_on(&d, k)).collect();
+        assert!(
+            used.iter().all(|&n| n >= 1.0),
+            "a connection idle: {used:?}"
+        );
+    }
+    // the peer goes away with large transfers in flight on every connection
+    let xs: Vec<XferId> = (0..4 * N)
+        .map(|k| {
+            let o = (k % N) * LEN;
+            let x = d
+                .create_xfer(
+                    XferOp::Write,
+                    vec![Desc::new(src, o, LEN)],
+                    &peer,
+                    vec![Desc::new(remote, o, LEN)],
+                    None,
+                )
+                .unwrap();
+            d.post(x).unwrap();
+            x
+        })
+        .collect();
+    drop(p);
+    let mut failed = 0;
+    for x in xs {
+        match d.wait(x, Duration::from_secs(60)).unwrap() {
+            XferStatus::Done => {}
+            XferStatus::Error(_) => failed += 1,
+            s => panic!("a transfer still {s:?} 60 s after its peer went away"),
+        }
+    }
+    // whatever landed before the drop is done; a peer dropped this early leaves some undone
+    // (none may hang, and a later post fails)
+    let x = d
+        .create_xfer(
+            XferOp::Write,
+            vec![Desc::new(src, 0, LEN)],
+            &peer,
+            vec![Desc::new(remote, 0, LEN)],
+            None,
+        )
+        .unwrap();
+    let late = match d.post(x) {
+        Err(_) => true,
+        Ok(()) => matches!(
+            d.wait(x, Duration::from_secs(60)).unwrap(),
+            XferStatus::Error(_)
+        ),
+    };
+    assert!(late, "a post after the peer went away did not fail");
+    eprintln!("{failed} of {} in flight failed with the peer", 4 * N);
 }

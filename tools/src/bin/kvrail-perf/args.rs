@@ -159,7 +159,7 @@ pub(crate) struct Args {
     /// completion queue; transfers spread over them like over rails.
     #[arg(short = 'q', long = "qp", default_value_t = 1)]
     pub(crate) qps: u32,
-    /// TCP connections to the peer (1 to 16; the agent's default 2): transfers of 1 MiB and
+    /// TCP connections to the peer (1 to 16; the agent's default 1): transfers of 1 MiB and
     /// more spread over them (AgentConfig::tcp_conns).
     #[arg(long, default_value_t = kvrail::agent::AgentConfig::default().tcp_conns)]
     pub(crate) tcp_conns: u32,
