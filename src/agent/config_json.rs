@@ -51,8 +51,8 @@ impl AgentConfig {
     /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`; `cluster_secret` (at least
     /// 16 bytes; see [`AgentConfig::cluster_secret`]); `metrics_listen` ("ip:port" of the
     /// Prometheus endpoint, see [`AgentConfig::metrics_listen`]); `gid_index`, `mtu` (see
-    /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16); `tcp_conns` (1 to 16, see
-    /// [`AgentConfig::tcp_conns`]); `progress_spin_us` (see
+    /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16);
+    /// `tcp_conns` (1 to 16, see [`AgentConfig::tcp_conns`]); `progress_spin_us` (see
     /// [`AgentConfig::progress_spin_us`]); `metadata_store` ("etcd://HOST:PORT[,…]"),
     /// `metadata_namespace`, `metadata_lease_ttl_s` (see [`AgentConfig::metadata_store`]).
     ///

@@ -103,16 +103,43 @@ pub(crate) fn fetch_metadata(
 /// connections (`AgentConfig::tcp_conns`); the rest goes on the first.
 pub(crate) const LANE_MIN: u64 = 1 << 20;
 
+/// The connections of one peer, which fail together: one that ends (its reader saw the end,
+/// its writer could not send, the agent closed it) closes them all before the peer's
+/// transfers are failed, so no transfer is posted on the others meanwhile, and the peer is
+/// connected again as a whole (`Agent::load_remote`); a transfer made before is never
+/// posted on the new connections (the peer's epoch), so no late answer on the old ones can
+/// complete it.
+#[derive(Clone, Default)]
+struct Group {
+    closed: Arc<std::sync::atomic::AtomicBool>,
+    socks: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Group {
+    fn is_open(&self) -> bool {
+        !self.closed.load(Ordering::Acquire)
+    }
+
+    /// Close every connection of the group, both ways (their readers and writers stop).
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        for s in lock(&self.socks).iter() {
+            let _ = s.shutdown(NetShutdown::Both);
+        }
+    }
+}
+
 /// This agent's data connection to one peer: the first (control, small work and
 /// notifications, in order) and, on the TCP backend, more lanes for large transfers.
 pub(crate) struct PeerConn {
     tx: mpsc::Sender<Work>,
-    stream: TcpStream,
     shared: Arc<Shared>,
-    closed: Arc<std::sync::atomic::AtomicBool>,
+    /// The peer's connections, closed together.
+    group: Group,
     /// Work items the writer has finished (sent or failed): a drop waits while this moves.
     sent: Arc<std::sync::atomic::AtomicU64>,
-    /// The other connections (`AgentConfig::tcp_conns` - 1 of them on TCP; none on verbs).
+    /// The other connections (`AgentConfig::tcp_conns` - 1 of them on TCP; none on verbs),
+    /// in this one's group.
     lanes: Vec<Self>,
     /// Which connection the next large transfer takes (0: this one).
     turn: std::sync::atomic::AtomicUsize,
@@ -130,7 +157,8 @@ impl PeerConn {
         peer: &str,
         meta: &crate::agent::metadata::AgentMetadata,
     ) -> Result<Self, AgentError> {
-        let mut first = Self::open(shared.clone(), addr, peer, Some(meta))?;
+        let group = Group::default();
+        let mut first = Self::open(shared.clone(), addr, (peer, &group), Some(meta))?;
         // lanes only where the data goes over TCP (not to a peer served by queue pairs)
         #[cfg(feature = "verbs")]
         let on_tcp =
@@ -143,7 +171,7 @@ impl PeerConn {
             0
         };
         for k in 1..=lanes {
-            match Self::open(shared.clone(), addr, peer, None) {
+            match Self::open(shared.clone(), addr, (peer, &group), None) {
                 Ok(lane) => first.lanes.push(lane),
                 Err(e) => {
                     tracing::warn!(agent = %shared.name, %peer, error = %e,
@@ -157,11 +185,12 @@ impl PeerConn {
         Ok(first)
     }
 
-    /// One connection: attach, with the queue-pair exchange when `meta` is given (the first).
+    /// One connection of `group`: attach, with the queue-pair exchange when `meta` is given
+    /// (the first).
     fn open(
         shared: Arc<Shared>,
         addr: SocketAddr,
-        peer: &str,
+        (peer, group): (&str, &Group),
         meta: Option<&crate::agent::metadata::AgentMetadata>,
     ) -> Result<Self, AgentError> {
         let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
@@ -210,26 +239,31 @@ impl PeerConn {
         s.set_read_timeout(None).ok();
         let (tx, rx) = mpsc::channel::<Work>();
         let name = peer.to_owned();
-        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sd = s
+            .try_clone()
+            .map_err(|e| conn_err("data connection", addr, e))?;
+        lock(&group.socks).push(sd);
+        if !group.is_open() {
+            // a connection of the group ended while this one attached
+            let _ = s.shutdown(NetShutdown::Both);
+        }
         {
             let shared = shared.clone();
             let tx = tx.clone();
             let name = name.clone();
-            let closed = closed.clone();
-            let sd = s
-                .try_clone()
-                .map_err(|e| conn_err("data connection", addr, e))?;
+            let group = group.clone();
             std::thread::Builder::new()
                 .name(format!("kvrail-rd-{name}"))
                 .spawn(move || {
                     let _span =
                         tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
-                    initiator_reader(&shared, reader, &tx, &name);
-                    // Nothing will answer on this connection again: stop it both ways, so the
-                    // writer fails (and fails what is queued) instead of sending into a
-                    // half-open socket whose answers nobody reads.
-                    closed.store(true, Ordering::Release);
-                    let _ = sd.shutdown(NetShutdown::Both);
+                    let why = initiator_reader(&shared, reader, &tx, &name);
+                    // Nothing will answer on this connection again: stop the group both ways,
+                    // so the writers fail (and fail what is queued) instead of sending into
+                    // half-open sockets whose answers nobody reads; then fail what is in
+                    // flight.
+                    group.close();
+                    shared.fail_peer(&name, &why);
                 })
                 .map_err(|e| conn_err("thread for", addr, e))?;
         }
@@ -237,21 +271,20 @@ impl PeerConn {
         {
             let shared = shared.clone();
             let sent = sent.clone();
-            let closed = closed.clone();
+            let group = group.clone();
             std::thread::Builder::new()
                 .name(format!("kvrail-wr-{name}"))
                 .spawn(move || {
                     let _span =
                         tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
-                    writer(&shared, w, rx, &name, (&sent, &closed));
+                    writer(&shared, w, rx, &name, (&sent, &group));
                 })
                 .map_err(|e| conn_err("thread for", addr, e))?;
         }
         Ok(Self {
             tx,
-            stream: s,
             shared,
-            closed,
+            group: group.clone(),
             sent,
             lanes: Vec::new(),
             turn: std::sync::atomic::AtomicUsize::new(0),
@@ -259,17 +292,13 @@ impl PeerConn {
         })
     }
 
-    /// The writer queue for a transfer of `bytes` (`notif`: it carries one): the next open
+    /// The writer queue for a transfer of `bytes` (`notif`: it carries one): the next
     /// connection in turn for a large one without a notification, else the first; and
-    /// whether that connection is open.
+    /// whether the peer's connections are open.
     pub(crate) fn sender_for(&self, bytes: u64, notif: bool) -> (mpsc::Sender<Work>, bool) {
         let mut k = 0;
         if !self.lanes.is_empty() && bytes >= LANE_MIN && !notif {
             k = self.turn.fetch_add(1, Ordering::Relaxed) % (self.lanes.len() + 1);
-            // a lane that closed is skipped (the first answers for the peer's state)
-            if k > 0 && !self.lanes[k - 1].is_open() {
-                k = 0;
-            }
         }
         if let Some(c) = self.counts.get(k) {
             c.inc();
@@ -298,19 +327,16 @@ impl PeerConn {
         self.tx.send(w).is_ok()
     }
 
-    /// False once the connection's writer has stopped.
-    /// (A flag, not a `getpeername` per post: the reader sets it when the connection ends,
-    /// the writer when a send fails, `close` when the agent closes it.)
+    /// False once the peer's connections closed.
+    /// (A flag, not a `getpeername` per post: a reader sets it when its connection ends,
+    /// a writer when a send fails, `close` when the agent closes them.)
     pub(crate) fn is_open(&self) -> bool {
-        !self.closed.load(Ordering::Acquire)
+        self.group.is_open()
     }
 
+    /// Close every connection to the peer.
     pub(crate) fn close(&self) {
-        self.closed.store(true, Ordering::Release);
-        let _ = self.stream.shutdown(NetShutdown::Both);
-        for l in &self.lanes {
-            l.close();
-        }
+        self.group.close();
     }
 }
 
@@ -340,16 +366,12 @@ fn writer(
     mut w: TcpStream,
     rx: mpsc::Receiver<Work>,
     peer: &str,
-    (sent, closed): (
-        &std::sync::atomic::AtomicU64,
-        &std::sync::atomic::AtomicBool,
-    ),
+    (sent, group): (&std::sync::atomic::AtomicU64, &Group),
 ) {
     let mut batch = super::tcp_batch::Batch::default();
-    let fail = |w: &TcpStream, e: std::io::Error| {
-        closed.store(true, Ordering::Release);
+    let fail = |_: &TcpStream, e: std::io::Error| {
+        group.close();
         shared.fail_peer(peer, &format!("send failed: {e}"));
-        let _ = w.shutdown(NetShutdown::Both);
     };
     loop {
         let next = if batch.is_empty() {
@@ -422,12 +444,13 @@ fn writer(
 }
 
 /// Reads the target's answers to this agent's transfers.
+/// Returns why the connection ended.
 fn initiator_reader(
     shared: &Shared,
     mut r: Reader<TcpStream>,
     tx: &mpsc::Sender<Work>,
     peer: &str,
-) {
+) -> String {
     let why = loop {
         let m = r.next();
         // answers are taken only about transfers posted on this connection: another peer
@@ -484,7 +507,7 @@ fn initiator_reader(
             Err(e) => break e,
         }
     };
-    shared.fail_peer(peer, &why);
+    why
 }
 
 /// Stops the listener and every connection when the last agent handle drops.
@@ -748,5 +771,33 @@ fn target_loop(
             other => return Err(format!("from {from}: unexpected {other:?}")),
         };
         res.map_err(|e| format!("to {from}: {e}"))?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// One connection of a group ending closes them all: the flag drops, and the far end of
+    /// every connection reads its end (their readers and writers stop).
+    #[test]
+    fn a_group_closes_every_connection() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let g = Group::default();
+        let mut far = Vec::new();
+        for _ in 0..3 {
+            let near = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            far.push(l.accept().unwrap().0);
+            lock(&g.socks).push(near);
+        }
+        assert!(g.is_open());
+        g.clone().close();
+        assert!(!g.is_open());
+        for mut f in far {
+            f.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut b = [0u8; 1];
+            assert_eq!(f.read(&mut b).unwrap(), 0, "a connection left open");
+        }
     }
 }
