@@ -13,8 +13,17 @@ use kvrail::agent::{Agent, AgentConfig, Desc, RegionId, RemoteAccess, XferId, Xf
 
 use super::{cfg, collect_notifs, load, on_verbs, pattern, wait, with_secret, Host};
 
-const LEN: u64 = 2 << 20;
 const N: u64 = 12;
+
+/// Bytes per transfer: 2 MiB on TCP (at least `LANE_MIN`, 1 MiB, to spread); on verbs, where
+/// no lanes exist and rxe is slow under emulation, 256 KiB.
+fn len() -> u64 {
+    if on_verbs() {
+        256 << 10
+    } else {
+        2 << 20
+    }
+}
 
 /// Transfers `a` sent on its peers' connection `conn` so far.
 fn sent_on(a: &Agent, conn: usize) -> f64 {
@@ -35,8 +44,8 @@ fn all_at_once(d: &Agent, peer: &str, op: XferOp, (local, remote): (RegionId, Re
     let xs: Vec<XferId> = (0..N)
         .map(|k| {
             let (l, r) = (
-                Desc::new(local, k * LEN, LEN),
-                Desc::new(remote, k * LEN, LEN),
+                Desc::new(local, k * len(), len()),
+                Desc::new(remote, k * len(), len()),
             );
             let x = d.create_xfer(op, vec![l], peer, vec![r], None).unwrap();
             d.post(x).unwrap();
@@ -48,11 +57,11 @@ fn all_at_once(d: &Agent, peer: &str, op: XferOp, (local, remote): (RegionId, Re
     }
 }
 
-/// Register N * LEN bytes on both (the peer's open to READ and WRITE), load `p` at `d`, and
+/// Register N * len() bytes on both (the peer's open to READ and WRITE), load `p` at `d`, and
 /// WRITE a pattern from `d` into `p` with all N transfers in flight, checked byte for byte:
 /// the peer's name, `d`'s source region and `p`'s region.
 fn write_all_checked(p: &Agent, d: &Agent, seed: u64) -> (String, RegionId, RegionId) {
-    let total = (N * LEN) as usize;
+    let total = (N * len()) as usize;
     let remote = p.register(total, RemoteAccess::READ_WRITE, vec![]).unwrap();
     let src = d.register(total, RemoteAccess::NONE, vec![]).unwrap();
     let peer = load(d, p);
@@ -69,7 +78,7 @@ fn write_all_checked(p: &Agent, d: &Agent, seed: u64) -> (String, RegionId, Regi
 fn large_transfers_spread_over_the_connections_land_whole() {
     let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
     let d = Agent::new("decode-0", with_conns(Host::A, 3)).unwrap();
-    let total = (N * LEN) as usize;
+    let total = (N * len()) as usize;
     let (peer, src, remote) = write_all_checked(&p, &d, 31);
     let back = d.register(total, RemoteAccess::NONE, vec![]).unwrap();
     let mut got = vec![0u8; total];
@@ -95,9 +104,9 @@ fn large_transfers_spread_over_the_connections_land_whole() {
     let x = d
         .create_xfer(
             XferOp::Write,
-            vec![Desc::new(src, 0, N * LEN)],
+            vec![Desc::new(src, 0, N * len())],
             &peer,
-            vec![Desc::new(remote, 0, N * LEN)],
+            vec![Desc::new(remote, 0, N * len())],
             Some(b"landed".to_vec()),
         )
         .unwrap();
@@ -152,13 +161,13 @@ fn every_connection_proves_the_secret_and_a_dying_peer_fails_them_all() {
     // the peer goes away with large transfers in flight on every connection
     let xs: Vec<XferId> = (0..4 * N)
         .map(|k| {
-            let o = (k % N) * LEN;
+            let o = (k % N) * len();
             let x = d
                 .create_xfer(
                     XferOp::Write,
-                    vec![Desc::new(src, o, LEN)],
+                    vec![Desc::new(src, o, len())],
                     &peer,
-                    vec![Desc::new(remote, o, LEN)],
+                    vec![Desc::new(remote, o, len())],
                     None,
                 )
                 .unwrap();
@@ -180,9 +189,9 @@ fn every_connection_proves_the_secret_and_a_dying_peer_fails_them_all() {
     let x = d
         .create_xfer(
             XferOp::Write,
-            vec![Desc::new(src, 0, LEN)],
+            vec![Desc::new(src, 0, len())],
             &peer,
-            vec![Desc::new(remote, 0, LEN)],
+            vec![Desc::new(remote, 0, len())],
             None,
         )
         .unwrap();
