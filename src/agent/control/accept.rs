@@ -19,7 +19,7 @@ use mio::{Events, Interest, Poll, Token};
 use super::auth::{self, Verdict};
 use super::msg::Msg;
 use super::Shared;
-use crate::proto::frame::{self, PREFIX};
+use crate::proto::frame::PREFIX;
 
 /// How long a new connection may take to send its first message.
 pub(crate) const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -288,10 +288,8 @@ fn read_frame(shared: &Shared, p: &mut Pending) -> Result<Msg, Step> {
 
 /// Queue `m` to be written (then close, or read on).
 fn answer(p: &mut Pending, poll: &Poll, t: usize, m: &Msg, close: bool) {
-    let bytes = rmp_serde::to_vec(m)
-        .ok()
-        .and_then(|b| frame::encode(&b).ok())
-        .unwrap_or_default();
+    let mut bytes = Vec::new();
+    let _ = super::msg::encode_into(&mut bytes, m); // on an error: nothing to write
     p.out = Some((bytes, 0, close));
     let _ = poll.registry().reregister(
         &mut SourceFd(&p.s.as_raw_fd()),
@@ -302,12 +300,11 @@ fn answer(p: &mut Pending, poll: &Poll, t: usize, m: &Msg, close: bool) {
 
 /// Tell the peer why it is refused (best effort: the connection closes either way).
 fn refuse(s: &mut TcpStream, why: &str) {
-    let refuse = rmp_serde::to_vec(&Msg::Refused {
+    let mut r = Vec::new();
+    let refused = Msg::Refused {
         message: why.into(),
-    })
-    .ok()
-    .and_then(|b| frame::encode(&b).ok());
-    if let Some(r) = refuse {
+    };
+    if super::msg::encode_into(&mut r, &refused).is_ok() {
         let _ = s.write(&r);
     }
 }

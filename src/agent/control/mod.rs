@@ -129,21 +129,24 @@ impl Group {
     }
 }
 
-/// This agent's data connection to one peer: the first (control, small work and
+/// One connection's writer: its queue, and the work items it has finished (sent or
+/// failed; a drop waits while this moves).
+struct Conn {
+    tx: mpsc::Sender<Work>,
+    sent: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// This agent's data connections to one peer: the first (control, small work and
 /// notifications, in order) and, on the TCP backend, more lanes for large transfers.
 pub(crate) struct PeerConn {
-    tx: mpsc::Sender<Work>,
+    /// The first, then the lanes (`AgentConfig::tcp_conns` in all on TCP; one on verbs).
+    conns: Vec<Conn>,
     shared: Arc<Shared>,
     /// The peer's connections, closed together.
     group: Group,
-    /// Work items the writer has finished (sent or failed): a drop waits while this moves.
-    sent: Arc<std::sync::atomic::AtomicU64>,
-    /// The other connections (`AgentConfig::tcp_conns` - 1 of them on TCP; none on verbs),
-    /// in this one's group.
-    lanes: Vec<Self>,
-    /// Which connection the next large transfer takes (0: this one).
+    /// Which connection the next large transfer takes.
     turn: std::sync::atomic::AtomicUsize,
-    /// Transfers sent on each connection (this one first).
+    /// Transfers sent on each connection.
     counts: Vec<crate::metrics::Counter>,
 }
 
@@ -158,7 +161,7 @@ impl PeerConn {
         meta: &crate::agent::metadata::AgentMetadata,
     ) -> Result<Self, AgentError> {
         let group = Group::default();
-        let mut first = Self::open(shared.clone(), addr, (peer, &group), Some(meta))?;
+        let mut conns = vec![open(&shared, addr, (peer, &group), Some(meta))?];
         // lanes only where the data goes over TCP (not to a peer served by queue pairs)
         #[cfg(feature = "verbs")]
         let on_tcp =
@@ -171,8 +174,8 @@ impl PeerConn {
             0
         };
         for k in 1..=lanes {
-            match Self::open(shared.clone(), addr, (peer, &group), None) {
-                Ok(lane) => first.lanes.push(lane),
+            match open(&shared, addr, (peer, &group), None) {
+                Ok(lane) => conns.push(lane),
                 Err(e) => {
                     tracing::warn!(agent = %shared.name, %peer, error = %e,
                         "TCP connection {k} of {} not opened: large transfers use fewer",
@@ -181,114 +184,12 @@ impl PeerConn {
                 }
             }
         }
-        first.counts = shared.stats.tcp_lanes(&shared.name, first.lanes.len() + 1);
-        Ok(first)
-    }
-
-    /// One connection of `group`: attach, with the queue-pair exchange when `meta` is given
-    /// (the first).
-    fn open(
-        shared: Arc<Shared>,
-        addr: SocketAddr,
-        (peer, group): (&str, &Group),
-        meta: Option<&crate::agent::metadata::AgentMetadata>,
-    ) -> Result<Self, AgentError> {
-        let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
-            .map_err(|e| conn_err("cannot connect to the data address of", addr, e))?;
-        s.set_nodelay(true).ok();
-        let mut w = s
-            .try_clone()
-            .map_err(|e| conn_err("data connection", addr, e))?;
-        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).ok();
-        let rs = s
-            .try_clone()
-            .map_err(|e| conn_err("data connection", addr, e))?;
-        let mut reader = Reader::new(rs);
-        if let Some(k) = &shared.config.cluster_secret {
-            auth::prove(k, &mut w, &mut reader, addr)?;
-        }
-        send(
-            &mut w,
-            &Msg::Attach {
-                info: shared.handshake.clone(),
-            },
-        )
-        .map_err(|e| conn_err("attach to", addr, e))?;
-        expect_reply(
-            &mut reader,
-            addr,
-            "attach to",
-            "peer refused us at",
-            |m| match m {
-                Msg::Attached => Ok(()),
-                m => Err(m),
-            },
-        )?;
-        #[cfg(feature = "verbs")]
-        if let Some(meta) = meta {
-            crate::agent::verbs::exchange::open_qps(
-                &shared,
-                &mut w,
-                &mut reader,
-                (addr, peer),
-                meta,
-            )?;
-        }
-        #[cfg(not(feature = "verbs"))]
-        let _ = meta;
-        s.set_read_timeout(None).ok();
-        let (tx, rx) = mpsc::channel::<Work>();
-        let name = peer.to_owned();
-        let sd = s
-            .try_clone()
-            .map_err(|e| conn_err("data connection", addr, e))?;
-        lock(&group.socks).push(sd);
-        if !group.is_open() {
-            // a connection of the group ended while this one attached
-            let _ = s.shutdown(NetShutdown::Both);
-        }
-        {
-            let shared = shared.clone();
-            let tx = tx.clone();
-            let name = name.clone();
-            let group = group.clone();
-            std::thread::Builder::new()
-                .name(format!("kvrail-rd-{name}"))
-                .spawn(move || {
-                    let _span =
-                        tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
-                    let why = initiator_reader(&shared, reader, &tx, &name);
-                    // Nothing will answer on this connection again: stop the group both ways,
-                    // so the writers fail (and fail what is queued) instead of sending into
-                    // half-open sockets whose answers nobody reads; then fail what is in
-                    // flight.
-                    group.close();
-                    shared.fail_peer(&name, &why);
-                })
-                .map_err(|e| conn_err("thread for", addr, e))?;
-        }
-        let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        {
-            let shared = shared.clone();
-            let sent = sent.clone();
-            let group = group.clone();
-            std::thread::Builder::new()
-                .name(format!("kvrail-wr-{name}"))
-                .spawn(move || {
-                    let _span =
-                        tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
-                    writer(&shared, w, rx, &name, (&sent, &group));
-                })
-                .map_err(|e| conn_err("thread for", addr, e))?;
-        }
         Ok(Self {
-            tx,
+            counts: shared.stats.tcp_lanes(&shared.name, conns.len()),
+            conns,
             shared,
-            group: group.clone(),
-            sent,
-            lanes: Vec::new(),
+            group,
             turn: std::sync::atomic::AtomicUsize::new(0),
-            counts: Vec::new(),
         })
     }
 
@@ -297,34 +198,32 @@ impl PeerConn {
     /// whether the peer's connections are open.
     pub(crate) fn sender_for(&self, bytes: u64, notif: bool) -> (mpsc::Sender<Work>, bool) {
         let mut k = 0;
-        if !self.lanes.is_empty() && bytes >= LANE_MIN && !notif {
-            k = self.turn.fetch_add(1, Ordering::Relaxed) % (self.lanes.len() + 1);
+        if self.conns.len() > 1 && bytes >= LANE_MIN && !notif {
+            k = self.turn.fetch_add(1, Ordering::Relaxed) % self.conns.len();
         }
         if let Some(c) = self.counts.get(k) {
             c.inc();
         }
-        let conn = if k == 0 { self } else { &self.lanes[k - 1] };
-        (conn.tx.clone(), self.is_open())
+        (self.conns[k].tx.clone(), self.is_open())
     }
 
     /// Every connection's writer queue and progress count (the first's first).
     pub(crate) fn writers(&self) -> Vec<(mpsc::Sender<Work>, Arc<std::sync::atomic::AtomicU64>)> {
-        std::iter::once(self)
-            .chain(&self.lanes)
+        (self.conns.iter())
             .map(|c| (c.tx.clone(), c.sent.clone()))
             .collect()
     }
 
     pub(crate) fn submit(&self, w: Work) {
-        if let Err(mpsc::SendError(Work::Xfer { id, .. })) = self.tx.send(w) {
+        if let Err(mpsc::SendError(Work::Xfer { id, .. })) = self.conns[0].tx.send(w) {
             self.shared.finish(id, Err(XferError::Closed));
         }
     }
 
-    /// Queue work for the writer; false when the connection is closed.
+    /// Queue work for the first connection's writer; false when it is closed.
     #[cfg(feature = "verbs")]
     pub(crate) fn try_submit(&self, w: Work) -> bool {
-        self.tx.send(w).is_ok()
+        self.conns[0].tx.send(w).is_ok()
     }
 
     /// False once the peer's connections closed.
@@ -338,6 +237,99 @@ impl PeerConn {
     pub(crate) fn close(&self) {
         self.group.close();
     }
+}
+
+/// One connection of `group` to `peer`: attach, with the queue-pair exchange when `meta` is
+/// given (the first), and start its reader and writer threads.
+fn open(
+    shared: &Arc<Shared>,
+    addr: SocketAddr,
+    (peer, group): (&str, &Group),
+    meta: Option<&crate::agent::metadata::AgentMetadata>,
+) -> Result<Conn, AgentError> {
+    let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+        .map_err(|e| conn_err("cannot connect to the data address of", addr, e))?;
+    s.set_nodelay(true).ok();
+    let mut w = s
+        .try_clone()
+        .map_err(|e| conn_err("data connection", addr, e))?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).ok();
+    let rs = s
+        .try_clone()
+        .map_err(|e| conn_err("data connection", addr, e))?;
+    let mut reader = Reader::new(rs);
+    if let Some(k) = &shared.config.cluster_secret {
+        auth::prove(k, &mut w, &mut reader, addr)?;
+    }
+    send(
+        &mut w,
+        &Msg::Attach {
+            info: shared.handshake.clone(),
+        },
+    )
+    .map_err(|e| conn_err("attach to", addr, e))?;
+    expect_reply(
+        &mut reader,
+        addr,
+        "attach to",
+        "peer refused us at",
+        |m| match m {
+            Msg::Attached => Ok(()),
+            m => Err(m),
+        },
+    )?;
+    #[cfg(feature = "verbs")]
+    if let Some(meta) = meta {
+        crate::agent::verbs::exchange::open_qps(shared, &mut w, &mut reader, (addr, peer), meta)?;
+    }
+    #[cfg(not(feature = "verbs"))]
+    let _ = meta;
+    s.set_read_timeout(None).ok();
+    let (tx, rx) = mpsc::channel::<Work>();
+    let name = peer.to_owned();
+    let sd = s
+        .try_clone()
+        .map_err(|e| conn_err("data connection", addr, e))?;
+    lock(&group.socks).push(sd);
+    if !group.is_open() {
+        // a connection of the group ended while this one attached
+        let _ = s.shutdown(NetShutdown::Both);
+    }
+    {
+        let shared = shared.clone();
+        let tx = tx.clone();
+        let name = name.clone();
+        let group = group.clone();
+        std::thread::Builder::new()
+            .name(format!("kvrail-rd-{name}"))
+            .spawn(move || {
+                let _span =
+                    tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
+                let why = initiator_reader(&shared, reader, &tx, &name);
+                // Nothing will answer on this connection again: stop the group both ways,
+                // so the writers fail (and fail what is queued) instead of sending into
+                // half-open sockets whose answers nobody reads; then fail what is in
+                // flight.
+                group.close();
+                shared.fail_peer(&name, &why);
+            })
+            .map_err(|e| conn_err("thread for", addr, e))?;
+    }
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    {
+        let shared = shared.clone();
+        let sent = sent.clone();
+        let group = group.clone();
+        std::thread::Builder::new()
+            .name(format!("kvrail-wr-{name}"))
+            .spawn(move || {
+                let _span =
+                    tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
+                writer(&shared, w, rx, &name, (&sent, &group));
+            })
+            .map_err(|e| conn_err("thread for", addr, e))?;
+    }
+    Ok(Conn { tx, sent })
 }
 
 /// The peer's answer to one step of the attach handshake: `want` takes the expected
@@ -369,7 +361,7 @@ fn writer(
     (sent, group): (&std::sync::atomic::AtomicU64, &Group),
 ) {
     let mut batch = super::tcp_batch::Batch::default();
-    let fail = |_: &TcpStream, e: std::io::Error| {
+    let fail = |e: std::io::Error| {
         group.close();
         shared.fail_peer(peer, &format!("send failed: {e}"));
     };
@@ -381,7 +373,7 @@ fn writer(
                 Ok(work) => Some(work),
                 Err(e) => {
                     if let Err(e) = batch.send(shared, &w) {
-                        return fail(&w, e);
+                        return fail(e);
                     }
                     if e == mpsc::TryRecvError::Disconnected {
                         return;
@@ -396,17 +388,17 @@ fn writer(
                 sent.fetch_add(1, Ordering::Release);
                 if batch.full() {
                     if let Err(e) = batch.send(shared, &w) {
-                        return fail(&w, e);
+                        return fail(e);
                     }
                 }
                 continue;
             }
             Ok(Some(work)) => work,
-            Err(e) => return fail(&w, e),
+            Err(e) => return fail(e),
         };
         if !batch.is_empty() {
             if let Err(e) = batch.send(shared, &w) {
-                return fail(&w, e);
+                return fail(e);
             }
         }
         let res = match work {
@@ -438,7 +430,7 @@ fn writer(
         };
         sent.fetch_add(1, Ordering::Release);
         if let Err(e) = res {
-            return fail(&w, e);
+            return fail(e);
         }
     }
 }
