@@ -5,7 +5,9 @@ the real NIXL running the NIXL-API program's benchmark (UCX with UCX_TLS=tcp), M
 Transfer Engine (protocol tcp, P2PHANDSHAKE, two processes: tests/mooncake_bench.py) and
 iperf3 (one stream, its largest writes: 1 MiB). WRITE and READ at 64 KiB, 1 MiB and 8 MiB, 8 in flight;
 then small transfers (4 KiB, 32 in flight) per second. Prints each round, then a table with
-the medians and the ratios kvrail / Mooncake, kvrail / iperf3 and kvrail.nixl / NIXL.
+the medians and the ratios kvrail / Mooncake, kvrail / iperf3 and kvrail.nixl / NIXL, and the
+socket floor at 8 MiB (socket_floor.py: a plain loop, no engine, 8 MiB messages between
+distinct buffers: kvrail-perf's 8 of them a side, and one) next to iperf3 and kvrail.
 
     python/bench-peers.py [--rounds 3] [--secs 2]
 
@@ -30,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PERF = os.path.join(ROOT, "target", "release", "kvrail-perf")
 MC = os.path.join(HERE, "tests", "mooncake_bench.py")
+FLOOR = os.path.join(HERE, "socket_floor.py")
 SIZES = [64 << 10, 1 << 20, 8 << 20]
 DEPTH = 8
 
@@ -51,8 +54,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def kvrail_perf(op, size, depth, secs):
-    """kvrail-perf client against its own server (TCP); (MB/s, transfers/s)."""
+def kvrail_perf(op, size, depth, secs, extra=()):
+    """kvrail-perf client against its own server (TCP), `extra` client arguments; (MB/s,
+    transfers/s)."""
     port = free_port()
     srv = subprocess.Popen([PERF, "--server", "-p", str(port), "--listen", f"127.0.0.1:{port}",
                             "--transport", "tcp", "--quiet"],
@@ -62,7 +66,7 @@ def kvrail_perf(op, size, depth, secs):
             for _ in range(50):  # the server may not listen yet
                 r = subprocess.run([PERF, "127.0.0.1", "-p", str(port), "--transport", "tcp",
                                     "--op", op.lower(), "-s", str(size), "-t", str(depth),
-                                    "-D", str(secs), "--quiet", "--out_json_file", f.name],
+                                    "-D", str(secs), "--quiet", "--out_json_file", f.name, *extra],
                                    capture_output=True, text=True, timeout=600)
                 if r.returncode == 0:
                     break
@@ -156,6 +160,25 @@ def iperf3(secs):
     return None
 
 
+def socket_floor(size, slots, secs):
+    """A plain socket loop's MB/s moving `size`-byte messages between `slots` distinct buffers a
+    side (socket_floor.py, two processes): what one TCP stream gives before any engine."""
+    port = free_port()
+    rcv = subprocess.Popen([sys.executable, FLOOR, "recv", str(port), str(size), str(slots)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        if rcv.stdout.readline().strip() != "LISTEN":
+            sys.exit("socket_floor.py recv did not start")
+        out = run([sys.executable, FLOOR, "send", str(port), str(size), str(slots), str(secs)])
+    finally:
+        try:
+            rcv.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            rcv.kill()
+            rcv.wait()
+    return float(out.split()[1])
+
+
 def mooncake_python(path):
     py = os.path.join(path, "bin", "python")
     if not os.path.exists(py):
@@ -182,18 +205,22 @@ def main():
         sys.exit(f"{PERF} missing: cargo build --release -p kvrail-tools")
     mc_py = mooncake_python(a.mooncake_venv)
     cases = [(op, s) for op in ("WRITE", "READ") for s in SIZES]
-    runs = {k: [] for k in ("kvrail", "kvrail.nixl", "NIXL", "Mooncake", "iperf3", "small")}
+    runs = {k: [] for k in ("kvrail", "kvrail.nixl", "NIXL", "Mooncake", "iperf3", "small", "floor", "floor1", "kv1")}
     for k in range(a.rounds):
         runs["kvrail"].append({c: kvrail_perf(c[0], c[1], DEPTH, a.secs)[0] for c in cases})
         runs["NIXL"].append(bench_nixl.once(a.nixl_python, "nixl", a.secs))
         runs["Mooncake"].append({c: mooncake(mc_py, c[0], c[1], a.secs) for c in cases})
         runs["kvrail.nixl"].append(bench_nixl.once(a.kvrail_python, "kvrail", a.secs))
         runs["iperf3"].append(iperf3(a.secs))
+        runs["floor"].append(socket_floor(8 << 20, DEPTH, a.secs))  # kvrail-perf's slots
+        runs["floor1"].append(socket_floor(8 << 20, 1, a.secs))
+        runs["kv1"].append(kvrail_perf("WRITE", 8 << 20, DEPTH, a.secs, ["--slots", "1"])[0])
         runs["small"].append(kvrail_perf("WRITE", 4096, 32, a.secs)[1])
         r = {n: runs[n][-1] for n in ("kvrail", "Mooncake")}
         print(f"round {k + 1}: kvrail/Mooncake " + "  ".join(
             f"{op} {s >> 10} KiB {r['kvrail'][(op, s)] / r['Mooncake'][(op, s)]:.2f}x" for op, s in cases)
-            + f"; iperf3 {fmt(runs['iperf3'][-1])} MB/s; 4 KiB x32: {runs['small'][-1]:.0f}/s", flush=True)
+            + f"; iperf3 {fmt(runs['iperf3'][-1])} MB/s; socket floor 8 MiB x{DEPTH} {runs['floor'][-1]:.0f}, "
+            f"x1 {runs['floor1'][-1]:.0f} MB/s; 4 KiB x32: {runs['small'][-1]:.0f}/s", flush=True)
     med = lambda name, c: statistics.median(r[c] for r in runs[name])
     print(f"\nTCP loopback, {DEPTH} in flight, medians of {a.rounds} interleaved round(s), MB/s:\n")
     print("| op | size | kvrail-perf | kvrail.nixl | NIXL (UCX tcp) | Mooncake (tcp) | iperf3 | kvrail / Mooncake | kvrail.nixl / NIXL | kvrail / iperf3 |")
@@ -205,6 +232,13 @@ def main():
         big = s == 8 << 20 and op == "WRITE"
         print(f"| {op} | {s >> 10} KiB | {kv:.0f} | {kn:.0f} | {nx:.0f} | {mc:.0f} | "
               f"{fmt(ip) if big else ''} | {kv / mc:.2f} | {kn / nx:.2f} | {fmt(ip and kv / ip, 2) if big else ''} |")
+    fl, fl1 = statistics.median(runs["floor"]), statistics.median(runs["floor1"])
+    kv8, kv1 = med("kvrail", ("WRITE", 8 << 20)), statistics.median(runs["kv1"])
+    print(f"\nsocket floor at 8 MiB (python/socket_floor.py: a plain loop, no engine, medians): "
+          f"{DEPTH} distinct buffers a side as kvrail-perf's slots {fl:.0f} MB/s ({fmt(ip and fl / ip, 2)}x iperf3), "
+          f"one buffer a side {fl1:.0f} MB/s ({fmt(ip and fl1 / ip, 2)}x iperf3); "
+          f"kvrail-perf WRITE 8 MiB / the floor of its footprint: {kv8 / fl:.2f}; with one buffer a side "
+          f"(--slots 1) {kv1:.0f} MB/s, {kv1 / fl1:.2f} of that floor, {fmt(ip and kv1 / ip, 2)}x iperf3")
     print(f"\nsmall transfers (4 KiB WRITE, 32 in flight, kvrail-perf TCP): "
           f"{statistics.median(runs['small']):.0f} per second (median)")
 

@@ -11,9 +11,12 @@
 #                fastest 64 B round trip here: no goal, for scale), and the floors under the
 #                agent's figure (kvrail-verbs-lat, no goal): the verbs layer's plain SENDs
 #                and the notification channel's framing on them
+#   scale        64 KiB WRITE -t 32, rows without a goal: ib_write_bw run a second time in the
+#                round against its first run (A/A: how far one tool moves between two runs
+#                here), and kvrail's verbs layer alone (kvrail-verbs-bw) against ib_write_bw
 # Prints every round, then the medians, ratios and whether each goal held; JSON to
 # $BENCH_JSON (default target/bench-goals.json). Under TCG runs vary ±30 %: only the medians
-# of one run mean anything. ~4 min with ROUNDS=3.
+# of one run mean anything. ~4.5 min with ROUNDS=3.
 #   ROUNDS (3)  BENCH_MB (100: MiB moved per bandwidth run)  BENCH_SPIN_US (2000)
 set -u
 BENCH_NAME=bench-goals
@@ -38,6 +41,13 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
             k=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n" --spin-us "$SPIN"); put "kv_${op}_$size" "$k"
             put "r_${op}_$size" "$(ratio "$k" "$p")"
             line+=" $op $size pt $p kv $k |"
+            if [ "$op$size" = write65536 ]; then   # for scale: A/A, and the verbs layer alone
+                p2=$(perftest_one write 0 65536 32 "$n"); put pt2_65536 "$p2"
+                put raa_65536 "$(ratio "$p2" "$p")"
+                v=$(verbs_bw write 65536 32 "$n"); put vb_65536 "$v"
+                put rvb_65536 "$(ratio "$v" "$p")"
+                line+=" (pt again $p2, verbs layer $v) |"
+            fi
         done
     done
     n=$(iters 262144)
@@ -80,6 +90,8 @@ for op in write read; do
         row "$op $size -t 32 vs ib_${op}_bw -t 32" "pt_${op}_$size" "kv_${op}_$size" "r_${op}_$size" 0.97 min
     done
 done
+row "write 65536 -t 32: ib_write_bw again (A/A)" pt_write_65536 pt2_65536 raa_65536 - info
+row "write 65536 -t 32: verbs layer vs ib_write_bw" pt_write_65536 vb_65536 rvb_65536 - info
 row "write 262144 -t 1 vs ib_write_bw -t 32" pt_write_262144 t1_262144 rt1_262144 0.9 min
 row "write 1048576 -t 1 vs ib_write_bw -t 32" pt_write_1048576 t1_1048576 rt1_1048576 0.9 min
 row "write 65536 -t 1 vs ib_write_bw -t 1" pt1_65536 t1_65536 rt1_65536 0.9 min

@@ -143,6 +143,16 @@ kvrail() {
     avg_of "$T/kv"
 }
 
+# kvrail's verbs layer alone (kvrail-verbs-bw: both queue pairs in one process, no agent) on
+# rail 0: op $1, size $2, depth $3, iterations $4 → MB/s; the run must have checked its data
+verbs_bw() {
+    local bin=${PERF%/*}/kvrail-verbs-bw
+    "$bin" --dev-a "${A[0]}" --dev-b "${B[0]}" --op "$1" -s "$2" -t "$3" -n "$4" > "$T/vb" 2> "$T/vb.err" \
+        || { cat "$T/vb" "$T/vb.err" >&2; die "kvrail-verbs-bw failed"; }
+    grep -q '^# data check' "$T/vb" || die "kvrail-verbs-bw did not check its data"
+    avg_of "$T/vb"
+}
+
 # 64 B latency on rail 0, t_typical in us (perftest's column): ib_send_lat with $1 iterations
 send_lat() {
     local port; port=$(next_port)
