@@ -127,7 +127,8 @@ pub(crate) struct Shared {
     config: AgentConfig,
     addr: SocketAddr,
     handshake: HandshakeInfo,
-    regions: Mutex<HashMap<u32, Arc<Region>>>,
+    /// Registered regions by id (ids this agent hands out, so hashed as its own integers).
+    regions: Mutex<IdMap<u32, Arc<Region>>>,
     next_region: Mutex<u32>,
     peers: Mutex<HashMap<String, Peer>>,
     xfers: Mutex<table::XferTable<Arc<Region>>>,
@@ -307,7 +308,7 @@ impl Agent {
             config,
             addr,
             handshake,
-            regions: Mutex::new(HashMap::new()),
+            regions: Mutex::new(IdMap::default()),
             next_region: Mutex::new(1),
             peers: Mutex::new(HashMap::new()),
             xfers: Mutex::new(table::XferTable::default()),

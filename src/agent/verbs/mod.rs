@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
+use smallvec::SmallVec;
 
 pub(crate) mod exchange;
 mod notif;
@@ -607,7 +608,7 @@ impl Verbs {
                 "no working queue pair to {peer}"
             )));
         }
-        let descs: Vec<DescPair> = local
+        let descs: SmallVec<[DescPair; 4]> = local
             .iter()
             .zip(remote)
             .map(|((_, l), r)| DescPair {
@@ -777,10 +778,11 @@ impl Verbs {
     /// [`Verbs::pump`]; with `in_place`, a chunk is posted by this thread when the rail's
     /// poster has nothing queued (see [`poster`]).
     fn pump_with(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), in_place: bool) {
+        let rail = key.1;
+        let Some(q) = e.pairs.get_mut(key) else {
+            return;
+        };
         loop {
-            let Some(q) = e.pairs.get_mut(key) else {
-                return;
-            };
             if q.dead.is_some() || q.queue.is_empty() {
                 return;
             }
@@ -795,22 +797,28 @@ impl Verbs {
                 .take(CHUNK.min(room))
                 .take_while(|p| p.xfer == xfer)
                 .count();
-            let chunk: Vec<Pending> = q.queue.drain(..n).collect();
             q.in_flight += n;
-            let c = poster::Chunk {
-                key: key.clone(),
-                qp: q.qp.clone(),
-                xfer,
-                slices: chunk,
-            };
-            let rail = key.1;
             if in_place && self.posters.queued[rail].load(Ordering::Acquire) == 0 {
-                if let Err(msg) = self.post_chunks(rail, std::slice::from_ref(&c)) {
+                // posted from here: no chunk (and no copy of the pair's key) to build
+                let slices: SmallVec<[Pending; 2]> = q.queue.drain(..n).collect();
+                if let Err(msg) = self.post_slices(rail, &q.qp, xfer, &slices) {
+                    let c = poster::Chunk {
+                        key: key.clone(),
+                        qp: q.qp.clone(),
+                        xfer,
+                        slices: slices.into_vec(),
+                    };
                     self.post_failed(shared, e, &c, &msg);
                     return;
                 }
                 continue;
             }
+            let c = poster::Chunk {
+                key: key.clone(),
+                qp: q.qp.clone(),
+                xfer,
+                slices: q.queue.drain(..n).collect(),
+            };
             self.posters.queued[rail].fetch_add(1, Ordering::AcqRel);
             if self.posters.tx[rail].send(poster::Job::Post(c)).is_err() {
                 return; // the poster stopped: the agent is shutting down

@@ -15,7 +15,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
-use super::{lock, Engine, Pending, Verbs, CHUNK};
+use smallvec::SmallVec;
+
+use super::{lock, Engine, Pending, Verbs};
 use crate::agent::{AgentError, Shared, XferOp};
 use crate::transport::verbs::{Qp, SendWr, Sge};
 
@@ -134,29 +136,52 @@ impl Verbs {
 
     /// Build the work requests of `run` (chunks for one queue pair) and post them.
     pub(super) fn post_chunks(&self, rail: usize, run: &[Chunk]) -> Result<(), String> {
-        let mut wrs: Vec<SendWr<'_>> = Vec::with_capacity(run.len() * CHUNK);
+        // as many requests as slices: a list sized for full chunks (64 each) took glibc's
+        // large-allocation path, and its consolidation, on every post
+        let mut wrs: Vec<SendWr<'_>> = Vec::with_capacity(run.iter().map(|c| c.slices.len()).sum());
         for c in run {
-            let (xfer, n) = (c.xfer, c.slices.len());
-            for (i, p) in c.slices.iter().enumerate() {
-                let mr = &p.region.mrs[rail];
-                let sge = Sge::new(mr, p.local_off as usize, p.len as usize);
-                let wr = match p.op {
-                    XferOp::Write => SendWr::write(0, sge, p.remote, p.remote_off),
-                    XferOp::Read => SendWr::read(0, sge, p.remote, p.remote_off),
-                };
-                wrs.push(if i + 1 == n {
-                    SendWr {
-                        wr_id: (xfer << 16) | n as u64,
-                        ..wr
-                    }
-                } else {
-                    wr.unsignaled()
-                });
-            }
+            push_wrs(&mut wrs, rail, c.xfer, &c.slices);
         }
-        run[0]
-            .qp
-            .post_send(&wrs)
+        self.post_wrs(rail, &run[0].qp, &wrs)
+    }
+
+    /// Post the slices of transfer `xfer` on `qp` (the caller's thread, in place).
+    pub(super) fn post_slices(
+        &self,
+        rail: usize,
+        qp: &Qp,
+        xfer: u64,
+        slices: &[Pending],
+    ) -> Result<(), String> {
+        let mut wrs: SmallVec<[SendWr<'_>; 2]> = SmallVec::with_capacity(slices.len());
+        push_wrs(&mut wrs, rail, xfer, slices);
+        self.post_wrs(rail, qp, &wrs)
+    }
+
+    fn post_wrs(&self, rail: usize, qp: &Qp, wrs: &[SendWr<'_>]) -> Result<(), String> {
+        qp.post_send(wrs)
             .map_err(|err| format!("posting on {}: {err}", self.rails[rail].name))
     }
+}
+
+/// The work requests of one transfer's slices on `rail`, the last one signaled (its
+/// completion carries the transfer and the slice count).
+fn push_wrs<'a>(wrs: &mut impl Extend<SendWr<'a>>, rail: usize, xfer: u64, slices: &'a [Pending]) {
+    let n = slices.len();
+    wrs.extend(slices.iter().enumerate().map(|(i, p)| {
+        let mr = &p.region.mrs[rail];
+        let sge = Sge::new(mr, p.local_off as usize, p.len as usize);
+        let wr = match p.op {
+            XferOp::Write => SendWr::write(0, sge, p.remote, p.remote_off),
+            XferOp::Read => SendWr::read(0, sge, p.remote, p.remote_off),
+        };
+        if i + 1 == n {
+            SendWr {
+                wr_id: (xfer << 16) | n as u64,
+                ..wr
+            }
+        } else {
+            wr.unsignaled()
+        }
+    }));
 }
