@@ -54,6 +54,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+def reap(proc):
+    """Wait for a server process to end on its own (30 s), else kill it."""
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def kvrail_perf(op, size, depth, secs, extra=()):
     """kvrail-perf client against its own server (TCP), `extra` client arguments; (MB/s,
     transfers/s)."""
@@ -75,11 +84,7 @@ def kvrail_perf(op, size, depth, secs, extra=()):
                 sys.exit(f"kvrail-perf {op} {size} failed:\n{r.stdout}\n{r.stderr}")
             res = json.load(open(f.name))["results"]
     finally:
-        try:
-            srv.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-            srv.wait()
+        reap(srv)
     rate = res["MsgRate"] * 1e6
     return rate * size / 1e6, rate
 
@@ -171,11 +176,7 @@ def socket_floor(size, slots, secs):
             sys.exit("socket_floor.py recv did not start")
         out = run([sys.executable, FLOOR, "send", str(port), str(size), str(slots), str(secs)])
     finally:
-        try:
-            rcv.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            rcv.kill()
-            rcv.wait()
+        reap(rcv)
     return float(out.split()[1])
 
 
