@@ -5,7 +5,8 @@ around it, moves between distinct buffers, as `bench-peers.py` measures kvrail-p
 The sender sends SIZE-byte messages, each a 16-byte header (slot, length) and the payload
 straight from its slot's buffer, taking SLOTS buffers in turn; the receiver reads each
 payload straight into its own buffer of that slot (`recv_into`). No acknowledgements, no
-notifications, no copy of the program's own: the kernel's copies only, as iperf3's. With
+notifications, no copy of the program's own: the kernel's copies only, as iperf3's (and,
+as iperf3, it does not check the bytes; a header naming no slot ends it). With
 SLOTS × SIZE larger than the caches (kvrail-perf's 8 in flight of 8 MiB: 64 MiB a side)
 every byte is read and written in memory that is not in cache, which iperf3, sending one
 1 MiB buffer again and again into one 1 MiB buffer, never does.
