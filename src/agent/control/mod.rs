@@ -286,7 +286,6 @@ fn open(
     let _ = meta;
     s.set_read_timeout(None).ok();
     let (tx, rx) = mpsc::channel::<Work>();
-    let name = peer.to_owned();
     let sd = s
         .try_clone()
         .map_err(|e| conn_err("data connection", addr, e))?;
@@ -295,41 +294,40 @@ fn open(
         // a connection of the group ended while this one attached
         let _ = s.shutdown(NetShutdown::Both);
     }
-    {
-        let shared = shared.clone();
-        let tx = tx.clone();
-        let name = name.clone();
-        let group = group.clone();
-        std::thread::Builder::new()
-            .name(format!("kvrail-rd-{name}"))
-            .spawn(move || {
-                let _span =
-                    tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
-                let why = initiator_reader(&shared, reader, &tx, &name);
-                // Nothing will answer on this connection again: stop the group both ways,
-                // so the writers fail (and fail what is queued) instead of sending into
-                // half-open sockets whose answers nobody reads; then fail what is in
-                // flight.
-                group.close();
-                shared.fail_peer(&name, &why);
-            })
-            .map_err(|e| conn_err("thread for", addr, e))?;
-    }
+    let (sh, tx2, g) = (shared.clone(), tx.clone(), group.clone());
+    spawn_for(shared, ("rd", peer), addr, move |name| {
+        let why = initiator_reader(&sh, reader, &tx2, name);
+        // Nothing will answer on this connection again: stop the group both ways, so the
+        // writers fail (and fail what is queued) instead of sending into half-open sockets
+        // whose answers nobody reads; then fail what is in flight.
+        g.close();
+        sh.fail_peer(name, &why);
+    })?;
     let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    {
-        let shared = shared.clone();
-        let sent = sent.clone();
-        let group = group.clone();
-        std::thread::Builder::new()
-            .name(format!("kvrail-wr-{name}"))
-            .spawn(move || {
-                let _span =
-                    tracing::info_span!("peer", agent = %shared.name, peer = %name).entered();
-                writer(&shared, w, rx, &name, (&sent, &group));
-            })
-            .map_err(|e| conn_err("thread for", addr, e))?;
-    }
+    let (sh, sent2, g) = (shared.clone(), sent.clone(), group.clone());
+    spawn_for(shared, ("wr", peer), addr, move |name| {
+        writer(&sh, w, rx, name, (&sent2, &g));
+    })?;
     Ok(Conn { tx, sent })
+}
+
+/// Start a connection's `kind` thread ("rd", "wr") for `peer`, named after both and inside
+/// the peer's tracing span; `run` gets the peer's name.
+fn spawn_for(
+    shared: &Shared,
+    (kind, peer): (&str, &str),
+    addr: SocketAddr,
+    run: impl FnOnce(&str) + Send + 'static,
+) -> Result<(), AgentError> {
+    let (agent, name) = (shared.name.clone(), peer.to_owned());
+    std::thread::Builder::new()
+        .name(format!("kvrail-{kind}-{name}"))
+        .spawn(move || {
+            let _span = tracing::info_span!("peer", agent = %agent, peer = %name).entered();
+            run(&name);
+        })
+        .map(drop)
+        .map_err(|e| conn_err("thread for", addr, e))
 }
 
 /// The peer's answer to one step of the attach handshake: `want` takes the expected
