@@ -649,12 +649,27 @@ impl Verbs {
         // The only transfer in flight, on one rail: post in place (one thread hand-off less,
         // which is what a lone transfer waits on). So too on one rail when callers poll
         // (agent::spin): the thread that polls posts, as perftest's does. Otherwise the
-        // posters move the rails in parallel, and nothing holds the engine lock through a
-        // post.
+        // posters move the rails in parallel. Either way nothing holds the engine lock
+        // through a post: rxe does the packet work inside `ibv_post_send`, and the progress
+        // thread slept on the lock for the whole of it (a futex wait and a switch a transfer).
         let in_place = plan.rails_used().len() == 1 && (e.runs.len() == 1 || !self.spin.is_zero());
+        let mut mine: SmallVec<[poster::InPlace; 1]> = SmallVec::new();
         for r in 0..self.rails.len() {
             key.1 = r;
-            self.pump_with(shared, &mut e, &key, in_place);
+            self.pump_with(&mut e, &key, in_place.then_some(&mut mine));
+        }
+        drop(e);
+        for c in mine {
+            if let Err(msg) = self.post_slices(c.rail, &c.qp, c.xfer, &c.slices) {
+                key.1 = c.rail;
+                let c = poster::Chunk {
+                    key: key.clone(),
+                    qp: c.qp,
+                    xfer: c.xfer,
+                    slices: c.slices.into_vec(),
+                };
+                self.post_failed(shared, &mut lock(&self.engine), &c, &msg);
+            }
         }
         Ok(())
     }
@@ -765,19 +780,25 @@ impl Verbs {
             .cloned()
             .collect();
         for k in keys {
-            self.pump(shared, e, &k);
+            self.pump(e, &k);
         }
     }
 
     /// Hand queued slices of one pair to its rail's poster while its send queue has room, in
     /// chunks of one transfer each (the last request of a chunk signaled).
-    fn pump(&self, shared: &Shared, e: &mut Engine, key: &(String, usize)) {
-        self.pump_with(shared, e, key, false);
+    fn pump(&self, e: &mut Engine, key: &(String, usize)) {
+        self.pump_with(e, key, None);
     }
 
-    /// [`Verbs::pump`]; with `in_place`, a chunk is posted by this thread when the rail's
-    /// poster has nothing queued (see [`poster`]).
-    fn pump_with(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), in_place: bool) {
+    /// [`Verbs::pump`]; with `in_place`, a chunk the rail's poster has nothing queued before
+    /// goes there instead, for this thread to post once it let go of the engine lock (see
+    /// [`poster`]).
+    fn pump_with(
+        &self,
+        e: &mut Engine,
+        key: &(String, usize),
+        mut in_place: Option<&mut SmallVec<[poster::InPlace; 1]>>,
+    ) {
         let rail = key.1;
         let Some(q) = e.pairs.get_mut(key) else {
             return;
@@ -798,20 +819,17 @@ impl Verbs {
                 .take_while(|p| p.xfer == xfer)
                 .count();
             q.in_flight += n;
-            if in_place && self.posters.queued[rail].load(Ordering::Acquire) == 0 {
-                // posted from here: no chunk (and no copy of the pair's key) to build
-                let slices: SmallVec<[Pending; 2]> = q.queue.drain(..n).collect();
-                if let Err(msg) = self.post_slices(rail, &q.qp, xfer, &slices) {
-                    let c = poster::Chunk {
-                        key: key.clone(),
+            if let Some(mine) = in_place.as_deref_mut() {
+                if self.posters.queued[rail].load(Ordering::Acquire) == 0 {
+                    // posted by the caller: no chunk (and no copy of the pair's key) to build
+                    mine.push(poster::InPlace {
+                        rail,
                         qp: q.qp.clone(),
                         xfer,
-                        slices: slices.into_vec(),
-                    };
-                    self.post_failed(shared, e, &c, &msg);
-                    return;
+                        slices: q.queue.drain(..n).collect(),
+                    });
+                    continue;
                 }
-                continue;
             }
             let c = poster::Chunk {
                 key: key.clone(),
@@ -926,7 +944,7 @@ impl Verbs {
             }
             shared.finish(xfer, Ok(()));
         }
-        self.pump(shared, e, &key);
+        self.pump(e, &key);
     }
 
     /// The progress thread: sleep on the rails' completion channels; dispatch completions.

@@ -10,7 +10,10 @@
 //!
 //! The only transfer in flight, on one rail, posted while that rail's poster has nothing
 //! queued, is posted in place by the caller instead: one thread hand-off less per transfer,
-//! which is what a single transfer in flight waits on.
+//! which is what a single transfer in flight waits on. The caller posts it after letting go
+//! of the engine lock, so a chunk queued to the poster meanwhile may reach the device first;
+//! nothing relies on the order across transfers (each chunk's completion names its
+//! transfer and its slice count).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -30,6 +33,14 @@ pub(super) struct Chunk {
     pub(super) slices: Vec<Pending>,
 }
 
+/// Slices of one transfer the caller posts itself, after it let go of the engine lock.
+pub(super) struct InPlace {
+    pub(super) rail: usize,
+    pub(super) qp: Qp,
+    pub(super) xfer: u64,
+    pub(super) slices: SmallVec<[Pending; 2]>,
+}
+
 /// Work for a rail's poster.
 pub(super) enum Job {
     /// Post a chunk.
@@ -43,7 +54,8 @@ pub(super) struct Posters {
     pub(super) tx: Vec<mpsc::Sender<Job>>,
     /// Chunks handed to each poster and not yet posted. Raised under the engine lock,
     /// lowered by the poster after posting: zero, seen under the engine lock, means every
-    /// chunk queued so far is on the wire, so posting in place keeps queue order.
+    /// chunk queued so far is on the wire, so a chunk posted in place does not overtake
+    /// them.
     pub(super) queued: Vec<AtomicUsize>,
     rx: std::sync::Mutex<Vec<mpsc::Receiver<Job>>>,
 }

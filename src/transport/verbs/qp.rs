@@ -14,7 +14,7 @@ use super::device::{Mtu, PortState};
 use super::error::{from_ret, last_os_error, Error};
 use super::mr::{Access, MrRef};
 use super::pd::{Pd, PdInner};
-use super::wr::{OpKind, Pending, RecvWr, SendOp, SendWr, WorkQueue, RECV_BIT};
+use super::wr::{Mark, OpKind, Pending, RecvWr, SendOp, SendWr, WorkQueue, RECV_BIT};
 use crate::rails::gid::{Gid, LinkLayer};
 
 /// How to create a queue pair. Every port and GID index is explicit: there is no default
@@ -212,6 +212,13 @@ struct QpInner {
     max_dest_rd_atomic: u8,
     max_inline: u32,
     state: Mutex<QpState>,
+    /// Serializes posters of the send queue through `ibv_post_send`, so that sequence
+    /// numbers follow the order the device sees. The queue's own lock (in `shared`) is held
+    /// only to reserve and, after a failed post, to give back: the completion side retires
+    /// while a post is in the device's hands — rxe (Soft-RoCE) does a user queue pair's
+    /// packet work inside `ibv_post_send`, and with the queue's lock held through it the
+    /// progress thread slept on that lock for the whole post.
+    posting: Mutex<()>,
     shared: Arc<QpShared>,
     // Released after the QP is destroyed: CQs (ibv_destroy_cq fails with EBUSY while a QP
     // is attached), then the PD.
@@ -352,6 +359,7 @@ impl Qp {
                 max_dest_rd_atomic,
                 max_inline,
                 state: Mutex::new(QpState::Reset),
+                posting: Mutex::new(()),
                 shared,
                 send_cq: send_cq.inner.clone(),
                 recv_cq: recv_cq.inner.clone(),
@@ -645,6 +653,7 @@ impl Qp {
         for (i, wr) in wrs.iter().enumerate() {
             self.validate_send(i, wr)?;
         }
+        let _posting = self.inner.posting.lock().unwrap_or_else(|p| p.into_inner());
         let mut q = self.inner.shared.queue(false);
         if q.outstanding() + wrs.len() > q.depth {
             return Err(Error::QueueFull {
@@ -659,12 +668,14 @@ impl Qp {
         // notification frame, a transfer's slice); the heap only for longer lists.
         let nsge: usize = wrs.iter().map(|w| w.local.len()).sum();
         let mut sges: SmallVec<[ffi::ibv_sge; INLINE_SGES]> = SmallVec::with_capacity(nsge);
-        let mut pend: SmallVec<[Pending; INLINE_WRS]> = SmallVec::with_capacity(wrs.len());
+        // where the queue stood before each request, to give back what a failed post left
+        let mut marks: SmallVec<[Mark; INLINE_WRS]> = SmallVec::with_capacity(wrs.len());
         // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those).
         let mut raw: SmallVec<[ffi::ibv_send_wr; INLINE_WRS]> = (0..wrs.len())
             .map(|_| unsafe { std::mem::zeroed() })
             .collect();
         for (wr, r) in wrs.iter().zip(raw.iter_mut()) {
+            marks.push(q.mark());
             let (seq, signaled) = q.next(wr.signaled);
             r.wr_id = seq;
             r.num_sge = wr.local.len() as i32;
@@ -706,7 +717,8 @@ impl Qp {
                 });
                 refs.push(MrRef::new(s.mr.inner()));
             }
-            pend.push(Pending {
+            // pending before it is posted: its completion may come before the post returns
+            q.push(Pending {
                 seq,
                 wr_id: wr.wr_id,
                 op: wr.op.kind(),
@@ -714,6 +726,7 @@ impl Qp {
                 _refs: refs,
             });
         }
+        drop(q);
         // Link the list and point each request at its SGEs (`raw` and `sges` stay where they
         // are, on the stack or in their heap buffers, until the post below returns).
         let mut at = 0;
@@ -738,17 +751,17 @@ impl Qp {
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: live QP in RTS; the list and SGE arrays are valid for the call (the
         // device copies them); every SGE lies inside a registered region of this PD that
-        // stays alive until its completion is polled (the MrRefs in `pend`).
+        // stays alive until its completion is polled (the MrRefs of the pending entries
+        // pushed above).
         let ret = unsafe { ffi::ibv_post_send(self.inner.qp.as_ptr(), raw.as_mut_ptr(), &mut bad) };
-        let posted = if ret == 0 {
-            raw.len()
-        } else {
-            bad_index(raw.as_ptr(), bad, raw.len())
-        };
-        for p in pend.drain(..posted) {
-            q.push(p);
-        }
         if ret != 0 {
+            let posted = bad_index(raw.as_ptr(), bad, raw.len());
+            // Give back what was not posted: the newest entries (no other poster ran:
+            // `posting` is held), which no completion can name.
+            // (a failure that names no request leaves them all counted, as posted)
+            if let Some(&m) = marks.get(posted) {
+                self.inner.shared.queue(false).unwind(m);
+            }
             return Err(Error::Post {
                 verb: "ibv_post_send",
                 qpn: self.inner.qpn,

@@ -227,6 +227,13 @@ pub(crate) struct WorkQueue {
     pending: VecDeque<Pending>,
 }
 
+/// Where a queue stood before a request was reserved ([`WorkQueue::mark`]).
+#[derive(Clone, Copy)]
+pub(crate) struct Mark {
+    next_seq: u64,
+    unsignaled_run: usize,
+}
+
 /// What happened to a completion's sequence number.
 pub(crate) enum Retired {
     /// Found: the request (and every unsignaled one before it) is retired.
@@ -265,6 +272,24 @@ impl WorkQueue {
 
     pub(crate) fn push(&mut self, p: Pending) {
         self.pending.push_back(p);
+    }
+
+    /// Where the queue stands: [`WorkQueue::unwind`] returns it here.
+    pub(crate) fn mark(&self) -> Mark {
+        Mark {
+            next_seq: self.next_seq,
+            unsignaled_run: self.unsignaled_run,
+        }
+    }
+
+    /// Give back every request reserved since `m` (a post that did not reach the device:
+    /// they are the newest entries, and no completion names them).
+    pub(crate) fn unwind(&mut self, m: Mark) {
+        while self.pending.back().is_some_and(|p| p.seq >= m.next_seq) {
+            self.pending.pop_back();
+        }
+        self.next_seq = m.next_seq;
+        self.unsignaled_run = m.unsignaled_run;
     }
 
     /// Retire everything up to and including `seq`.
@@ -326,6 +351,34 @@ mod tests {
         }
         assert!(matches!(q.retire(5), Retired::Unknown));
         assert_eq!(q.outstanding(), 3);
+    }
+
+    /// A post the device refused from its second request on: the first stays pending, the
+    /// rest are given back and their sequence numbers and signal count reused.
+    #[test]
+    fn unwind_gives_back_what_was_not_posted() {
+        let mut q = WorkQueue::new(8);
+        let (s0, _) = q.next(false);
+        q.push(pending(s0));
+        let mut marks = Vec::new();
+        for _ in 0..3 {
+            marks.push(q.mark());
+            let (seq, _) = q.next(false);
+            q.push(pending(seq));
+        }
+        q.unwind(marks[1]);
+        assert_eq!(q.outstanding(), 2);
+        // the next requests get the given-back numbers, with the same signal decisions as
+        // when they were reserved the first time (the 4th unsignaled in a row: forced)
+        assert_eq!(q.next(false), (2, false));
+        q.push(pending(2));
+        assert_eq!(q.next(false), (3, true));
+        q.push(pending(3));
+        match q.retire(3) {
+            Retired::Found(p) => assert_eq!(p.wr_id, 103),
+            Retired::Unknown => panic!("seq 3 not found"),
+        }
+        assert_eq!(q.outstanding(), 0);
     }
 
     #[test]
