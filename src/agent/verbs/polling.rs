@@ -3,16 +3,16 @@
 //!
 //! Each rail's queue is polled under a lock held until what was polled is dispatched, so
 //! completions (notifications among them) are dispatched in the order the queue gave them
-//! whoever polls. While callers poll — a caller posting in place counts: rxe does the
-//! packet work inside the post, and the caller polls again after it — and for one budget
-//! after the last one stopped, since a caller that got its answer tends to come back at
-//! once, the progress thread takes a completion event without arming the queue again: no
-//! wake-up and no lock taken beside the polling caller for each completion. The queues are armed again (and polled once more,
-//! for what came before the arm) by a caller that runs out of budget and goes to sleep, or
-//! by the progress thread once a budget passed without a poller. A consumer that does not
-//! poll (a `NotifRoute` waiter, a thread sleeping on `Agent::wait` beside a polling one) may
-//! so see a completion up to one budget late while callers poll; with the budget 0 nothing
-//! of this runs.
+//! whoever polls. While callers poll — a caller posting in place counts: rxe does the packet
+//! work inside the post, and the caller polls again after it — and for one budget after the
+//! last one stopped, since a caller that got its answer tends to come back at once, the
+//! progress thread takes a completion event without arming the queue again: no wake-up and no
+//! lock taken beside the polling caller for each completion. The queues are armed again (and
+//! polled once more, for what came before the arm) by a caller that runs out of budget and goes
+//! to sleep, or by the progress thread once a budget passed without a poller. A consumer that
+//! does not poll (a `NotifRoute` waiter, a thread sleeping on `Agent::wait` beside a polling
+//! one) may so see a completion up to one budget late while callers poll; with the budget 0
+//! nothing of this runs.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
