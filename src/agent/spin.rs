@@ -28,16 +28,17 @@ use super::{AgentError, Shared};
 /// (see [`Shared::spin_budget`]).
 const TCP_SPIN_MAX: u64 = 16 << 10;
 
-/// A caller polling (see `verbs::polling`): the progress thread stops arming the
-/// completion queues meanwhile; `sleeping` once the budget ran out.
+/// A caller polling (see `verbs::polling`) — or posting in place, to poll after — while
+/// this lives: the progress thread stops arming the completion queues meanwhile;
+/// `sleeping` once the budget ran out.
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-struct Polling<'a> {
+pub(crate) struct Polling<'a> {
     shared: &'a Shared,
     sleeping: bool,
 }
 
 impl<'a> Polling<'a> {
-    fn start(shared: &'a Shared) -> Self {
+    pub(crate) fn start(shared: &'a Shared) -> Self {
         #[cfg(feature = "verbs")]
         if let Some(v) = &shared.verbs {
             v.start_polling();

@@ -663,24 +663,13 @@ impl Verbs {
         // doorbell runs — rxe's packet work, a millisecond at 64 KiB in the lab — completion
         // events stay the callers' to take, not the progress thread's to drain (it took a
         // third of them, each a wake-up of it and of the caller sleeping next).
-        let polls = !mine.is_empty() && !self.spin.is_zero();
-        if polls {
-            self.start_polling();
-        }
+        let _polling = (!mine.is_empty() && !self.spin.is_zero())
+            .then(|| crate::agent::spin::Polling::start(shared));
         for c in mine {
             if let Err(msg) = self.post_slices(c.rail, &c.qp, c.xfer, &c.slices) {
                 key.1 = c.rail;
-                let c = poster::Chunk {
-                    key: key.clone(),
-                    qp: c.qp,
-                    xfer: c.xfer,
-                    slices: c.slices.into_vec(),
-                };
-                self.post_failed(shared, &mut lock(&self.engine), &c, &msg);
+                self.post_failed(shared, &mut lock(&self.engine), &key, &c.qp, &msg);
             }
-        }
-        if polls {
-            self.stop_polling(shared, false);
         }
         Ok(())
     }

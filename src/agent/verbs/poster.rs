@@ -129,20 +129,27 @@ impl Verbs {
     fn post_run(&self, shared: &Shared, rail: usize, run: &[Chunk]) {
         if let Err(msg) = self.post_chunks(rail, run) {
             let mut e = lock(&self.engine);
-            self.post_failed(shared, &mut e, &run[0], &msg);
+            self.post_failed(shared, &mut e, &run[0].key, &run[0].qp, &msg);
         }
         self.posters.queued[rail].fetch_sub(run.len(), Ordering::AcqRel);
     }
 
-    /// A post of `c` failed: fail its pair, unless that pair already died or was replaced
-    /// (its slices were moved elsewhere then).
-    pub(super) fn post_failed(&self, shared: &Shared, e: &mut Engine, c: &Chunk, msg: &str) {
+    /// A post on `qp`, the pair `key`'s, failed: fail that pair, unless it already died or
+    /// was replaced (its slices were moved elsewhere then).
+    pub(super) fn post_failed(
+        &self,
+        shared: &Shared,
+        e: &mut Engine,
+        key: &(String, usize),
+        qp: &Qp,
+        msg: &str,
+    ) {
         let current = e
             .pairs
-            .get(&c.key)
-            .is_some_and(|q| q.dead.is_none() && q.qp.qpn() == c.qp.qpn());
+            .get(key)
+            .is_some_and(|q| q.dead.is_none() && q.qp.qpn() == qp.qpn());
         if current {
-            self.kill_pair(shared, e, &c.key, msg);
+            self.kill_pair(shared, e, key, msg);
         }
     }
 
