@@ -271,14 +271,15 @@ const SOAK: &[&str] = &[
 /// (SIGKILL) and restarted at random. Nothing hangs, no byte is wrong, no block stays held
 /// after the leases ran out, and most requests complete. (It found P writing a restarted
 /// D's registrations on the dead D's connection, and D waiting for ever on a registration
-/// that expired.) 600 requests a mode on TCP (about ten kills each); 150 in the lab (rxe under
-/// emulation). Longer soaks by command (README).
+/// that expired.) 600 requests a mode on TCP (a kill every 60 on average: about ten); 100 in
+/// the lab (rxe under emulation; a kill every 40, about two and a half). Longer soaks by
+/// command (README).
 #[test]
 fn soak_with_random_kills_pull_and_push() {
-    let n = if lab().is_some() { "150" } else { "600" };
+    let (n, every) = if lab().is_some() { ("100", "40") } else { ("600", "60") };
     for mode in ["pull", "push"] {
         let mut args = SOAK.to_vec();
-        args.extend(["--mode", mode, "--requests", n, "--kill-every", "60"]);
+        args.extend(["--mode", mode, "--requests", n, "--kill-every", every]);
         let t = demo(&args);
         check_soak(&t, n.parse().unwrap());
     }
