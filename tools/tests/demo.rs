@@ -276,7 +276,11 @@ const SOAK: &[&str] = &[
 /// command (README).
 #[test]
 fn soak_with_random_kills_pull_and_push() {
-    let (n, every) = if lab().is_some() { ("100", "40") } else { ("600", "60") };
+    let (n, every) = if lab().is_some() {
+        ("100", "40")
+    } else {
+        ("600", "60")
+    };
     for mode in ["pull", "push"] {
         let mut args = SOAK.to_vec();
         args.extend(["--mode", mode, "--requests", n, "--kill-every", every]);
