@@ -65,7 +65,10 @@ pub struct AgentConfig {
     /// once. 0 (the default): nobody polls; the progress thread sleeps on the completion
     /// channels and wakes waiters. An idle agent never spins either way. On TCP the
     /// waiting caller looks for its answer (delivered by the connection's reader thread)
-    /// through the budget before sleeping: no sleep and wake-up per answer.
+    /// through the budget before sleeping: no sleep and wake-up per answer. On verbs, a
+    /// consumer that does not poll (a notification route, a thread sleeping in `wait` beside
+    /// polling ones) may see a completion up to one budget or 16 ms, whichever is longer,
+    /// late after the polling callers stop.
     pub progress_spin_us: u32,
     /// Queue pairs per rail to each peer (perftest's `-q`; 1..=16, default 1). Each is a
     /// lane of its own (named `DEV:PORT/qpK`, with its own completion queue) that the
