@@ -52,7 +52,8 @@ pub(super) struct PollState {
     /// Per rail: an event was taken without arming the queue again.
     disarmed: Vec<AtomicBool>,
     /// How long the progress thread sleeps before its next look at disarmed queues, in
-    /// microseconds: one budget, doubled at each look that finds callers polling.
+    /// microseconds: one budget, doubled each time it wakes (on its timer or on an event)
+    /// and finds callers polling.
     look_us: AtomicU64,
 }
 
@@ -146,9 +147,9 @@ impl Verbs {
         any.then(|| look.max(self.first_look()))
     }
 
-    /// The progress thread: arm the queues again once no caller polled for a budget; while
-    /// callers still poll, look again after twice as long as the last time (up to
-    /// [`LOOK_MAX`], or the budget if longer).
+    /// The progress thread, after each wake-up: arm the queues again once no caller polled
+    /// for a budget; while callers still poll, look again after twice as long as the last
+    /// time (up to [`LOOK_MAX`], or the budget if longer).
     pub(super) fn rearm_if_quiet(&self, shared: &Shared) {
         let Some(look) = self.rearm_after() else {
             return;
