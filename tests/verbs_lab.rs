@@ -414,7 +414,7 @@ fn write_with_imm(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
                 offset: g.offset as u64,
                 imm: 0xC0DE_0000 | i as u32,
             },
-            local: vec![Sge::new(&side.mr, g.offset, g.len)],
+            local: [Sge::new(&side.mr, g.offset, g.len)].into_iter().collect(),
             signaled: i + 1 == segs.len(),
             inline: false,
         })
@@ -547,7 +547,8 @@ fn inline_sends(t: &Topology, peer: &PeerProcess, rail: usize) -> R {
         }
     }
     let read = SendWr::read(10, Sge::new(&side.mr, 0, 8), side.remote, 0).inlined();
-    match side.qp.post_send(&[read]) {
+    let posted = side.qp.post_send(&[read]);
+    match posted {
         Err(e) if e.to_string().contains("cannot be posted inline") => Ok(()),
         other => Err(format!("an inline READ: {other:?}")),
     }

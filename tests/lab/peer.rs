@@ -197,11 +197,10 @@ fn handle(st: &mut Option<State>, cmd: Cmd) -> Result<Reply, String> {
             let wrs: Vec<RecvWr<'_>> = (0..count)
                 .map(|i| RecvWr {
                     wr_id: i as u64,
-                    local: if len == 0 {
-                        vec![]
-                    } else {
-                        vec![Sge::new(&s.mr, i * len, len)]
-                    },
+                    local: (len > 0)
+                        .then(|| Sge::new(&s.mr, i * len, len))
+                        .into_iter()
+                        .collect(),
                 })
                 .collect();
             s.qp.post_recv(&wrs).map_err(e)?;

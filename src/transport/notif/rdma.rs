@@ -68,10 +68,11 @@ impl MsgChannel {
         let recvs: Vec<RecvWr<'_>> = (0..slots)
             .map(|i| RecvWr {
                 wr_id: u64::from(i),
-                local: vec![Sge::new(&mr, i as usize * slot, slot)],
+                local: smallvec::smallvec![Sge::new(&mr, i as usize * slot, slot)],
             })
             .collect();
         qp.post_recv(&recvs)?;
+        drop(recvs); // they borrow `mr`, which moves into the channel
         Ok(Self {
             qp,
             slots,
@@ -178,7 +179,7 @@ impl MsgChannel {
                 // repost before the credit for this slot can be handed back
                 self.qp.post_recv(&[RecvWr {
                     wr_id: c.wr_id,
-                    local: vec![Sge::new(&self.mr, i * self.slot, self.slot)],
+                    local: smallvec::smallvec![Sge::new(&self.mr, i * self.slot, self.slot)],
                 }])?;
                 let frame = &self.frame;
                 let h = Header::decode(frame).inspect_err(|e| {

@@ -44,7 +44,7 @@ pub use mr::{Access, DeregisterError, Mr, RemoteRegion};
 pub use pd::Pd;
 pub use qp::{ConnectOptions, Endpoint, Qp, QpOptions, QpState};
 pub use range_key::RangeKey;
-pub use wr::{OpKind, RecvWr, SendOp, SendWr, Sge};
+pub use wr::{OpKind, RecvWr, SendOp, SendWr, Sge, Sges};
 
 impl Context {
     /// Choose the GID a queue pair on `port` uses (RoCEv2 + IPv4 on Ethernet, see

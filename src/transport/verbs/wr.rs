@@ -117,6 +117,11 @@ impl SendOp {
     }
 }
 
+/// The local elements of a work request: up to two on the stack (the usual request has
+/// one), the heap only for longer lists, so posting a request allocates nothing.
+/// `vec![..].into()` builds one from a vector.
+pub type Sges<'a> = SmallVec<[Sge<'a>; 2]>;
+
 /// A send-queue work request.
 #[derive(Debug, Clone)]
 pub struct SendWr<'a> {
@@ -125,7 +130,7 @@ pub struct SendWr<'a> {
     /// What to do.
     pub op: SendOp,
     /// Local data (source of WRITE/SEND, destination of READ).
-    pub local: Vec<Sge<'a>>,
+    pub local: Sges<'a>,
     /// Ask for a completion. Unsignaled requests complete silently when a later signaled
     /// one completes; the layer signals one by itself now and then (not reported) so an
     /// unsignaled stream cannot fill the queue.
@@ -143,7 +148,7 @@ impl<'a> SendWr<'a> {
         Self {
             wr_id,
             op: SendOp::Write { remote, offset },
-            local: vec![local],
+            local: smallvec::smallvec![local],
             signaled: true,
             inline: false,
         }
@@ -154,7 +159,7 @@ impl<'a> SendWr<'a> {
         Self {
             wr_id,
             op: SendOp::Read { remote, offset },
-            local: vec![local],
+            local: smallvec::smallvec![local],
             signaled: true,
             inline: false,
         }
@@ -165,7 +170,7 @@ impl<'a> SendWr<'a> {
         Self {
             wr_id,
             op: SendOp::Send,
-            local: vec![local],
+            local: smallvec::smallvec![local],
             signaled: true,
             inline: false,
         }
@@ -200,7 +205,7 @@ pub struct RecvWr<'a> {
     /// Returned in the completion.
     pub wr_id: u64,
     /// Where received data lands (empty for WRITE_WITH_IMM-only receives).
-    pub local: Vec<Sge<'a>>,
+    pub local: Sges<'a>,
 }
 
 /// The hardware wr_id: a per-queue sequence number, top bit set on receive queues (error

@@ -110,7 +110,7 @@ fn send_end(side: &Side, a: &Args, first: bool) -> Result<Vec<f64>, String> {
         (side.qp)
             .post_recv(&[RecvWr {
                 wr_id: 1,
-                local: vec![Sge::new(&mr, 0, BUF)],
+                local: [Sge::new(&mr, 0, BUF)].into_iter().collect(),
             }])
             .map_err(e)
     };
