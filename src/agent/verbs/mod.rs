@@ -17,6 +17,7 @@ use smallvec::SmallVec;
 
 pub(crate) mod exchange;
 mod notif;
+mod pair_key;
 mod polling;
 mod poster;
 mod rebuild;
@@ -33,6 +34,7 @@ use crate::transport::verbs::{
     probe_dmabuf, Access, Completion, Context, Cq, DmabufSupport, Mr, Pd, Qp, QpOptions,
     RemoteRegion,
 };
+use pair_key::PairKey;
 
 /// Send-queue depth of a data queue pair.
 const DEPTH: u32 = 512;
@@ -162,16 +164,16 @@ type NewPair = (usize, usize, Qp);
 struct Engine {
     planner: Option<Planner>,
     /// (peer, local rail) → its queue pair and queue.
-    pairs: HashMap<(String, usize), PairQ>,
+    pairs: IdMap<PairKey, PairQ>,
     /// (rail, qpn) → pair (QP numbers are per device, so the rail is part of the key).
-    qpn: IdMap<(usize, u32), (String, usize)>,
+    qpn: IdMap<(usize, u32), PairKey>,
     runs: IdMap<u64, Run>,
     /// Bytes completed on each rail since start.
     done_bytes: Vec<u64>,
     /// Rebuilds of dead pairs: new queue pairs sent to each peer, answered in order.
     rebuilding: HashMap<String, VecDeque<Vec<NewPair>>>,
     /// Dead pairs: when the next rebuild may start, and the backoff after that.
-    retry: HashMap<(String, usize), (Instant, Duration)>,
+    retry: IdMap<PairKey, (Instant, Duration)>,
     /// Notification channels we send on, per peer.
     outs: HashMap<String, notif::OutChan>,
     /// Notification channels we receive on, per target connection.
@@ -187,7 +189,7 @@ struct Engine {
 impl Engine {
     /// Make `qp` the pair to `peer` on `rail` (replacing a dead one).
     fn install(&mut self, peer: &str, rail: usize, peer_rail: usize, qp: Qp) {
-        let key = (peer.to_owned(), rail);
+        let key = PairKey::new(peer, rail);
         if let Some(old) = self.pairs.get(&key) {
             self.qpn.remove(&(rail, old.qp.qpn()));
         }
@@ -206,7 +208,7 @@ impl Engine {
 
     /// The local rails with a live queue pair to the peer of `key` (its rail is scratch: the
     /// caller's one key serves every lookup of a post), in order.
-    fn live_rails(&self, key: &mut (String, usize), rails: usize) -> Vec<usize> {
+    fn live_rails(&self, key: &mut PairKey, rails: usize) -> Vec<usize> {
         (0..rails)
             .filter(|r| {
                 key.1 = *r;
@@ -216,7 +218,7 @@ impl Engine {
     }
 
     /// Mark a pair dead (once) and schedule its rebuild. False when it already was.
-    fn mark_dead(&mut self, key: &(String, usize), why: &str) -> bool {
+    fn mark_dead(&mut self, key: &PairKey, why: &str) -> bool {
         let Some(q) = self.pairs.get_mut(key) else {
             return false;
         };
@@ -535,9 +537,9 @@ impl Verbs {
     pub(crate) fn add_peer(&self, peer: &str, qps: Vec<(usize, usize, Qp)>) {
         lock(&self.peers).insert(peer.to_owned());
         let mut e = lock(&self.engine);
-        e.pairs.retain(|(p, _), _| p != peer);
-        e.qpn.retain(|_, (p, _)| p != peer);
-        e.retry.retain(|(p, _), _| p != peer);
+        e.pairs.retain(|k, _| !k.is(peer));
+        e.qpn.retain(|_, k| !k.is(peer));
+        e.retry.retain(|k, _| !k.is(peer));
         e.rebuilding.remove(peer);
         for (rail, peer_rail, qp) in qps {
             e.install(peer, rail, peer_rail, qp);
@@ -560,8 +562,8 @@ impl Verbs {
         let mut v: Vec<usize> = e
             .pairs
             .iter()
-            .filter(|((p, _), q)| p == peer && q.dead.is_none())
-            .map(|((_, r), _)| *r)
+            .filter(|(k, q)| k.is(peer) && q.dead.is_none())
+            .map(|(k, _)| k.1)
             .collect();
         v.sort_unstable();
         v.into_iter().map(|r| self.rails[r].name.clone()).collect()
@@ -571,14 +573,13 @@ impl Verbs {
     pub(crate) fn remove_peer(&self, shared: &Shared, peer: &str) {
         lock(&self.peers).remove(peer);
         let mut e = lock(&self.engine);
-        let keys: Vec<(String, usize)> =
-            e.pairs.keys().filter(|(p, _)| p == peer).cloned().collect();
+        let keys: Vec<PairKey> = e.pairs.keys().filter(|k| k.is(peer)).cloned().collect();
         for k in &keys {
             self.kill_pair(shared, &mut e, k, "peer metadata invalidated");
         }
-        e.pairs.retain(|(p, _), _| p != peer);
-        e.qpn.retain(|_, (p, _)| p != peer);
-        e.retry.retain(|(p, _), _| p != peer);
+        e.pairs.retain(|k, _| !k.is(peer));
+        e.qpn.retain(|_, k| !k.is(peer));
+        e.retry.retain(|k, _| !k.is(peer));
         e.rebuilding.remove(peer);
         e.outs.remove(peer);
         let chan = notif::ChanKey::Out(peer.into());
@@ -601,7 +602,7 @@ impl Verbs {
             grants,
         } = req;
         let mut e = lock(&self.engine);
-        let mut key = (peer.to_owned(), 0);
+        let mut key = PairKey::new(peer, 0);
         let rails = e.live_rails(&mut key, self.rails.len());
         if rails.is_empty() {
             return Err(AgentError::Unsupported(format!(
@@ -681,7 +682,7 @@ impl Verbs {
         id: u64,
         run: &Run,
         plan: &crate::transport::stripe::Plan,
-        key: &mut (String, usize),
+        key: &mut PairKey,
     ) {
         for (r, slices) in plan.per_rail.iter().enumerate() {
             if slices.is_empty() {
@@ -724,8 +725,8 @@ impl Verbs {
     /// A rail's queue pair to a peer failed on the path (retries exhausted, flushed): its
     /// outstanding slices move to the rails still working to that peer; with none left the
     /// transfers fail. The queue pair stays dead; later transfers use the survivors.
-    fn fail_over(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), why: &str) {
-        let (peer, rail) = (key.0.clone(), key.1);
+    fn fail_over(&self, shared: &Shared, e: &mut Engine, key: &PairKey, why: &str) {
+        let (peer, rail) = (key.0.to_string(), key.1);
         if let Some(s) = self.stats.get() {
             s.failovers[rail].inc();
         }
@@ -740,7 +741,7 @@ impl Verbs {
             }
             q.queue.clear(); // every queued slice is also pending in its run: re-planned below
         }
-        let mut pk = (peer.clone(), 0);
+        let mut pk = key.clone();
         let survivors = e.live_rails(&mut pk, self.rails.len());
         let ids: Vec<u64> = e
             .runs
@@ -773,12 +774,7 @@ impl Verbs {
                 Err(no_rail) => shared.xfer_failed(id, format!("{why}; {no_rail}")),
             }
         }
-        let keys: Vec<(String, usize)> = e
-            .pairs
-            .keys()
-            .filter(|(p, _)| *p == peer)
-            .cloned()
-            .collect();
+        let keys: Vec<PairKey> = e.pairs.keys().filter(|k| k.is(&peer)).cloned().collect();
         for k in keys {
             self.pump(e, &k);
         }
@@ -786,7 +782,7 @@ impl Verbs {
 
     /// Hand queued slices of one pair to its rail's poster while its send queue has room, in
     /// chunks of one transfer each (the last request of a chunk signaled).
-    fn pump(&self, e: &mut Engine, key: &(String, usize)) {
+    fn pump(&self, e: &mut Engine, key: &PairKey) {
         self.pump_with(e, key, None);
     }
 
@@ -796,7 +792,7 @@ impl Verbs {
     fn pump_with(
         &self,
         e: &mut Engine,
-        key: &(String, usize),
+        key: &PairKey,
         mut in_place: Option<&mut SmallVec<[poster::InPlace; 1]>>,
     ) {
         let rail = key.1;
@@ -845,7 +841,7 @@ impl Verbs {
     }
 
     /// A pair's queue pair failed: every transfer with slices on it fails.
-    fn kill_pair(&self, shared: &Shared, e: &mut Engine, key: &(String, usize), why: &str) {
+    fn kill_pair(&self, shared: &Shared, e: &mut Engine, key: &PairKey, why: &str) {
         self.kill_pair_as(shared, e, key, why, false);
     }
 
@@ -855,7 +851,7 @@ impl Verbs {
         &self,
         shared: &Shared,
         e: &mut Engine,
-        key: &(String, usize),
+        key: &PairKey,
         why: &str,
         refused: bool,
     ) {
@@ -1017,10 +1013,10 @@ impl Verbs {
                 Err(err) => err.to_string(),
             };
             let mut e = lock(&self.engine);
-            let keys: Vec<(String, usize)> = e
+            let keys: Vec<PairKey> = e
                 .pairs
                 .iter()
-                .filter(|((_, rl), q)| *rl == rail && q.dead.is_none())
+                .filter(|(k, q)| k.1 == rail && q.dead.is_none())
                 .map(|(k, _)| k.clone())
                 .collect();
             let why = format!("port {} is {state}", r.name);

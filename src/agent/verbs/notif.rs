@@ -161,7 +161,7 @@ impl Verbs {
                     && e.chan_retry.get(*p).is_none_or(|(t, _)| *t <= now)
             })
             .filter_map(|(p, o)| {
-                let pr = e.pairs.get(&(p.clone(), o.rail))?.peer_rail;
+                let pr = e.pairs.get(&super::PairKey::new(p, o.rail))?.peer_rail;
                 Some((p.clone(), o.rail, pr))
             })
             .collect();

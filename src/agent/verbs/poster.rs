@@ -27,7 +27,7 @@ use crate::transport::verbs::{Qp, SendWr, Sge};
 /// Slices of one transfer for one queue pair, the last one to be signaled.
 pub(super) struct Chunk {
     /// The pair (peer, local rail).
-    pub(super) key: (String, usize),
+    pub(super) key: super::PairKey,
     pub(super) qp: Qp,
     pub(super) xfer: u64,
     pub(super) slices: Vec<Pending>,
@@ -140,7 +140,7 @@ impl Verbs {
         &self,
         shared: &Shared,
         e: &mut Engine,
-        key: &(String, usize),
+        key: &super::PairKey,
         qp: &Qp,
         msg: &str,
     ) {

@@ -32,14 +32,14 @@ impl Verbs {
                     && e.retry.get(*k).is_none_or(|(t, _)| *t <= now)
                     && !busy(&e, &k.0, k.1)
                     // one kind of request out per peer: the answers carry no kind
-                    && !e.chan_rebuilding.contains_key(&k.0)
+                    && !e.chan_rebuilding.contains_key(&*k.0)
             })
-            .map(|(k, q)| (k.0.clone(), k.1, q.peer_rail))
+            .map(|(k, q)| (k.0.to_string(), k.1, q.peer_rail))
             .collect();
         due.sort_unstable();
         let mut out: Vec<(String, QpRequest)> = Vec::new();
         for (peer, rail, peer_rail) in due {
-            if let Some((t, b)) = e.retry.get_mut(&(peer.clone(), rail)) {
+            if let Some((t, b)) = e.retry.get_mut(&super::PairKey::new(&peer, rail)) {
                 *t = now + *b; // no second attempt before this one is answered or times out
             }
             let qp = match self.new_qp(rail, Access::NONE) {
