@@ -147,13 +147,15 @@ struct PairQ {
 
 struct Run {
     progress: Progress,
-    peer: String,
+    /// The peer (its pairs' key's name: shared, not copied per transfer).
+    peer: Arc<str>,
     op: XferOp,
-    /// The local region of each descriptor.
-    local: Vec<Arc<Region>>,
+    /// The local region of each descriptor (on the stack for a transfer of a few).
+    local: SmallVec<[Arc<Region>; 4]>,
     /// The peer's metadata as of the post (regions, rkeys per peer rail).
     meta: Arc<AgentMetadata>,
-    /// The grant each descriptor's remote side goes through (fenced memory), if any.
+    /// The grant each descriptor's remote side goes through (fenced memory), if any;
+    /// empty when none does (no list per transfer for the usual unfenced one).
     grants: Vec<Option<Arc<crate::agent::Grant>>>,
 }
 
@@ -629,13 +631,14 @@ impl Verbs {
         let plan = planner
             .plan(&descs, self.mode)
             .map_err(|x| AgentError::Unsupported(x.to_string()))?;
+        let fenced = grants.iter().any(Option::is_some);
         let run = Run {
             progress: Progress::new(&plan),
-            peer: peer.to_owned(),
+            peer: key.0.clone(),
             op,
             local: local.iter().map(|(r, _)| r.clone()).collect(),
             meta: meta.clone(),
-            grants: grants.to_vec(),
+            grants: if fenced { grants.to_vec() } else { Vec::new() },
         };
         self.enqueue(&mut e, id, &run, &plan, &mut key);
         e.runs.insert(id, run);
@@ -746,7 +749,7 @@ impl Verbs {
         let ids: Vec<u64> = e
             .runs
             .iter()
-            .filter(|(_, r)| r.peer == peer && !r.progress.pending(rail).is_empty())
+            .filter(|(_, r)| *r.peer == *peer && !r.progress.pending(rail).is_empty())
             .map(|(id, _)| *id)
             .collect();
         tracing::warn!(
@@ -878,7 +881,7 @@ impl Verbs {
             };
             if refused && run.grants.iter().any(Option::is_some) {
                 let err = crate::agent::XferError::GrantRevoked {
-                    peer: run.peer,
+                    peer: run.peer.to_string(),
                     why: why.to_owned(),
                 };
                 shared.finish(id, Err(err));
