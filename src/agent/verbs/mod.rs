@@ -729,7 +729,7 @@ impl Verbs {
     /// outstanding slices move to the rails still working to that peer; with none left the
     /// transfers fail. The queue pair stays dead; later transfers use the survivors.
     fn fail_over(&self, shared: &Shared, e: &mut Engine, key: &PairKey, why: &str) {
-        let (peer, rail) = (key.0.to_string(), key.1);
+        let (peer, rail) = (key.0.clone(), key.1);
         if let Some(s) = self.stats.get() {
             s.failovers[rail].inc();
         }

@@ -23,7 +23,7 @@ impl Verbs {
                 .get(peer)
                 .is_some_and(|q| q.iter().flatten().any(|(r, _, _)| *r == rail))
         };
-        let mut due: Vec<(String, usize, usize)> = e
+        let mut due: Vec<(super::PairKey, usize)> = e
             .pairs
             .iter()
             .filter(|(k, q)| {
@@ -34,14 +34,16 @@ impl Verbs {
                     // one kind of request out per peer: the answers carry no kind
                     && !e.chan_rebuilding.contains_key(&*k.0)
             })
-            .map(|(k, q)| (k.0.to_string(), k.1, q.peer_rail))
+            .map(|(k, q)| (k.clone(), q.peer_rail))
             .collect();
-        due.sort_unstable();
+        // by peer, then rail: one request per peer, its rails in order
+        due.sort_unstable_by(|(a, _), (b, _)| (&a.0, a.1).cmp(&(&b.0, b.1)));
         let mut out: Vec<(String, QpRequest)> = Vec::new();
-        for (peer, rail, peer_rail) in due {
-            if let Some((t, b)) = e.retry.get_mut(&super::PairKey::new(&peer, rail)) {
+        for (key, peer_rail) in due {
+            if let Some((t, b)) = e.retry.get_mut(&key) {
                 *t = now + *b; // no second attempt before this one is answered or times out
             }
+            let (peer, rail) = (key.0.to_string(), key.1);
             let qp = match self.new_qp(rail, Access::NONE) {
                 Ok(qp) => qp,
                 Err(err) => {
