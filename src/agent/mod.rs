@@ -840,6 +840,18 @@ impl Agent {
     /// [`AgentError::UnknownPeer`], [`AgentError::NotifTooLarge`].
     pub fn send_notif(&self, peer: &str, bytes: Vec<u8>) -> Result<(), AgentError> {
         check_notif_len(Some(&bytes))?;
+        // A peer with a verbs channel is known: sent there without a look in the peer table.
+        #[cfg(feature = "verbs")]
+        let bytes = match &self.shared.verbs {
+            Some(v) => match v.notify_on_chan(&self.shared, peer, bytes) {
+                Ok(()) => {
+                    self.shared.stats.notifs_sent.inc();
+                    return Ok(());
+                }
+                Err(bytes) => bytes,
+            },
+            None => bytes,
+        };
         if !lock(&self.shared.peers).contains_key(peer) {
             return Err(AgentError::UnknownPeer(peer.into()));
         }

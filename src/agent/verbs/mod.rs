@@ -176,8 +176,13 @@ struct Engine {
     rebuilding: HashMap<String, VecDeque<Vec<NewPair>>>,
     /// Dead pairs: when the next rebuild may start, and the backoff after that.
     retry: IdMap<PairKey, (Instant, Duration)>,
-    /// Notification channels we send on, per peer.
-    outs: HashMap<String, notif::OutChan>,
+    /// Notification channels we send on, by id: a completion finds its channel by the id
+    /// in its `ChanKey`, without hashing the peer's name (`out_ids` on a send).
+    outs: IdMap<u64, notif::OutChan>,
+    /// Peer → the id of its channel in `outs` (kept across rebuilds of the channel).
+    out_ids: HashMap<String, u64>,
+    /// The next channel id.
+    next_out: u64,
     /// Notification channels we receive on, per target connection.
     ins: IdMap<u64, notif::InChan>,
     /// (rail, qpn) → the channel a queue pair carries.
@@ -583,9 +588,10 @@ impl Verbs {
         e.qpn.retain(|_, k| !k.is(peer));
         e.retry.retain(|k, _| !k.is(peer));
         e.rebuilding.remove(peer);
-        e.outs.remove(peer);
-        let chan = notif::ChanKey::Out(peer.into());
-        e.chan_qpn.retain(|_, k| *k != chan);
+        if let Some(id) = e.out_ids.remove(peer) {
+            e.outs.remove(&id);
+            e.chan_qpn.retain(|_, k| *k != notif::ChanKey::Out(id));
+        }
     }
 
     pub(crate) fn has_peer(&self, peer: &str) -> bool {

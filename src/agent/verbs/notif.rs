@@ -15,7 +15,6 @@
 //! by number across both paths.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::polling::Poller;
@@ -39,15 +38,15 @@ const DRAIN_ON_CLOSE: usize = 64;
 /// Which channel a queue pair carries.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(super) enum ChanKey {
-    /// Ours to a peer (we send). Shared, not owned: the key is cloned out of the map for
-    /// every completion of the channel (a `String` was an allocation each).
-    Out(Arc<str>),
+    /// Ours to a peer (we send), by its id in the engine's `outs`.
+    Out(u64),
     /// A peer's to us, by target connection id (we receive).
     In(u64),
 }
 
 /// The sending end.
 pub(super) struct OutChan {
+    peer: String,
     ch: MsgChannel,
     rail: usize,
     next_seq: u64,
@@ -63,6 +62,19 @@ pub(super) struct InChan {
     ch: MsgChannel,
     from: String,
     dead: bool,
+}
+
+impl Engine {
+    /// The sending channel to `peer`.
+    fn out(&self, peer: &str) -> Option<&OutChan> {
+        self.outs.get(self.out_ids.get(peer)?)
+    }
+
+    /// The sending channel to `peer`, to change.
+    fn out_mut(&mut self, peer: &str) -> Option<&mut OutChan> {
+        let id = *self.out_ids.get(peer)?;
+        self.outs.get_mut(&id)
+    }
 }
 
 impl OutChan {
@@ -102,7 +114,7 @@ impl Verbs {
     /// The rail carrying notifications to `peer` on a verbs channel (None: over TCP).
     pub(crate) fn notif_rail(&self, peer: &str) -> Option<String> {
         let e = lock(&self.engine);
-        let o = e.outs.get(peer).filter(|o| !o.dead)?;
+        let o = e.out(peer).filter(|o| !o.dead)?;
         Some(self.rails[o.rail].name.clone())
     }
 
@@ -130,12 +142,22 @@ impl Verbs {
     /// Initiator: the channel to `peer` is connected; notifications to it go there.
     pub(crate) fn add_out_chan(&self, peer: &str, rail: usize, qp: &Qp, ch: MsgChannel) {
         let mut e = lock(&self.engine);
-        let key = ChanKey::Out(peer.into());
+        let id = match e.out_ids.get(peer) {
+            Some(&id) => id,
+            None => {
+                let id = e.next_out;
+                e.next_out += 1;
+                e.out_ids.insert(peer.to_owned(), id);
+                id
+            }
+        };
+        let key = ChanKey::Out(id);
         e.chan_qpn.retain(|_, k| *k != key);
         e.chan_qpn.insert((rail, qp.qpn()), key);
         e.outs.insert(
-            peer.to_owned(),
+            id,
             OutChan {
+                peer: peer.to_owned(),
                 ch,
                 rail,
                 next_seq: 0,
@@ -152,17 +174,21 @@ impl Verbs {
     pub(super) fn start_chan_rebuilds(&self, active: &[usize]) -> Vec<(String, u32, Endpoint)> {
         let mut e = lock(&self.engine);
         let now = Instant::now();
-        let due: Vec<(String, usize, usize)> = (e.outs.iter())
-            .filter(|(p, o)| {
+        let due: Vec<(String, usize, usize)> = (e.outs.values())
+            .filter(|o| {
+                let p = o.peer.as_str();
                 o.dead
                     && active.contains(&o.rail)
-                    && !e.chan_rebuilding.contains_key(*p)
-                    && e.rebuilding.get(*p).is_none_or(VecDeque::is_empty)
-                    && e.chan_retry.get(*p).is_none_or(|(t, _)| *t <= now)
+                    && !e.chan_rebuilding.contains_key(p)
+                    && e.rebuilding.get(p).is_none_or(VecDeque::is_empty)
+                    && e.chan_retry.get(p).is_none_or(|(t, _)| *t <= now)
             })
-            .filter_map(|(p, o)| {
-                let pr = e.pairs.get(&super::PairKey::new(p, o.rail))?.peer_rail;
-                Some((p.clone(), o.rail, pr))
+            .filter_map(|o| {
+                let pr = e
+                    .pairs
+                    .get(&super::PairKey::new(&o.peer, o.rail))?
+                    .peer_rail;
+                Some((o.peer.clone(), o.rail, pr))
             })
             .collect();
         let mut out = Vec::new();
@@ -203,12 +229,16 @@ impl Verbs {
             tracing::warn!(%peer, rail = %self.rails[rail].name, error = %why, "notification channel not rebuilt");
             return;
         }
-        let key = ChanKey::Out(peer.into());
+        let Some(&id) = e.out_ids.get(peer) else {
+            return; // the peer went meanwhile
+        };
+        let key = ChanKey::Out(id);
         e.chan_qpn.retain(|_, k| *k != key);
         e.chan_qpn.insert((rail, qp.qpn()), key);
         e.chan_retry.remove(peer);
-        if let Some(o) = e.outs.get_mut(peer) {
+        if let Some(o) = e.outs.get_mut(&id) {
             *o = OutChan {
+                peer: peer.to_owned(),
                 ch,
                 rail,
                 next_seq: o.next_seq,
@@ -287,9 +317,9 @@ impl Verbs {
     /// each once), where the TCP writers' own flush sends it. Never dropped silently.
     pub(crate) fn give_up_chans(&self, shared: &Shared, why: &str) {
         let mut e = lock(&self.engine);
-        let peers: Vec<String> = (e.outs.iter())
-            .filter(|(_, o)| o.busy())
-            .map(|(p, _)| p.clone())
+        let peers: Vec<String> = (e.outs.values())
+            .filter(|o| o.busy())
+            .map(|o| o.peer.clone())
             .collect();
         for p in peers {
             self.fail_out_chan(shared, &mut e, &p, why);
@@ -303,6 +333,20 @@ impl Verbs {
         self.notify_locked(shared, &mut e, peer, bytes);
     }
 
+    /// [`Verbs::notify`] when `peer` has a channel (live, or failed over to TCP); the bytes
+    /// come back when it has none. A peer with a channel is known, so the caller need not
+    /// look in the agent's peer table first (one hash of the name and a lock less a
+    /// message).
+    pub(crate) fn notify_on_chan(
+        &self,
+        shared: &Shared,
+        peer: &str,
+        bytes: Vec<u8>,
+    ) -> Result<(), Vec<u8>> {
+        let mut e = lock(&self.engine);
+        self.notify_chan(shared, &mut e, peer, bytes)
+    }
+
     pub(super) fn notify_locked(
         &self,
         shared: &Shared,
@@ -310,35 +354,54 @@ impl Verbs {
         peer: &str,
         bytes: Vec<u8>,
     ) {
-        let Some(o) = e.outs.get_mut(peer) else {
+        if let Err(bytes) = self.notify_chan(shared, e, peer, bytes) {
             shared.send_tcp_notif(peer, None, bytes);
-            return;
+        }
+    }
+
+    fn notify_chan(
+        &self,
+        shared: &Shared,
+        e: &mut Engine,
+        peer: &str,
+        bytes: Vec<u8>,
+    ) -> Result<(), Vec<u8>> {
+        let Some(o) = e.out_mut(peer) else {
+            return Err(bytes);
         };
         let seq = o.next_seq;
         o.next_seq += 1;
         if o.dead {
             shared.send_tcp_notif(peer, Some(seq), bytes);
-            return;
+            return Ok(());
         }
-        let mut framed = Vec::with_capacity(SEQ + bytes.len());
-        framed.extend_from_slice(&seq.to_le_bytes());
-        framed.extend_from_slice(&bytes);
         o.unacked.push_back((seq, bytes));
-        if let Err(err) = o.ch.send(framed) {
+        let (_, bytes) = o.unacked.back().expect("pushed");
+        // the sequence number and the bytes go straight into a send slot
+        if let Err(err) = o.ch.send_parts(&seq.to_le_bytes(), bytes) {
             let why = format!("notification channel: {err}");
             self.fail_out_chan(shared, e, peer, &why);
         }
+        Ok(())
     }
 
     /// The channel to `peer` failed: every undelivered message goes over TCP, in order.
     pub(super) fn fail_out_chan(&self, shared: &Shared, e: &mut Engine, peer: &str, why: &str) {
-        let Some(o) = e.outs.get_mut(peer) else {
+        if let Some(&id) = e.out_ids.get(peer) {
+            self.fail_out(shared, e, id, why);
+        }
+    }
+
+    /// [`Verbs::fail_out_chan`] by the channel's id.
+    fn fail_out(&self, shared: &Shared, e: &mut Engine, id: u64, why: &str) {
+        let Some(o) = e.outs.get_mut(&id) else {
             return;
         };
         if o.dead {
             return;
         }
         o.dead = true;
+        let peer = o.peer.as_str();
         // stop the device before its messages are sent again another way
         let _ = o.ch.qp().set_error();
         tracing::warn!(
@@ -352,14 +415,12 @@ impl Verbs {
 
     /// Fail the sending channels on `rail` (its port is not ACTIVE).
     pub(super) fn fail_chans_on(&self, shared: &Shared, e: &mut Engine, rail: usize, why: &str) {
-        let peers: Vec<String> = e
-            .outs
-            .iter()
+        let ids: Vec<u64> = (e.outs.iter())
             .filter(|(_, o)| o.rail == rail && !o.dead)
-            .map(|(p, _)| p.clone())
+            .map(|(id, _)| *id)
             .collect();
-        for p in peers {
-            self.fail_out_chan(shared, e, &p, why);
+        for id in ids {
+            self.fail_out(shared, e, id, why);
         }
     }
 
@@ -372,8 +433,8 @@ impl Verbs {
         c: &Completion,
     ) {
         match key {
-            ChanKey::Out(peer) => {
-                let Some(o) = e.outs.get_mut(&**peer) else {
+            ChanKey::Out(id) => {
+                let Some(o) = e.outs.get_mut(id) else {
                     return;
                 };
                 if o.dead {
@@ -388,7 +449,7 @@ impl Verbs {
                     }
                     Err(err) => {
                         let why = err.to_string();
-                        self.fail_out_chan(shared, e, peer, &why);
+                        self.fail_out(shared, e, *id, &why);
                     }
                 }
             }

@@ -220,6 +220,17 @@ impl Credits {
     /// # Errors
     /// [`FrameError::Credits`] when the peer returns more than we spent.
     pub fn received(&mut self, returned: u32) -> Result<(), FrameError> {
+        self.arrived(returned)?;
+        self.reposted(1);
+        Ok(())
+    }
+
+    /// A frame arrived carrying `returned` credits; its receive is not posted again yet
+    /// (we owe nothing for it until [`Credits::reposted`]).
+    ///
+    /// # Errors
+    /// [`FrameError::Credits`] when the peer returns more than we spent.
+    pub fn arrived(&mut self, returned: u32) -> Result<(), FrameError> {
         let outstanding = self.slots - self.available;
         if returned > outstanding {
             return Err(FrameError::Credits {
@@ -228,8 +239,12 @@ impl Credits {
             });
         }
         self.available += returned;
-        self.owed += 1;
         Ok(())
+    }
+
+    /// `n` receives of arrived frames are posted again: we owe the peer `n` credits more.
+    pub fn reposted(&mut self, n: u32) {
+        self.owed += n;
     }
 }
 

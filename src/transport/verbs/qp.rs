@@ -3,6 +3,7 @@
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use rdma_mummy_sys as ffi;
@@ -89,6 +90,9 @@ const UNSAID_RD_ATOMIC: u8 = 16;
 const INLINE_WRS: usize = 2;
 /// SGEs of one post kept on the stack.
 const INLINE_SGES: usize = 4;
+/// Receive requests (and their SGEs) of one post kept on the stack: a message channel posts
+/// its receives again eight at a time (larger inline lists made every send post slower).
+const INLINE_RECVS: usize = 8;
 
 /// Connection parameters (RTR / RTS attributes).
 #[derive(Debug, Clone)]
@@ -177,6 +181,9 @@ pub(crate) struct QpShared {
     send: Mutex<WorkQueue>,
     recv: Mutex<WorkQueue>,
     error: Mutex<Option<String>>,
+    /// `error` holds a cause: every post looks at this first, without the lock and the copy
+    /// of the cause (a lock and an `Option<String>` clone per post before).
+    failed: AtomicBool,
 }
 
 impl QpShared {
@@ -194,10 +201,14 @@ impl QpShared {
                     .is_some_and(|c| c.contains("IBV_WC_WR_FLUSH_ERR")))
         {
             *g = Some(e.to_string());
+            self.failed.store(true, Ordering::Release);
         }
     }
 
     fn error(&self) -> Option<String> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
         self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
@@ -332,6 +343,7 @@ impl Qp {
             send: Mutex::new(WorkQueue::new(opts.max_send_wr as usize)),
             recv: Mutex::new(WorkQueue::new(opts.max_recv_wr as usize)),
             error: Mutex::new(None),
+            failed: AtomicBool::new(false),
         });
         send_cq.inner.attach(qpn, shared.clone());
         recv_cq.inner.attach(qpn, shared.clone());
@@ -891,9 +903,10 @@ impl Qp {
             });
         }
         let nsge: usize = wrs.iter().map(|w| w.local.len()).sum();
-        let mut sges: SmallVec<[ffi::ibv_sge; INLINE_SGES]> = SmallVec::with_capacity(nsge);
-        let mut raw: SmallVec<[ffi::ibv_recv_wr; INLINE_WRS]> = SmallVec::with_capacity(wrs.len());
-        let mut pend: SmallVec<[Pending; INLINE_WRS]> = SmallVec::with_capacity(wrs.len());
+        let mut sges: SmallVec<[ffi::ibv_sge; INLINE_RECVS]> = SmallVec::with_capacity(nsge);
+        let mut raw: SmallVec<[ffi::ibv_recv_wr; INLINE_RECVS]> =
+            SmallVec::with_capacity(wrs.len());
+        let mut pend: SmallVec<[Pending; INLINE_RECVS]> = SmallVec::with_capacity(wrs.len());
         for wr in wrs {
             let (seq, _) = q.next(true);
             let mut refs = SmallVec::with_capacity(wr.local.len());
