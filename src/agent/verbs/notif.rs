@@ -229,13 +229,13 @@ impl Verbs {
             tracing::warn!(%peer, rail = %self.rails[rail].name, error = %why, "notification channel not rebuilt");
             return;
         }
+        e.chan_retry.remove(peer);
         let Some(&id) = e.out_ids.get(peer) else {
             return; // the peer went meanwhile
         };
         let key = ChanKey::Out(id);
         e.chan_qpn.retain(|_, k| *k != key);
         e.chan_qpn.insert((rail, qp.qpn()), key);
-        e.chan_retry.remove(peer);
         if let Some(o) = e.outs.get_mut(&id) {
             *o = OutChan {
                 peer: peer.to_owned(),
