@@ -27,9 +27,11 @@ BINS="${CARGO_TARGET_DIR:-target}/test-binaries.tsv"
 # its package's directory
 RUNNER=()
 suite() {
-    local name=$1 exe dir
+    local name=$1 exe dir line
     shift
-    IFS=$'\t' read -r _ exe dir < <(awk -F'\t' -v n="$name" '$1 == n' "$BINS") || true
+    # (no process substitution: the lab's guest has no /dev/fd)
+    line=$(awk -F'\t' -v n="$name" '$1 == n' "$BINS")
+    IFS=$'\t' read -r _ exe dir <<< "$line" || true
     if [ -z "${exe:-}" ]; then
         echo "tools/test.sh: no test binary named $name in $BINS" >&2
         exit 1
