@@ -9,7 +9,8 @@
 #      in four VM boots: one for every suite that leaves the lab as it found it, one each
 #      for the three that take rxe links down or shape them (tc netem) — a boot costs ~12 s,
 #      and sixteen of them were ~3 min of a CI run.
-# Needs what tools/lab/setup.sh installs. KVRAIL_SKIP_LAB=1 runs tier 1 only (and says so).
+# Needs what tools/lab/setup.sh installs. KVRAIL_SKIP_LAB=1 runs tier 1 only (and says so);
+# KVRAIL_LAB_SHARED_TIMEOUT (3600 s) bounds the shared boot.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # (inside the lab's shared boot the host's start time comes along, so the step times go on)
@@ -55,7 +56,7 @@ lab_shared() {
     step "tier 2: the C ABI on verbs: the C example, the C error checks, the Python ctypes check"
     suite c_abi c_ python
     step "tier 2: the NIXL-API program (python/tests) on kvrail.nixl over verbs"
-    LAB=1 timeout 900 bash python/run-tests.sh
+    LAB=1 "${RUNNER[@]}" bash python/run-tests.sh
     step "tier 2: the connector (pull, push, dead D, dead P, pull/push refusal) on verbs"
     suite connector_suite --test-threads=1
     step "tier 2: fencing of freed blocks through the connector (late READ and WRITE) on verbs"
