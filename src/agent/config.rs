@@ -63,9 +63,12 @@ pub struct AgentConfig {
     /// one-rail transfers posted meanwhile are posted by the posting thread itself (as
     /// perftest's one thread posts and polls). [`Agent::status`](super::Agent::status) polls
     /// once. 0 (the default): nobody polls; the progress thread sleeps on the completion
-    /// channels and wakes waiters. An idle agent never spins either way. On TCP the
-    /// waiting caller looks for its answer (delivered by the connection's reader thread)
-    /// through the budget before sleeping: no sleep and wake-up per answer. On verbs, a
+    /// channels and wakes waiters. An idle agent never spins either way. On TCP, for answers
+    /// of at most 16 KiB, the waiting caller drives each peer's first connection itself: it
+    /// sends what is queued (in one `sendmsg`) and reads the answers, while the connection's
+    /// writer and reader threads sleep until one budget after its last pass (at once when it
+    /// goes to sleep): work posted after a caller's last wait or status, with nobody
+    /// driving, goes out within one budget. On verbs, a
     /// consumer that does not poll (a notification route, a thread sleeping in `wait` beside
     /// polling ones) may see a completion up to one budget or 16 ms, whichever is longer,
     /// late after the polling callers stop.

@@ -152,6 +152,8 @@ pub(crate) struct Shared {
     ended: std::sync::atomic::AtomicU64,
     /// Side-channel connections refused by authentication.
     auth_refused: std::sync::atomic::AtomicU64,
+    /// Each peer's first TCP connection, which waiting callers drive (`spin`).
+    driven: std::sync::RwLock<Vec<Arc<control::driven::Driven>>>,
     /// The verbs data path, when the agent runs on RDMA.
     #[cfg(feature = "verbs")]
     verbs: Option<Arc<verbs::Verbs>>,
@@ -322,6 +324,7 @@ impl Agent {
             copied: std::sync::atomic::AtomicU64::new(0),
             ended: std::sync::atomic::AtomicU64::new(0),
             auth_refused: std::sync::atomic::AtomicU64::new(0),
+            driven: std::sync::RwLock::default(),
             #[cfg(feature = "verbs")]
             verbs,
             bounce: std::sync::OnceLock::new(),

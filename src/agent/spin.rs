@@ -1,8 +1,9 @@
 //! Adaptive progress on the waiting thread (`AgentConfig::progress_spin_us`).
 //!
-//! On TCP there is no completion queue: a waiting caller looks for its answer (which the
-//! connection's reader thread delivers) through the budget before it sleeps, which saves
-//! the sleep and the wake-up per answer; what follows is the verbs backend.
+//! On TCP a waiting caller drives the peers' first connections itself through the budget
+//! (`control::driven`): it sends what is queued and reads the answers that are there,
+//! while the connections' writer and reader threads sleep (until one budget after the last
+//! pass, or at once when the caller goes to sleep). What follows is the verbs backend.
 //!
 //! A thread that waits — [`Agent::wait`](super::Agent::wait),
 //! [`Agent::wait_notifs`](super::Agent::wait_notifs) — first polls the completion queues
@@ -20,8 +21,10 @@
 //! the caller polling made the posting thread carry rxe's packet work inline, as perftest's
 //! does (in `perf`, the work moved from `ksoftirqd` into the posting thread).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::control::driven::Driven;
 use super::{AgentError, Shared};
 
 /// On TCP a waiting caller looks for answers of at most this many bytes before sleeping
@@ -55,6 +58,10 @@ impl Drop for Polling<'_> {
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
             v.stop_polling(self.shared, self.sleeping);
+            return;
+        }
+        if self.sleeping {
+            self.shared.release_driven();
         }
     }
 }
@@ -63,12 +70,12 @@ impl Shared {
     /// The polling budget of a caller waiting for an answer of `bytes()` bytes (`None`: a
     /// notification, small; asked on TCP only); zero when it sleeps at once.
     ///
-    /// On TCP the caller has no queue to poll (the connections' reader threads deliver),
-    /// but looking for a small answer through the budget before sleeping saves a sleep and
-    /// a wake-up per answer (4 KiB WRITEs, 32 in flight, host loopback, five interleaved
-    /// rounds: 205-235k transfers/s sleeping at once, 264-307k looking). For a large one
-    /// the looking thread takes a CPU the copies need (64 KiB to 8 MiB, 8 in flight:
-    /// 0.6-0.8 of the bandwidth on two cores), so it sleeps at once.
+    /// On TCP the caller drives the connections for a small answer (see the module): 4 KiB
+    /// WRITEs, 32 in flight, host loopback, five interleaved rounds: 188k transfers/s
+    /// (median) when it only looked for answers the threads delivered, 230k sleeping at
+    /// once, 271k driving. For a large one the looking thread takes a CPU the copies need
+    /// (64 KiB to 8 MiB, 8 in flight: 0.6-0.8 of the bandwidth on two cores), so it sleeps
+    /// at once.
     pub(crate) fn spin_budget(&self, bytes: impl FnOnce() -> Option<u64>) -> Duration {
         let budget = Duration::from_micros(self.config.progress_spin_us.into());
         if budget.is_zero() || self.polls_queues() || bytes().is_none_or(|b| b <= TCP_SPIN_MAX) {
@@ -88,15 +95,45 @@ impl Shared {
     }
 
     /// Poll every completion queue once from this thread and dispatch what was there (verbs
-    /// with a polling budget; nothing otherwise): how many completions.
+    /// with a polling budget), or drive the peers' TCP connections once (TCP with a budget:
+    /// `control::driven`); nothing otherwise. Returns how many completions or answers.
     pub(crate) fn poll_once(&self) -> usize {
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.verbs {
             if !v.spin().is_zero() {
                 return v.poll_once(self);
             }
+            return 0;
         }
-        0
+        let budget = Duration::from_micros(self.config.progress_spin_us.into());
+        if budget.is_zero() {
+            return 0;
+        }
+        let driven = self.driven.read().unwrap_or_else(|p| p.into_inner());
+        driven.iter().map(|d| d.drive(self, budget)).sum()
+    }
+
+    /// A caller stops driving the TCP connections (it sleeps next): their threads resume.
+    fn release_driven(&self) {
+        if self.config.progress_spin_us == 0 || self.polls_queues() {
+            return; // nothing is driven
+        }
+        let driven = self.driven.read().unwrap_or_else(|p| p.into_inner());
+        for d in driven.iter() {
+            d.release();
+        }
+    }
+
+    /// Waiting callers may drive `d` (a peer's first TCP connection) from now on.
+    pub(crate) fn drive_tcp_conn(&self, d: &Arc<Driven>) {
+        let mut driven = self.driven.write().unwrap_or_else(|p| p.into_inner());
+        driven.push(d.clone());
+    }
+
+    /// `d` ended: nobody drives it any more.
+    pub(crate) fn undrive_tcp_conn(&self, d: &Arc<Driven>) {
+        let mut driven = self.driven.write().unwrap_or_else(|p| p.into_inner());
+        driven.retain(|x| !Arc::ptr_eq(x, d));
     }
 
     /// Poll the completion queues until `ready` gives a value, `deadline` passes, or the
@@ -108,6 +145,9 @@ impl Shared {
         mut ready: impl FnMut() -> Result<Option<T>, AgentError>,
     ) -> Result<Option<T>, AgentError> {
         if budget.is_zero() {
+            // the caller sleeps at once (a large answer on TCP): the connections' threads
+            // read it, not the next driving pass
+            self.release_driven();
             return Ok(None);
         }
         let mut polling = Polling::start(self);

@@ -41,6 +41,8 @@ pub(crate) struct Batch {
     bytes: usize,
     /// Payload bytes of WRITEs in it (counted as sent once the batch is).
     payload: u64,
+    /// Bytes of it already sent (a caller's non-blocking send can leave the rest).
+    done: usize,
 }
 
 impl Batch {
@@ -120,7 +122,23 @@ impl Batch {
     /// # Errors
     /// The socket's; `InvalidInput` for a payload range outside its buffer.
     pub(crate) fn send(&mut self, shared: &Shared, sock: &TcpStream) -> io::Result<()> {
-        let r = send_all(sock, &self.heads, &self.segs);
+        self.send_from(shared, sock, true).map(drop)
+    }
+
+    /// Send what the socket takes now, without waiting for room: true once all of it is
+    /// sent (the batch is then empty); false leaves the rest for [`Batch::send`].
+    ///
+    /// # Errors
+    /// As [`Batch::send`] (the batch is emptied).
+    pub(crate) fn try_send(&mut self, shared: &Shared, sock: &TcpStream) -> io::Result<bool> {
+        self.send_from(shared, sock, false)
+    }
+
+    fn send_from(&mut self, shared: &Shared, sock: &TcpStream, block: bool) -> io::Result<bool> {
+        let r = send_all(sock, &self.heads, &self.segs, &mut self.done, block);
+        if let Ok(false) = r {
+            return r;
+        }
         if r.is_ok() {
             shared.stats.tcp_bytes[super::stats::op_index(XferOp::Write)].add(self.payload);
         }
@@ -128,13 +146,21 @@ impl Batch {
         self.segs.clear();
         self.bytes = 0;
         self.payload = 0;
+        self.done = 0;
         r
     }
 }
 
-/// `sendmsg` the vector until every byte is out: the buffers locked (address order) for each
-/// non-blocking attempt, `poll` for room with none held.
-fn send_all(sock: &TcpStream, heads: &[u8], segs: &[Seg]) -> io::Result<()> {
+/// `sendmsg` the vector from byte `done` on until every byte is out (true), the buffers
+/// locked (address order) for each non-blocking attempt; when the socket is full, `poll`
+/// for room with none held (`block`) or return false with `done` where it stopped.
+fn send_all(
+    sock: &TcpStream,
+    heads: &[u8],
+    segs: &[Seg],
+    done: &mut usize,
+    block: bool,
+) -> io::Result<bool> {
     // the distinct buffers, in address order, and each payload entry's buffer among them
     let mut bufs: Vec<&HostBuffer> = Vec::new();
     for s in segs {
@@ -165,12 +191,11 @@ fn send_all(sock: &TcpStream, heads: &[u8], segs: &[Seg]) -> io::Result<()> {
             Seg::Head(_, n) | Seg::Mem(_, _, n) => *n,
         })
         .sum();
-    let mut done = 0;
-    while done < total {
+    while *done < total {
         let mut guards: Vec<_> = bufs.iter().map(|b| b.locked()).collect();
         let whole: Vec<&[u8]> = guards.iter_mut().map(|g| g.bytes()).collect();
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(segs.len());
-        let (mut skip, mut m) = (done, 0);
+        let (mut skip, mut m) = (*done, 0);
         for s in segs {
             let bytes: &[u8] = match s {
                 Seg::Head(at, n) => &heads[*at..at + n],
@@ -193,7 +218,8 @@ fn send_all(sock: &TcpStream, heads: &[u8], segs: &[Seg]) -> io::Result<()> {
         drop(guards);
         match sent {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => done += n,
+            Ok(n) => *done += n,
+            Err(Errno::EAGAIN) if !block => return Ok(false),
             Err(Errno::EAGAIN) => {
                 let mut fds = [PollFd::new(sock.as_fd(), PollFlags::POLLOUT)];
                 match poll(&mut fds, PollTimeout::NONE) {
@@ -205,7 +231,7 @@ fn send_all(sock: &TcpStream, heads: &[u8], segs: &[Seg]) -> io::Result<()> {
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(())
+    Ok(true)
 }
 
 fn host(r: &Region) -> io::Result<&HostBuffer> {
@@ -270,11 +296,18 @@ mod tests {
             b.read_exact(&mut got).unwrap();
             got
         });
-        send_all(&a, &heads, &segs).unwrap();
+        // what a non-blocking attempt leaves (the reader sleeps: the socket fills), then the rest
+        let mut done = 0;
+        assert!(!send_all(&a, &heads, &segs, &mut done, false).unwrap());
+        assert!(
+            done > 0 && done < n,
+            "{done} of {n} sent before the socket was full"
+        );
+        assert!(send_all(&a, &heads, &segs, &mut done, true).unwrap());
         assert!(t.join().unwrap() == want, "every byte in order");
         // a payload range outside its buffer is refused before anything is sent
         let bad = vec![Seg::Mem(region(3, &[1, 2, 3]), 2, 2)];
-        let e = send_all(&a, &[], &bad).unwrap_err();
+        let e = send_all(&a, &[], &bad, &mut 0, true).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
     }
 }

@@ -9,6 +9,8 @@
 
 mod accept;
 pub(crate) mod auth;
+pub(crate) mod driven;
+mod io;
 pub(crate) mod msg;
 
 use std::net::{Shutdown as NetShutdown, SocketAddr, TcpListener, TcpStream};
@@ -294,19 +296,36 @@ fn open(
         // a connection of the group ended while this one attached
         let _ = s.shutdown(NetShutdown::Both);
     }
-    let (sh, tx2, g) = (shared.clone(), tx.clone(), group.clone());
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let out = driven::Out {
+        rx,
+        w,
+        batch: super::tcp_batch::Batch::default(),
+        held: None,
+    };
+    let inp = driven::In {
+        r: reader,
+        stash: None,
+        tx: Some(tx.clone()),
+    };
+    let d = Arc::new(driven::Driven::new((out, inp), sent.clone(), peer));
+    // the first connection's answers and small work may be driven by waiting callers
+    if meta.is_some() {
+        shared.drive_tcp_conn(&d);
+    }
+    let (sh, d2, g) = (shared.clone(), d.clone(), group.clone());
     spawn_for(shared, ("rd", peer), addr, move |name| {
-        let why = initiator_reader(&sh, reader, &tx2, name);
+        let why = io::initiator_reader(&sh, &d2);
+        sh.undrive_tcp_conn(&d2);
         // Nothing will answer on this connection again: stop the group both ways, so the
         // writers fail (and fail what is queued) instead of sending into half-open sockets
         // whose answers nobody reads; then fail what is in flight.
         g.close();
         sh.fail_peer(name, &why);
     })?;
-    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let (sh, sent2, g) = (shared.clone(), sent.clone(), group.clone());
+    let (sh, g) = (shared.clone(), group.clone());
     spawn_for(shared, ("wr", peer), addr, move |name| {
-        writer(&sh, w, rx, name, (&sent2, &g));
+        io::writer(&sh, &d, name, &g);
     })?;
     Ok(Conn { tx, sent })
 }
@@ -346,158 +365,6 @@ pub(crate) fn expect_reply<T>(
         Ok(None) => Err(conn_err(step, addr, "unexpected reply None")),
         Err(e) => Err(conn_err(step, addr, e)),
     }
-}
-
-/// Sends this agent's transfers and notifications, in submission order. Small work queued
-/// together goes out in one send (`tcp_batch`): what is queued is gathered until the queue
-/// is empty, the batch is full, or other work comes (sent after the batch).
-fn writer(
-    shared: &Shared,
-    mut w: TcpStream,
-    rx: mpsc::Receiver<Work>,
-    peer: &str,
-    (sent, group): (&std::sync::atomic::AtomicU64, &Group),
-) {
-    let mut batch = super::tcp_batch::Batch::default();
-    let fail = |e: std::io::Error| {
-        group.close();
-        shared.fail_peer(peer, &format!("send failed: {e}"));
-    };
-    loop {
-        let next = if batch.is_empty() {
-            rx.recv().ok()
-        } else {
-            match rx.try_recv() {
-                Ok(work) => Some(work),
-                Err(e) => {
-                    if let Err(e) = batch.send(shared, &w) {
-                        return fail(e);
-                    }
-                    if e == mpsc::TryRecvError::Disconnected {
-                        return;
-                    }
-                    continue;
-                }
-            }
-        };
-        let Some(work) = next else { return };
-        let work = match batch.take(work) {
-            Ok(None) => {
-                sent.fetch_add(1, Ordering::Release);
-                if batch.full() {
-                    if let Err(e) = batch.send(shared, &w) {
-                        return fail(e);
-                    }
-                }
-                continue;
-            }
-            Ok(Some(work)) => work,
-            Err(e) => return fail(e),
-        };
-        if !batch.is_empty() {
-            if let Err(e) = batch.send(shared, &w) {
-                return fail(e);
-            }
-        }
-        let res = match work {
-            Work::Flush(done) => {
-                let _ = done.send(());
-                Ok(())
-            }
-            Work::Notif(b) => send(&mut w, &Msg::Notif(b)),
-            Work::SeqNotif(seq, bytes) => send(&mut w, &Msg::SeqNotif { seq, bytes }),
-            #[cfg(feature = "verbs")]
-            Work::QpOpen(pairs) => send(&mut w, &Msg::QpOpen { pairs }),
-            #[cfg(feature = "verbs")]
-            Work::ChanOpen(rail, ep) => send(&mut w, &Msg::ChanOpen { rail, ep }),
-            Work::Xfer {
-                id,
-                op: XferOp::Write,
-                local,
-                remote,
-                grants,
-                notif,
-            } => super::tcp::send_write(shared, &mut w, id, &local, (&remote, &grants), notif),
-            Work::Xfer {
-                id,
-                op: XferOp::Read,
-                remote,
-                grants,
-                ..
-            } => super::tcp::send_read(&mut w, id, &remote, &grants),
-        };
-        sent.fetch_add(1, Ordering::Release);
-        if let Err(e) = res {
-            return fail(e);
-        }
-    }
-}
-
-/// Reads the target's answers to this agent's transfers.
-/// Returns why the connection ended.
-fn initiator_reader(
-    shared: &Shared,
-    mut r: Reader<TcpStream>,
-    tx: &mpsc::Sender<Work>,
-    peer: &str,
-) -> String {
-    let why = loop {
-        let m = r.next();
-        // answers are taken only about transfers posted on this connection: another peer
-        // must not complete, fail or fill this one's (its ids are guessable)
-        if let Ok(Some(Msg::Ack { xfer } | Msg::Fail { xfer, .. } | Msg::ReadData { xfer, .. })) =
-            &m
-        {
-            if lock(&shared.xfers).belongs_elsewhere(*xfer, peer) {
-                break format!("protocol error: an answer about transfer {xfer}, which was not posted to {peer}");
-            }
-        }
-        match m {
-            Ok(Some(Msg::Ack { xfer })) => shared.finish(xfer, Ok(())),
-            Ok(Some(Msg::Fail { xfer, message })) => {
-                let e = match message.strip_prefix(super::grant::REVOKED) {
-                    Some(why) => XferError::GrantRevoked {
-                        peer: peer.to_owned(),
-                        why: why.to_owned(),
-                    },
-                    None => XferError::Peer {
-                        peer: peer.to_owned(),
-                        message,
-                    },
-                };
-                shared.finish(xfer, Err(e));
-            }
-            Ok(Some(Msg::ReadData { xfer, idx, at, len })) => {
-                if let Err(e) =
-                    super::tcp::on_read_data(shared, tx, peer, (xfer, idx, at, len), &mut r)
-                {
-                    break e;
-                }
-            }
-            #[cfg(feature = "verbs")]
-            Ok(Some(Msg::QpOpened { endpoints })) => {
-                if let Some(v) = &shared.verbs {
-                    v.rebuilt(peer, Ok(endpoints));
-                }
-            }
-            #[cfg(feature = "verbs")]
-            Ok(Some(Msg::ChanOpened { ep })) => {
-                if let Some(v) = &shared.verbs {
-                    v.chan_rebuilt(peer, Ok(ep));
-                }
-            }
-            #[cfg(feature = "verbs")]
-            Ok(Some(Msg::Refused { message })) => {
-                if let Some(v) = &shared.verbs {
-                    v.rebuilt(peer, Err(message));
-                }
-            }
-            Ok(Some(other)) => break format!("protocol error: unexpected {other:?}"),
-            Ok(None) => break "closed by the peer".to_string(),
-            Err(e) => break e,
-        }
-    };
-    why
 }
 
 /// Stops the listener and every connection when the last agent handle drops.

@@ -173,6 +173,42 @@ impl Reader<std::net::TcpStream> {
             .map_err(|e| format!("inside a data message: {e}"))?;
         Ok(have as u64)
     }
+
+    /// The next message if it is here whole, without waiting: what is buffered, then what
+    /// the socket holds now (a non-blocking receive). `Ok(None)`: not yet; `Err` ends the
+    /// connection as [`Reader::next`]'s would (its end of stream is "closed by the peer").
+    pub(crate) fn try_next(&mut self) -> Result<Option<Msg>, String> {
+        use std::os::fd::AsRawFd;
+        loop {
+            if let Some(body) = self.dec.next_frame().map_err(|e| e.to_string())? {
+                return rmp_serde::from_slice(&body)
+                    .map(Some)
+                    .map_err(|e| format!("malformed message: {e}"));
+            }
+            let got = nix::sys::socket::recv(
+                self.r.as_raw_fd(),
+                &mut self.buf,
+                nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            );
+            match got {
+                Ok(0) => {
+                    return Err(self
+                        .dec
+                        .finish()
+                        .map_or_else(|e| e.to_string(), |()| "closed by the peer".into()))
+                }
+                Ok(n) => self.dec.push(&self.buf[..n]),
+                Err(nix::errno::Errno::EAGAIN) => return Ok(None),
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    /// Bytes read past the last message taken (a data message's payload, or later frames).
+    pub(crate) fn buffered(&self) -> usize {
+        self.dec.buffered()
+    }
 }
 
 /// Write a data message: `header` (a `WriteData` or `ReadData` of `len` bytes), then the
