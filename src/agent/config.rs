@@ -66,9 +66,9 @@ pub struct AgentConfig {
     /// channels and wakes waiters. An idle agent never spins either way. On TCP, for answers
     /// of at most 16 KiB, the waiting caller drives each peer's first connection itself: it
     /// sends what is queued (in one `sendmsg`) and reads the answers, while the connection's
-    /// writer and reader threads sleep until one budget after its last pass (at once when it
-    /// goes to sleep): work posted after a caller's last wait or status, with nobody
-    /// driving, goes out within one budget. On verbs, a
+    /// writer and reader threads sleep until one budget (at most 16 ms) after its last pass,
+    /// or until it goes to sleep: work posted after a caller's last wait or status, with
+    /// nobody driving, goes out that much later at most. On verbs, a
     /// consumer that does not poll (a notification route, a thread sleeping in `wait` beside
     /// polling ones) may see a completion up to one budget or 16 ms, whichever is longer,
     /// late after the polling callers stop.

@@ -144,7 +144,7 @@ fn driving_callers_move_small_and_large_work_byte_exact_and_in_order() {
     }
 }
 
-/// After a wait, the connection is left to the caller for one budget (200 ms here): a WRITE
+/// After a wait, the connection is left to the caller for a while (16 ms; 200 ms budget): a WRITE
 /// posted then, with nothing called on the agent again, still goes out (its notification
 /// and bytes reach the target), and its answer is taken by the connection's reader (the
 /// agent's metrics count it done while nobody drives).
@@ -256,7 +256,8 @@ fn a_peer_dying_under_a_driving_caller_fails_what_is_in_flight() {
 /// What a driving caller meets and cannot finish without waiting on the socket goes to the
 /// connection's threads, in order: a 1 MiB READ's answer (its bytes do not fit what one
 /// look reads) to the reader, a 1 MiB WRITE queued between small ones to the writer. With
-/// a budget of 200 ms the threads sleep through the test's posts, so the caller meets both.
+/// a budget of 200 ms the threads sleep through the test's posts (the window after a pass,
+/// 16 ms), so the caller meets both.
 #[test]
 fn what_a_driving_caller_cannot_finish_goes_to_the_threads_in_order() {
     let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
@@ -291,15 +292,19 @@ fn what_a_driving_caller_cannot_finish_goes_to_the_threads_in_order() {
             XferStatus::Done
         );
     };
-    // a first small WRITE: the caller drives, and the writer goes to sleep for the budget
-    d.write_region(src, 0, &pattern(1, 4096)).unwrap();
-    done(xfer(XferOp::Write, (src, 0), 4096, None));
-    // (offsets: the READ's bytes at 0 of the target, the WRITEs' at 1, 2 and 3 MiB)
+    // (offsets: the READ's bytes at 0 of the target, the WRITEs' at 1, 2 and 3 MiB, the
+    // first ones' 8 KiB after the last)
     p.write_region(dst, 0, &pattern(2, BIG as usize)).unwrap();
     for (k, len) in [(1u64, 4096u64), (2, BIG), (3, 4096)] {
         let seed = 10 + k;
         d.write_region(src, k * BIG, &pattern(seed, len as usize))
             .unwrap();
+    }
+    // small WRITEs first: the caller drives, and the threads go to sleep for the window
+    // after its last pass (16 ms), in which the four below are posted (each thread may be
+    // waiting on the socket when the first pass comes: it moves one more, then sleeps)
+    for _ in 0..3 {
+        done(xfer(XferOp::Write, (src, 3 * BIG + 8192), 4096, None));
     }
     let r = xfer(XferOp::Read, (back, 0), BIG, None);
     let a = xfer(XferOp::Write, (src, BIG), 4096, Some("a"));

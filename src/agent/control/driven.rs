@@ -11,11 +11,12 @@
 //! neither hand-off.
 //!
 //! The rules:
-//! - Each pass of a driving caller marks the connection driven for one budget from now. Its
-//!   threads do not touch the socket while it is driven: they sleep (bounded by the end of
-//!   that window) and then resume, so what nobody drives any longer — work posted after a
-//!   caller's last wait, an answer that arrives after it — is sent or read within one
-//!   budget. A caller that goes to sleep (its budget ran out) ends the window at once.
+//! - Each pass of a driving caller marks the connection driven for one budget from now (at
+//!   most [`WINDOW_MAX`]). Its threads do not touch the socket while it is driven: they
+//!   sleep (bounded by the end of that window) and then resume, so what nobody drives any
+//!   longer — work posted after a caller's last wait, an answer that arrives after it — is
+//!   sent or read within that window. A caller that goes to sleep (its budget ran out, or
+//!   it waits for a large answer) ends the window at once.
 //! - Whoever holds a side's lock sends (reads); the threads hold it while they block on
 //!   the socket, so a caller only ever tries the locks and never waits on the socket: what
 //!   it cannot do without waiting — a batch the socket did not take whole, work that is not
@@ -31,6 +32,10 @@ use super::msg::{Msg, Reader};
 use super::Work;
 use crate::agent::tcp_batch::Batch;
 use crate::agent::{lock, Shared};
+
+/// The longest a pass keeps the connection's threads asleep: with a long budget, work
+/// posted after a caller's last pass still goes out (and answers are read) this soon.
+pub(crate) const WINDOW_MAX: Duration = Duration::from_millis(16);
 
 /// The send side: the queue's receiving end, the socket and the batch being gathered.
 pub(super) struct Out {
@@ -145,12 +150,14 @@ impl Driven {
         }
     }
 
-    /// One pass of a caller with `budget`: mark the connection driven, send what is
-    /// queued, read what answers are here. Returns how many answers it dispatched.
+    /// One pass of a caller with `budget`: mark the connection driven (for the budget, at
+    /// most [`WINDOW_MAX`]), send what is queued, read what answers are here. Returns how
+    /// many answers it dispatched.
     pub(crate) fn drive(&self, shared: &Shared, budget: Duration) -> usize {
+        let window = budget.min(WINDOW_MAX);
         let end = self
             .now()
-            .saturating_add(u64::try_from(budget.as_nanos()).unwrap_or(u64::MAX));
+            .saturating_add(u64::try_from(window.as_nanos()).unwrap_or(u64::MAX));
         self.until.fetch_max(end, Ordering::AcqRel);
         self.drive_out(shared);
         self.drive_in(shared)
