@@ -781,14 +781,7 @@ impl Agent {
     /// # Errors
     /// [`AgentError::NoXfer`].
     pub fn status(&self, id: XferId) -> Result<XferStatus, AgentError> {
-        // adaptive progress: the caller's poll drives completions (on TCP, small answers only,
-        // as a waiting caller's: `Shared::spin_budget`)
-        if !(self.shared)
-            .spin_budget(|| lock(&self.shared.xfers).bytes(id))
-            .is_zero()
-        {
-            self.shared.poll_once();
-        }
+        self.shared.poll_for_status(id); // adaptive progress: the caller's poll
         lock(&self.shared.xfers).status(id).cloned()
     }
 

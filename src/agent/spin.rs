@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::control::driven::Driven;
-use super::{AgentError, Shared};
+use super::{AgentError, Shared, XferId, XferStatus};
 
 /// On TCP a waiting caller looks for answers of at most this many bytes before sleeping
 /// (see [`Shared::spin_budget`]).
@@ -111,6 +111,26 @@ impl Shared {
         }
         let driven = self.driven.read().unwrap_or_else(|p| p.into_inner());
         driven.iter().map(|d| d.drive(self, budget)).sum()
+    }
+
+    /// [`Agent::status`](super::Agent::status)'s look with a budget: on verbs, poll the
+    /// completion queues once; on TCP, drive the connections once for a small transfer
+    /// still in progress (as a waiting caller would: [`Shared::spin_budget`]; one that
+    /// ended needs no look, and a loop asking about every transfer in flight would make a
+    /// pass, a receive call, for each).
+    pub(crate) fn poll_for_status(&self, id: XferId) {
+        let xfers = || super::lock(&self.xfers);
+        if self.spin_budget(|| xfers().bytes(id)).is_zero() {
+            return;
+        }
+        if !self.polls_queues()
+            && !xfers()
+                .status(id)
+                .is_ok_and(|s| *s == XferStatus::InProgress)
+        {
+            return;
+        }
+        self.poll_once();
     }
 
     /// A caller stops driving the TCP connections (it sleeps next): their threads resume.
