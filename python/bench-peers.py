@@ -7,7 +7,9 @@ iperf3 (one stream, its largest writes: 1 MiB). WRITE and READ at 64 KiB, 1 MiB 
 then small transfers (4 KiB, 32 in flight) per second. Prints each round, then a table with
 the medians and the ratios kvrail / Mooncake, kvrail / iperf3 and kvrail.nixl / NIXL, and the
 socket floor at 8 MiB (socket_floor.py: a plain loop, no engine, 8 MiB messages between
-distinct buffers: kvrail-perf's 8 of them a side, and one) next to iperf3 and kvrail.
+distinct buffers: kvrail-perf's 8 of them a side, and one) next to iperf3 and kvrail, and
+the small transfers' floor (kvrail-tcp-floor: one thread a side, each burst in one writev,
+answered with one write) next to kvrail's rate.
 
     python/bench-peers.py [--rounds 3] [--secs 2]
 
@@ -33,6 +35,7 @@ ROOT = os.path.dirname(HERE)
 PERF = os.path.join(ROOT, "target", "release", "kvrail-perf")
 MC = os.path.join(HERE, "tests", "mooncake_bench.py")
 FLOOR = os.path.join(HERE, "socket_floor.py")
+SMALL_FLOOR = os.path.join(ROOT, "target", "release", "kvrail-tcp-floor")
 SIZES = [64 << 10, 1 << 20, 8 << 20]
 DEPTH = 8
 
@@ -180,6 +183,20 @@ def socket_floor(size, slots, secs):
     return float(out.split()[1])
 
 
+def small_floor(size, depth, secs):
+    """Transfers a second of kvrail-tcp-floor (two processes, one thread each, no engine): the
+    floor under kvrail-perf's small-transfer rate."""
+    port = free_port()
+    srv = subprocess.Popen([SMALL_FLOOR, "--server", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        if srv.stdout.readline().strip() != "READY":
+            sys.exit("kvrail-tcp-floor --server did not start")
+        out = run([SMALL_FLOOR, "--client", str(port), str(size), str(depth), str(max(1, round(secs)))])
+    finally:
+        reap(srv)
+    return float(out.split()[0])
+
+
 def mooncake_python(path):
     py = os.path.join(path, "bin", "python")
     if not os.path.exists(py):
@@ -202,11 +219,13 @@ def main():
     ap.add_argument("--kvrail-python", default=os.path.join(ROOT, "target", "py", "bin", "python"))
     ap.add_argument("--mooncake-venv", default=os.path.join(ROOT, "target", "mooncake-venv"))
     a = ap.parse_args()
-    if not os.path.exists(PERF):
-        sys.exit(f"{PERF} missing: cargo build --release -p kvrail-tools")
+    for tool in (PERF, SMALL_FLOOR):
+        if not os.path.exists(tool):
+            sys.exit(f"{tool} missing: cargo build --release -p kvrail-tools")
     mc_py = mooncake_python(a.mooncake_venv)
     cases = [(op, s) for op in ("WRITE", "READ") for s in SIZES]
-    runs = {k: [] for k in ("kvrail", "kvrail.nixl", "NIXL", "Mooncake", "iperf3", "small", "floor", "floor1", "kv1")}
+    runs = {k: [] for k in ("kvrail", "kvrail.nixl", "NIXL", "Mooncake", "iperf3", "small", "small_floor",
+                            "floor", "floor1", "kv1")}
     for k in range(a.rounds):
         runs["kvrail"].append({c: kvrail_perf(c[0], c[1], DEPTH, a.secs)[0] for c in cases})
         runs["NIXL"].append(bench_nixl.once(a.nixl_python, "nixl", a.secs))
@@ -217,11 +236,13 @@ def main():
         runs["floor1"].append(socket_floor(8 << 20, 1, a.secs))
         runs["kv1"].append(kvrail_perf("WRITE", 8 << 20, DEPTH, a.secs, ["--slots", "1"])[0])
         runs["small"].append(kvrail_perf("WRITE", 4096, 32, a.secs)[1])
+        runs["small_floor"].append(small_floor(4096, 32, a.secs))
         r = {n: runs[n][-1] for n in ("kvrail", "Mooncake")}
         print(f"round {k + 1}: kvrail/Mooncake " + "  ".join(
             f"{op} {s >> 10} KiB {r['kvrail'][(op, s)] / r['Mooncake'][(op, s)]:.2f}x" for op, s in cases)
             + f"; iperf3 {fmt(runs['iperf3'][-1])} MB/s; socket floor 8 MiB x{DEPTH} {runs['floor'][-1]:.0f}, "
-            f"x1 {runs['floor1'][-1]:.0f} MB/s; 4 KiB x32: {runs['small'][-1]:.0f}/s", flush=True)
+            f"x1 {runs['floor1'][-1]:.0f} MB/s; 4 KiB x32: {runs['small'][-1]:.0f}/s "
+            f"(floor {runs['small_floor'][-1]:.0f}/s)", flush=True)
     med = lambda name, c: statistics.median(r[c] for r in runs[name])
     print(f"\nTCP loopback, {DEPTH} in flight, medians of {a.rounds} interleaved round(s), MB/s:\n")
     print("| op | size | kvrail-perf | kvrail.nixl | NIXL (UCX tcp) | Mooncake (tcp) | iperf3 | kvrail / Mooncake | kvrail.nixl / NIXL | kvrail / iperf3 |")
@@ -240,8 +261,10 @@ def main():
           f"one buffer a side {fl1:.0f} MB/s ({fmt(ip and fl1 / ip, 2)}x iperf3); "
           f"kvrail-perf WRITE 8 MiB / the floor of its footprint: {kv8 / fl:.2f}; with one buffer a side "
           f"(--slots 1) {kv1:.0f} MB/s, {kv1 / fl1:.2f} of that floor, {fmt(ip and kv1 / ip, 2)}x iperf3")
-    print(f"\nsmall transfers (4 KiB WRITE, 32 in flight, kvrail-perf TCP): "
-          f"{statistics.median(runs['small']):.0f} per second (median)")
+    sm, sf = statistics.median(runs["small"]), statistics.median(runs["small_floor"])
+    print(f"\nsmall transfers (4 KiB WRITE, 32 in flight, kvrail-perf TCP): {sm:.0f} per second (median); "
+          f"the floor (kvrail-tcp-floor: one thread a side, no engine) {sf:.0f} per second; kvrail / floor "
+          f"{sm / sf:.2f}")
 
 
 if __name__ == "__main__":
