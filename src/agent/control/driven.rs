@@ -220,7 +220,6 @@ impl Driven {
         if i.stash.is_some() {
             return 0; // handed to the reader already
         }
-
         let mut n = 0;
         loop {
             let m = match i.r.try_next() {
