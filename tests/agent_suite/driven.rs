@@ -4,7 +4,8 @@
 //! byte-exact and in order whether the caller or the connection's threads moved them
 //! (a READ answer whose bytes are not all there yet and a large WRITE go to the threads);
 //! work posted after the last wait goes out and is answered with nobody driving; a peer that
-//! dies while a caller drives fails every transfer in flight, none hangs. On verbs the same
+//! dies while a caller drives fails every transfer in flight, none hangs; four threads driving
+//! one connection at once all land their transfers. On verbs the same
 //! transfers run over queue pairs (the waiter polls the completion queues instead).
 
 use std::collections::VecDeque;
@@ -331,4 +332,77 @@ fn what_a_driving_caller_cannot_finish_goes_to_the_threads_in_order() {
         notes.sort(); // (as the transfers end there)
     }
     assert_eq!(notes, [b"a", b"b", b"c"], "notifications in posting order");
+}
+
+/// Four threads of one agent post and wait at once (an engine's workers), each with 8 small
+/// WRITEs and READs in flight: the callers drive the same connection in turn (each pass tries
+/// its locks; whoever holds one sends or reads for all), and every transfer of every thread
+/// lands byte-exact and ends done.
+#[test]
+fn threads_driving_one_connection_at_once_all_land() {
+    let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
+    let d = Agent::new("decode-0", driving(Host::A, 5000)).unwrap();
+    const THREADS: u64 = 4;
+    const PER: u64 = 8; // in flight per thread
+    const LEN: u64 = 4096;
+    let span = (THREADS * PER * LEN) as usize;
+    let src = d.register(span, RemoteAccess::NONE, vec![]).unwrap();
+    let back = d.register(span, RemoteAccess::NONE, vec![]).unwrap();
+    let dst = p.register(span, RemoteAccess::READ_WRITE, vec![]).unwrap();
+    let peer = load(&d, &p);
+    let rounds = if on_verbs() { 10 } else { 50 };
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (d, p, peer) = (&d, &p, &peer);
+            s.spawn(move || {
+                for round in 0..rounds {
+                    let op = if round % 2 == 0 {
+                        XferOp::Write
+                    } else {
+                        XferOp::Read
+                    };
+                    let mut xs = Vec::new();
+                    for k in 0..PER {
+                        let off = (t * PER + k) * LEN;
+                        let seed = (t << 32) | (round << 8) | k;
+                        let (local, bytes) = match op {
+                            XferOp::Write => (src, pattern(seed, LEN as usize)),
+                            XferOp::Read => (back, pattern(seed, LEN as usize)),
+                        };
+                        match op {
+                            XferOp::Write => d.write_region(src, off, &bytes).unwrap(),
+                            XferOp::Read => p.write_region(dst, off, &bytes).unwrap(),
+                        }
+                        let x = d
+                            .create_xfer(
+                                op,
+                                vec![Desc::new(local, off, LEN)],
+                                peer,
+                                vec![Desc::new(dst, off, LEN)],
+                                None,
+                            )
+                            .unwrap();
+                        d.post(x).unwrap();
+                        xs.push((x, off, bytes));
+                    }
+                    for (x, off, want) in xs {
+                        assert_eq!(
+                            d.wait(x, Duration::from_secs(60)).unwrap(),
+                            XferStatus::Done
+                        );
+                        d.release(x).unwrap();
+                        let mut got = vec![0u8; LEN as usize];
+                        match op {
+                            XferOp::Write => p.read_region(dst, off, &mut got).unwrap(),
+                            XferOp::Read => d.read_region(back, off, &mut got).unwrap(),
+                        }
+                        assert!(
+                            got == want,
+                            "thread {t} round {round}: {op:?} at {off} landed wrong"
+                        );
+                    }
+                }
+            });
+        }
+    });
 }
