@@ -120,18 +120,16 @@ impl Shared {
     /// ended needs no look, and a loop asking about every transfer in flight would make a
     /// pass, a receive call, for each).
     pub(crate) fn poll_for_status(&self, id: XferId) {
-        let xfers = || super::lock(&self.xfers);
-        if self.spin_budget(|| xfers().bytes(id)).is_zero() {
-            return;
+        let mut in_progress = true;
+        let budget = self.spin_budget(|| {
+            let xfers = super::lock(&self.xfers);
+            in_progress = xfers.status(id).is_ok_and(|s| *s == XferStatus::InProgress);
+            xfers.bytes(id)
+        });
+        // (on verbs `spin_budget` asks nothing: the queues are polled either way)
+        if !budget.is_zero() && in_progress {
+            self.poll_once();
         }
-        if !self.polls_queues()
-            && !xfers()
-                .status(id)
-                .is_ok_and(|s| *s == XferStatus::InProgress)
-        {
-            return;
-        }
-        self.poll_once();
     }
 
     /// A caller stops driving the TCP connections (it sleeps next): their threads resume.

@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvrail::agent::{Agent, AgentConfig, Desc, RemoteAccess, XferOp, XferStatus};
+use kvrail::agent::{Agent, AgentConfig, Desc, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
 
 use super::{cfg, collect_notifs, load, on_verbs, pattern, Host};
 
@@ -20,6 +20,28 @@ fn driving(host: Host, spin_us: u32) -> AgentConfig {
         progress_spin_us: spin_us,
         ..cfg(host)
     }
+}
+
+/// `op` of `len` bytes from offset `off` of `local` to the same offset of the peer's `dst`,
+/// made and posted.
+fn post(
+    d: &Agent,
+    op: XferOp,
+    (local, off, len): (RegionId, u64, u64),
+    (peer, dst): (&str, RegionId),
+    notif: Option<Vec<u8>>,
+) -> XferId {
+    let x = d
+        .create_xfer(
+            op,
+            vec![Desc::new(local, off, len)],
+            peer,
+            vec![Desc::new(dst, off, len)],
+            notif,
+        )
+        .unwrap();
+    d.post(x).unwrap();
+    x
 }
 
 /// `a`'s transfers of `op` that ended done, by its metrics (read without driving anything).
@@ -99,16 +121,7 @@ fn driving_callers_move_small_and_large_work_byte_exact_and_in_order() {
             notifs += 1;
             format!("slot {slot} seed {seed}").into_bytes()
         });
-        let x = d
-            .create_xfer(
-                op,
-                vec![Desc::new(local, off, len)],
-                &peer,
-                vec![Desc::new(dst, off, len)],
-                notif,
-            )
-            .unwrap();
-        d.post(x).unwrap();
+        let x = post(&d, op, (local, off, len), (&peer, dst), notif);
         flight.push_back((x, (slot, op, len, seed)));
     }
     for (x, what) in flight {
@@ -163,17 +176,8 @@ fn work_posted_after_the_last_wait_is_sent_and_answered_with_nobody_driving() {
     let peer = load(&d, &p);
     let post = |seed: u64, notif: &str| {
         d.write_region(src, 0, &pattern(seed, 4096)).unwrap();
-        let x = d
-            .create_xfer(
-                XferOp::Write,
-                vec![Desc::new(src, 0, 4096)],
-                &peer,
-                vec![Desc::new(dst, 0, 4096)],
-                Some(notif.as_bytes().to_vec()),
-            )
-            .unwrap();
-        d.post(x).unwrap();
-        x
+        let notif = Some(notif.as_bytes().to_vec());
+        post(&d, XferOp::Write, (src, 0, 4096), (&peer, dst), notif)
     };
     let first = post(1, "first");
     assert_eq!(
@@ -215,17 +219,13 @@ fn a_peer_dying_under_a_driving_caller_fails_what_is_in_flight() {
     d.write_region(src, 0, &pattern(7, DEPTH * 4096)).unwrap();
     let mut xs = Vec::new();
     for k in 0..DEPTH as u64 {
-        let x = d
-            .create_xfer(
-                XferOp::Write,
-                vec![Desc::new(src, k * 4096, 4096)],
-                &peer,
-                vec![Desc::new(dst, k * 4096, 4096)],
-                None,
-            )
-            .unwrap();
-        d.post(x).unwrap();
-        xs.push(x);
+        xs.push(post(
+            &d,
+            XferOp::Write,
+            (src, k * 4096, 4096),
+            (&peer, dst),
+            None,
+        ));
     }
     drop(p);
     let (mut ok, mut failed) = (0, 0);
@@ -280,17 +280,8 @@ fn what_a_driving_caller_cannot_finish_goes_to_the_threads_in_order() {
         .unwrap();
     let peer = load(&d, &p);
     let xfer = |op, (local, off): (_, u64), len: u64, notif: Option<&str>| {
-        let x = d
-            .create_xfer(
-                op,
-                vec![Desc::new(local, off, len)],
-                &peer,
-                vec![Desc::new(dst, off, len)],
-                notif.map(|n| n.as_bytes().to_vec()),
-            )
-            .unwrap();
-        d.post(x).unwrap();
-        x
+        let notif = notif.map(|n| n.as_bytes().to_vec());
+        post(&d, op, (local, off, len), (&peer, dst), notif)
     };
     let done = |x| {
         assert_eq!(
@@ -373,16 +364,7 @@ fn threads_driving_one_connection_at_once_all_land() {
                             XferOp::Write => d.write_region(src, off, &bytes).unwrap(),
                             XferOp::Read => p.write_region(dst, off, &bytes).unwrap(),
                         }
-                        let x = d
-                            .create_xfer(
-                                op,
-                                vec![Desc::new(local, off, LEN)],
-                                peer,
-                                vec![Desc::new(dst, off, LEN)],
-                                None,
-                            )
-                            .unwrap();
-                        d.post(x).unwrap();
+                        let x = post(d, op, (local, off, LEN), (peer, dst), None);
                         xs.push((x, off, bytes));
                     }
                     for (x, off, want) in xs {

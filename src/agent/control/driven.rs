@@ -95,14 +95,19 @@ impl Driven {
         u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// A thread's wait while callers drive the connection: until the window ends, or a
-    /// caller hands this side (`out`: the writer's) something.
-    pub(super) fn park(&self, out: bool) {
-        let handed = if out {
+    /// Whether a caller left the writer (`out`) or the reader something.
+    fn handed(&self, out: bool) -> &AtomicBool {
+        if out {
             &self.out_handed
         } else {
             &self.in_handed
-        };
+        }
+    }
+
+    /// A thread's wait while callers drive the connection: until the window ends, or a
+    /// caller hands this side (`out`: the writer's) something.
+    pub(super) fn park(&self, out: bool) {
+        let handed = self.handed(out);
         let mut g = lock(&self.park);
         loop {
             if handed.load(Ordering::Acquire) {
@@ -123,20 +128,12 @@ impl Driven {
 
     /// The thread took what it was handed (with its side's lock held).
     pub(super) fn taken(&self, out: bool) {
-        let handed = if out {
-            &self.out_handed
-        } else {
-            &self.in_handed
-        };
+        let handed = self.handed(out);
         handed.store(false, Ordering::Release);
     }
 
     fn hand(&self, out: bool) {
-        let handed = if out {
-            &self.out_handed
-        } else {
-            &self.in_handed
-        };
+        let handed = self.handed(out);
         handed.store(true, Ordering::Release);
         let _g = lock(&self.park);
         self.cv.notify_all();

@@ -180,10 +180,8 @@ impl Reader<std::net::TcpStream> {
     pub(crate) fn try_next(&mut self) -> Result<Option<Msg>, String> {
         use std::os::fd::AsRawFd;
         loop {
-            if let Some(body) = self.dec.next_frame().map_err(|e| e.to_string())? {
-                return rmp_serde::from_slice(&body)
-                    .map(Some)
-                    .map_err(|e| format!("malformed message: {e}"));
+            if let Some(m) = self.buffered_msg()? {
+                return Ok(Some(m));
             }
             let got = nix::sys::socket::recv(
                 self.r.as_raw_fd(),
@@ -278,13 +276,21 @@ impl<R: Read> Reader<R> {
         self.dec.has_frame()
     }
 
+    /// The next message if its frame is read already.
+    fn buffered_msg(&mut self) -> Result<Option<Msg>, String> {
+        match self.dec.next_frame().map_err(|e| e.to_string())? {
+            Some(body) => rmp_serde::from_slice(&body)
+                .map(Some)
+                .map_err(|e| format!("malformed message: {e}")),
+            None => Ok(None),
+        }
+    }
+
     /// The next message; `Ok(None)` at a clean end of stream.
     pub(crate) fn next(&mut self) -> Result<Option<Msg>, String> {
         loop {
-            if let Some(body) = self.dec.next_frame().map_err(|e| e.to_string())? {
-                return rmp_serde::from_slice(&body)
-                    .map(Some)
-                    .map_err(|e| format!("malformed message: {e}"));
+            if let Some(m) = self.buffered_msg()? {
+                return Ok(Some(m));
             }
             let n = self.r.read(&mut self.buf).map_err(|e| e.to_string())?;
             if n == 0 {
