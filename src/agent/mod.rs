@@ -874,7 +874,7 @@ impl Agent {
     /// [`Agent::status`] does: a NIXL-style loop that only reads notifications drives their
     /// arrival itself instead of waiting for the progress thread.
     pub fn get_new_notifs(&self) -> Vec<(String, Vec<u8>)> {
-        self.shared.poll_once();
+        self.shared.poll_once(control::driven::Pass::Look);
         lock(&self.shared.notifs).drain(..).collect()
     }
 

@@ -388,3 +388,78 @@ fn threads_driving_one_connection_at_once_all_land() {
         }
     });
 }
+
+/// An engine loop that only asks [`Agent::status`] about every transfer in flight (as
+/// NIXL's `check_xfer_state` loops do) drives the connection through those looks: 32 small
+/// WRITEs and READs in flight, reposted as they end, every byte checked, a notification on
+/// every fourth WRITE delivered once each, in order on TCP.
+#[test]
+fn a_loop_asking_only_status_lands_every_transfer() {
+    let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
+    let d = Agent::new("decode-0", driving(Host::A, 5000)).unwrap();
+    const LEN: u64 = 4096;
+    let span = (DEPTH as u64 * LEN) as usize;
+    let src = d.register(span, RemoteAccess::NONE, vec![]).unwrap();
+    let back = d.register(span, RemoteAccess::NONE, vec![]).unwrap();
+    let dst = p.register(span, RemoteAccess::READ_WRITE, vec![]).unwrap();
+    let peer = load(&d, &p);
+    let total = if on_verbs() { 96 } else { 1200 };
+    let start = |n: u64| {
+        let slot = n % DEPTH as u64;
+        let off = slot * LEN;
+        let want = pattern(n, LEN as usize);
+        let (op, local) = if n.is_multiple_of(2) {
+            d.write_region(src, off, &want).unwrap();
+            (XferOp::Write, src)
+        } else {
+            p.write_region(dst, off, &want).unwrap();
+            (XferOp::Read, back)
+        };
+        let notif = n.is_multiple_of(8).then(|| format!("n{n}").into_bytes());
+        let x = post(&d, op, (local, off, LEN), (&peer, dst), notif);
+        (x, n, op, off, want)
+    };
+    let mut flight: VecDeque<_> = (0..DEPTH as u64).map(start).collect();
+    let mut next = DEPTH as u64;
+    let mut notifs = Vec::new();
+    let t = Instant::now();
+    while !flight.is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(120), "transfers stuck");
+        let mut still = VecDeque::new();
+        for (x, n, op, off, want) in flight.drain(..) {
+            match d.status(x).unwrap() {
+                XferStatus::InProgress => still.push_back((x, n, op, off, want)),
+                XferStatus::Done => {
+                    d.release(x).unwrap();
+                    let mut got = vec![0u8; LEN as usize];
+                    match op {
+                        XferOp::Write => p.read_region(dst, off, &mut got).unwrap(),
+                        XferOp::Read => d.read_region(back, off, &mut got).unwrap(),
+                    }
+                    assert!(got == want, "transfer {n} ({op:?}) landed wrong");
+                    if next < total {
+                        still.push_back(start(next));
+                        next += 1;
+                    }
+                }
+                other => panic!("transfer {n} ended {other:?}"),
+            }
+        }
+        flight = still;
+        notifs.extend(p.get_new_notifs().into_iter().map(|(_, b)| b));
+    }
+    let want: Vec<Vec<u8>> = (0..total)
+        .filter(|n| n.is_multiple_of(8))
+        .map(|n| format!("n{n}").into_bytes())
+        .collect();
+    let missing = want.len().saturating_sub(notifs.len());
+    notifs.extend(collect_notifs(&p, missing, Duration::from_secs(60)));
+    if on_verbs() {
+        let (mut got, mut want) = (notifs, want);
+        got.sort();
+        want.sort();
+        assert_eq!(got, want);
+    } else {
+        assert_eq!(notifs, want);
+    }
+}

@@ -37,6 +37,21 @@ use crate::agent::{lock, Shared};
 /// posted after a caller's last pass still goes out (and answers are read) this soon.
 pub(crate) const WINDOW_MAX: Duration = Duration::from_millis(16);
 
+/// A look (`Agent::status`, `get_new_notifs`) reads the socket only if nobody did for this
+/// long: a loop asking about every transfer in flight would otherwise make a receive call
+/// for each, finding what the first found.
+pub(crate) const LOOK_GAP: Duration = Duration::from_micros(5);
+
+/// Who makes a pass: a caller waiting for an answer reads the socket every pass; a caller
+/// looking once reads it only if nobody did within [`LOOK_GAP`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Pass {
+    /// `Agent::wait`, `wait_notifs`: the caller spins on passes.
+    Wait,
+    /// `Agent::status`, `get_new_notifs`: one pass.
+    Look,
+}
+
 /// The send side: the queue's receiving end, the socket and the batch being gathered.
 pub(super) struct Out {
     pub(super) rx: mpsc::Receiver<Work>,
@@ -62,6 +77,8 @@ pub(crate) struct Driven {
     base: Instant,
     /// End of the driven window, nanoseconds after `base` (0: not driven).
     until: AtomicU64,
+    /// When a caller last read the socket, nanoseconds after `base`.
+    looked: AtomicU64,
     /// A caller left the writer something (`Out::held`, a batch's rest).
     out_handed: AtomicBool,
     /// A caller left the reader something (`In::stash`).
@@ -80,6 +97,7 @@ impl Driven {
         Self {
             base: Instant::now(),
             until: AtomicU64::new(0),
+            looked: AtomicU64::new(0),
             out_handed: AtomicBool::new(false),
             in_handed: AtomicBool::new(false),
             park: Mutex::new(()),
@@ -149,14 +167,19 @@ impl Driven {
 
     /// One pass of a caller with `budget`: mark the connection driven (for the budget, at
     /// most [`WINDOW_MAX`]), send what is queued, read what answers are here. Returns how
-    /// many answers it dispatched.
-    pub(crate) fn drive(&self, shared: &Shared, budget: Duration) -> usize {
+    /// many answers it dispatched. A [`Pass::Look`] reads only if nobody did within
+    /// [`LOOK_GAP`].
+    pub(crate) fn drive(&self, shared: &Shared, budget: Duration, pass: Pass) -> usize {
         let window = budget.min(WINDOW_MAX);
-        let end = self
-            .now()
-            .saturating_add(u64::try_from(window.as_nanos()).unwrap_or(u64::MAX));
+        let now = self.now();
+        let end = now.saturating_add(u64::try_from(window.as_nanos()).unwrap_or(u64::MAX));
         self.until.fetch_max(end, Ordering::AcqRel);
         self.drive_out(shared);
+        let gap = u64::try_from(LOOK_GAP.as_nanos()).unwrap_or(u64::MAX);
+        if pass == Pass::Look && now.saturating_sub(self.looked.load(Ordering::Acquire)) < gap {
+            return 0;
+        }
+        self.looked.store(now, Ordering::Release);
         self.drive_in(shared)
     }
 
