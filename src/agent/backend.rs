@@ -52,11 +52,7 @@ impl Backend for TcpPath {
         let work = Work::Xfer {
             id: x.id,
             op: x.op,
-            local: x
-                .local
-                .into_iter()
-                .map(|(r, d)| (r, d.offset, d.len))
-                .collect(),
+            local: x.local,
             grants: x
                 .grants
                 .iter()

@@ -28,12 +28,13 @@ pub(crate) fn send_write(
     shared: &Shared,
     w: &mut TcpStream,
     id: u64,
-    local: &[(Arc<Region>, u64, u64)],
+    local: &[(Arc<Region>, Desc)],
     (remote, grants): (&[Desc], &[u64]),
     notif: Option<Vec<u8>>,
 ) -> std::io::Result<()> {
     let mut frame = Vec::new();
-    for (i, ((r, off, len), rd)) in local.iter().zip(remote).enumerate() {
+    for (i, ((r, d), rd)) in local.iter().zip(remote).enumerate() {
+        let (off, len) = (&d.offset, &d.len);
         let grant = grants.get(i).copied().unwrap_or(0);
         let mut at = 0;
         while at < *len {

@@ -92,13 +92,14 @@ impl Batch {
                 remote,
                 grants,
                 notif,
-            } if local.iter().all(|(r, _, _)| r.host().is_some())
-                && local.iter().map(|(_, _, n)| n).sum::<u64>() <= SMALL
+            } if local.iter().all(|(r, _)| r.host().is_some())
+                && local.iter().map(|(_, d)| d.len).sum::<u64>() <= SMALL
                 && self.segs.len() + 2 * local.len() < MAX_SEGS =>
             {
                 // as `tcp::send_write`: a header and its bytes per non-empty descriptor
                 let parts = local.into_iter().zip(&remote).enumerate();
-                for (i, ((r, off, len), rd)) in parts.filter(|(_, ((_, _, n), _))| *n > 0) {
+                for (i, ((r, d), rd)) in parts.filter(|(_, ((_, d), _))| d.len > 0) {
+                    let (off, len) = (d.offset, d.len);
                     self.head(&Msg::WriteData {
                         xfer: id,
                         region: rd.region.0,

@@ -44,16 +44,24 @@ pub fn encode(body: &[u8]) -> Result<Vec<u8>, FrameError> {
     Ok(v)
 }
 
-/// Incremental frame decoder with a size bound. Taken bytes are skipped by an offset and
-/// the buffer is compacted only when the taken part is the larger one, so a read holding many
-/// small frames costs no memmove per frame.
+/// Incremental frame decoder with a size bound. Taken bytes are skipped by an offset, and
+/// the bytes not taken are moved to the front only when the buffer's tail has no room for
+/// what comes next, so a read holding many small frames costs no memmove per frame; a
+/// reader can receive straight into the tail ([`FrameDecoder::read_with`]) instead of
+/// copying in what it received elsewhere.
 #[derive(Debug)]
 pub struct FrameDecoder {
+    /// Bytes `start..end` are received and not taken; the rest is room.
     buf: Vec<u8>,
     /// Bytes of `buf` already taken.
     start: usize,
+    /// End of the received bytes.
+    end: usize,
     max: usize,
 }
+
+/// An emptied buffer larger than this (a large frame passed) is let go.
+const KEEP: usize = 1 << 20;
 
 impl FrameDecoder {
     /// A decoder that refuses frames over `max` bytes.
@@ -61,30 +69,62 @@ impl FrameDecoder {
         Self {
             buf: Vec::new(),
             start: 0,
+            end: 0,
             max,
         }
     }
 
     /// The bytes not taken yet.
     fn rest(&self) -> &[u8] {
-        &self.buf[self.start..]
+        &self.buf[self.start..self.end]
     }
 
     fn take(&mut self, n: usize) {
         self.start += n;
-        if self.start == self.buf.len() {
-            self.buf.clear();
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+            if self.buf.len() > KEEP {
+                self.buf = Vec::new();
+            }
+        }
+    }
+
+    /// Room for `n` more bytes after the received ones: the bytes not taken move to the
+    /// front first, and the buffer grows only if that is not enough.
+    fn room(&mut self, n: usize) -> &mut [u8] {
+        if self.buf.len() - self.end < n && self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
             self.start = 0;
         }
+        if self.buf.len() - self.end < n {
+            let want = (self.end + n).max(2 * self.buf.len());
+            self.buf.resize(want, 0);
+        }
+        &mut self.buf[self.end..self.end + n]
     }
 
     /// Add received bytes.
     pub fn push(&mut self, bytes: &[u8]) {
-        if self.start > 0 && self.start >= self.buf.len() - self.start {
-            self.buf.drain(..self.start);
-            self.start = 0;
-        }
-        self.buf.extend_from_slice(bytes);
+        self.room(bytes.len()).copy_from_slice(bytes);
+        self.end += bytes.len();
+    }
+
+    /// Receive up to `n` bytes straight into the buffer: `read` fills the front of the room
+    /// it is given and says how many bytes it put there (0: none, the end of the stream for
+    /// a stream reader).
+    ///
+    /// # Errors
+    /// What `read` returns.
+    pub fn read_with<E>(
+        &mut self,
+        n: usize,
+        read: impl FnOnce(&mut [u8]) -> Result<usize, E>,
+    ) -> Result<usize, E> {
+        let got = read(self.room(n))?.min(n);
+        self.end += got;
+        Ok(got)
     }
 
     /// The length of the next frame's body, once its prefix is buffered.
@@ -106,15 +146,26 @@ impl FrameDecoder {
     /// [`FrameError::TooLarge`] as soon as a prefix announces more than the bound (the
     /// connection should be dropped: the stream cannot be resynchronized).
     pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, FrameError> {
+        self.next_frame_with(<[u8]>::to_vec)
+    }
+
+    /// [`FrameDecoder::next_frame`] without copying the body out: `f` reads it in place.
+    ///
+    /// # Errors
+    /// As [`FrameDecoder::next_frame`].
+    pub fn next_frame_with<T>(
+        &mut self,
+        f: impl FnOnce(&[u8]) -> T,
+    ) -> Result<Option<T>, FrameError> {
         let Some(len) = self.announced()? else {
             return Ok(None);
         };
         if self.rest().len() < PREFIX + len {
             return Ok(None);
         }
-        let body = self.rest()[PREFIX..PREFIX + len].to_vec();
+        let t = f(&self.rest()[PREFIX..PREFIX + len]);
         self.take(PREFIX + len);
-        Ok(Some(body))
+        Ok(Some(t))
     }
 
     /// Whether a whole frame is buffered (the next [`FrameDecoder::next_frame`] needs no more
@@ -226,8 +277,8 @@ mod tests {
             let _ = d.finish();
         }
 
-        /// Frames each followed by raw bytes (a data header and its payload), pushed in
-        /// arbitrary pieces and taken as they become available: every frame and every raw
+        /// Frames each followed by raw bytes (a data header and its payload), pushed (or
+        /// received in place) in arbitrary pieces and taken as they become available: every frame and every raw
         /// byte comes out in order, and `has_frame` says exactly when `next_frame` yields.
         #[test]
         fn frames_and_raw_bytes_across_splits(
@@ -273,7 +324,16 @@ mod tests {
                         break;
                     }
                     let n = splits[k % splits.len()].min(wire.len() - at);
-                    d.push(&wire[at..at + n]);
+                    if k % 2 == 0 {
+                        d.push(&wire[at..at + n]);
+                    } else {
+                        // received in place, into more room than the bytes that came
+                        let got = d.read_with::<()>(n + k % 7, |room| {
+                            room[..n].copy_from_slice(&wire[at..at + n]);
+                            Ok(n)
+                        });
+                        prop_assert_eq!(got, Ok(n));
+                    }
                     at += n;
                     k += 1;
                 }

@@ -404,8 +404,9 @@ fn a_loop_asking_only_status_lands_every_transfer() {
     let dst = p.register(span, RemoteAccess::READ_WRITE, vec![]).unwrap();
     let peer = load(&d, &p);
     let total = if on_verbs() { 96 } else { 1200 };
-    let start = |n: u64| {
-        let slot = n % DEPTH as u64;
+    // transfer `n` in `slot` (one transfer a slot at a time: a new one takes the slot of
+    // the one that ended)
+    let start = |n: u64, slot: u64| {
         let off = slot * LEN;
         let want = pattern(n, LEN as usize);
         let (op, local) = if n.is_multiple_of(2) {
@@ -419,7 +420,7 @@ fn a_loop_asking_only_status_lands_every_transfer() {
         let x = post(&d, op, (local, off, LEN), (&peer, dst), notif);
         (x, n, op, off, want)
     };
-    let mut flight: VecDeque<_> = (0..DEPTH as u64).map(start).collect();
+    let mut flight: VecDeque<_> = (0..DEPTH as u64).map(|n| start(n, n)).collect();
     let mut next = DEPTH as u64;
     let mut notifs = Vec::new();
     let t = Instant::now();
@@ -438,7 +439,7 @@ fn a_loop_asking_only_status_lands_every_transfer() {
                     }
                     assert!(got == want, "transfer {n} ({op:?}) landed wrong");
                     if next < total {
-                        still.push_back(start(next));
+                        still.push_back(start(next, off / LEN));
                         next += 1;
                     }
                 }

@@ -33,8 +33,8 @@ pub(crate) enum Work {
     Xfer {
         id: u64,
         op: XferOp,
-        /// Local region, offset, length per descriptor.
-        local: Vec<(Arc<Region>, u64, u64)>,
+        /// Local region and descriptor, per descriptor (as posted: no copy).
+        local: Vec<(Arc<Region>, Desc)>,
         remote: Vec<Desc>,
         /// The grant each remote descriptor goes through (0: none).
         grants: Vec<u64>,

@@ -183,11 +183,10 @@ impl Reader<std::net::TcpStream> {
             if let Some(m) = self.buffered_msg()? {
                 return Ok(Some(m));
             }
-            let got = nix::sys::socket::recv(
-                self.r.as_raw_fd(),
-                &mut self.buf,
-                nix::sys::socket::MsgFlags::MSG_DONTWAIT,
-            );
+            let fd = self.r.as_raw_fd();
+            let got = self.dec.read_with(READ_AHEAD, |room| {
+                nix::sys::socket::recv(fd, room, nix::sys::socket::MsgFlags::MSG_DONTWAIT)
+            });
             match got {
                 Ok(0) => {
                     return Err(self
@@ -195,7 +194,7 @@ impl Reader<std::net::TcpStream> {
                         .finish()
                         .map_or_else(|e| e.to_string(), |()| "closed by the peer".into()))
                 }
-                Ok(n) => self.dec.push(&self.buf[..n]),
+                Ok(_) => {}
                 Err(nix::errno::Errno::EAGAIN) => return Ok(None),
                 Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => return Err(e.to_string()),
@@ -232,11 +231,14 @@ pub(crate) fn send_data<E>(
     w.write_all(frame).map(Ok)
 }
 
+/// A receive asks for at most this many bytes: what is read ahead of a data message's
+/// payload is copied once more (into place), so it stays small.
+const READ_AHEAD: usize = 64 << 10;
+
 /// Reads messages from a stream, bounded.
 pub(crate) struct Reader<R> {
     r: R,
     dec: FrameDecoder,
-    buf: Vec<u8>,
     /// The raw bytes of the last data message (up to `CHUNK`).
     payload: Vec<u8>,
 }
@@ -246,8 +248,6 @@ impl<R: Read> Reader<R> {
         Self {
             r,
             dec: FrameDecoder::new(MAX_FRAME),
-            // what is read ahead of a data message's payload is copied once: keep it small
-            buf: vec![0u8; 64 << 10],
             payload: Vec::new(),
         }
     }
@@ -278,10 +278,11 @@ impl<R: Read> Reader<R> {
 
     /// The next message if its frame is read already.
     fn buffered_msg(&mut self) -> Result<Option<Msg>, String> {
-        match self.dec.next_frame().map_err(|e| e.to_string())? {
-            Some(body) => rmp_serde::from_slice(&body)
-                .map(Some)
-                .map_err(|e| format!("malformed message: {e}")),
+        let m = self
+            .dec
+            .next_frame_with(|b| rmp_serde::from_slice::<Msg>(b));
+        match m.map_err(|e| e.to_string())? {
+            Some(m) => m.map(Some).map_err(|e| format!("malformed message: {e}")),
             None => Ok(None),
         }
     }
@@ -292,11 +293,13 @@ impl<R: Read> Reader<R> {
             if let Some(m) = self.buffered_msg()? {
                 return Ok(Some(m));
             }
-            let n = self.r.read(&mut self.buf).map_err(|e| e.to_string())?;
+            let r = &mut self.r;
+            let n = (self.dec)
+                .read_with(READ_AHEAD, |room| r.read(room))
+                .map_err(|e| e.to_string())?;
             if n == 0 {
                 return self.dec.finish().map(|()| None).map_err(|e| e.to_string());
             }
-            self.dec.push(&self.buf[..n]);
         }
     }
 }
