@@ -14,7 +14,7 @@ use super::{Agent, AgentError, Desc, XferError, XferOp};
 pub(crate) struct Posted {
     pub(crate) id: u64,
     pub(crate) op: XferOp,
-    pub(crate) peer: String,
+    pub(crate) peer: Arc<str>,
     /// Each local descriptor with the region it lies in (held busy by the table).
     pub(crate) local: Vec<(Arc<Region>, Desc)>,
     pub(crate) remote: Vec<Desc>,
@@ -87,7 +87,7 @@ impl Backend for crate::bounce::Engine {
         let req = crate::bounce::Post {
             id: x.id,
             op: x.op,
-            peer: x.peer,
+            peer: x.peer.to_string(),
             pieces,
             notif: x.notif,
         };

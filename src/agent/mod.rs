@@ -645,8 +645,8 @@ impl Agent {
         let mut xfers = lock(&self.shared.xfers);
         let x = xfers.postable(id)?;
         let p = peers
-            .get(&x.peer)
-            .ok_or_else(|| AgentError::UnknownPeer(x.peer.clone()))?;
+            .get(&*x.peer)
+            .ok_or_else(|| AgentError::UnknownPeer(x.peer.to_string()))?;
         if !p.conn.is_open() {
             // the peer is gone (its queue pairs too): nothing posted would ever complete
             return Err(AgentError::Connection {

@@ -22,7 +22,7 @@ pub(crate) trait Held: Clone {
 /// One transfer.
 pub(crate) struct Entry<R> {
     pub(crate) op: XferOp,
-    pub(crate) peer: String,
+    pub(crate) peer: std::sync::Arc<str>,
     /// The peer's connection epoch when the transfer was made.
     pub(crate) peer_epoch: u64,
     pub(crate) local: Vec<Desc>,
@@ -174,7 +174,7 @@ impl<R: Held> XferTable<R> {
             id,
             Entry {
                 op,
-                peer: peer.to_owned(),
+                peer: peer.into(),
                 peer_epoch,
                 local,
                 remote,
@@ -281,7 +281,7 @@ impl<R: Held> XferTable<R> {
         if x.status != XferStatus::InProgress {
             return None;
         }
-        Some((x.peer.clone(), x.notif.clone()?))
+        Some((x.peer.to_string(), x.notif.clone()?))
     }
 
     /// Transfer `id` ended: its status is set and the regions it held come back to be
@@ -308,7 +308,7 @@ impl<R: Held> XferTable<R> {
         let mut v: Vec<u64> = self
             .xfers
             .iter()
-            .filter(|(_, x)| x.peer == peer && x.status == XferStatus::InProgress)
+            .filter(|(_, x)| *x.peer == *peer && x.status == XferStatus::InProgress)
             .map(|(id, _)| *id)
             .collect();
         v.sort_unstable();
@@ -318,7 +318,7 @@ impl<R: Held> XferTable<R> {
     /// True when transfer `id` exists and was posted to a peer other than `peer`: an
     /// answer about it from `peer` is forged (or confused) and must not touch it.
     pub(crate) fn belongs_elsewhere(&self, id: u64, peer: &str) -> bool {
-        self.xfers.get(&id).is_some_and(|x| x.peer != peer)
+        self.xfers.get(&id).is_some_and(|x| *x.peer != *peer)
     }
 
     /// The local descriptor `idx` of READ `id` and the region it lies in, to copy arriving
