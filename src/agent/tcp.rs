@@ -34,11 +34,11 @@ pub(crate) fn send_write(
 ) -> std::io::Result<()> {
     let mut frame = Vec::new();
     for (i, ((r, d), rd)) in local.iter().zip(remote).enumerate() {
-        let (off, len) = (&d.offset, &d.len);
+        let (off, len) = (d.offset, d.len);
         let grant = grants.get(i).copied().unwrap_or(0);
         let mut at = 0;
-        while at < *len {
-            let n = (*len - at).min(CHUNK as u64);
+        while at < len {
+            let n = (len - at).min(CHUNK as u64);
             let header = Msg::WriteData {
                 xfer: id,
                 region: rd.region.0,
