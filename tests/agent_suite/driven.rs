@@ -44,6 +44,68 @@ fn post(
     x
 }
 
+/// The regions a test moves bytes between: `src` (WRITEs read it) and `back` (READs fill
+/// it) on the initiator `d`, `dst` on the target `p`, each `span` bytes; a transfer uses the
+/// same offset on both sides.
+struct Regions<'a> {
+    d: &'a Agent,
+    p: &'a Agent,
+    peer: String,
+    src: RegionId,
+    back: RegionId,
+    dst: RegionId,
+}
+
+impl<'a> Regions<'a> {
+    fn new(d: &'a Agent, p: &'a Agent, span: usize) -> Self {
+        Self {
+            src: d.register(span, RemoteAccess::NONE, vec![]).unwrap(),
+            back: d.register(span, RemoteAccess::NONE, vec![]).unwrap(),
+            dst: p.register(span, RemoteAccess::READ_WRITE, vec![]).unwrap(),
+            peer: load(d, p),
+            d,
+            p,
+        }
+    }
+
+    /// Put `bytes` where `op` takes them from (at `off`: the initiator's `src` for a WRITE,
+    /// the target's `dst` for a READ) and post it, with `notif`.
+    fn stage_and_post(&self, op: XferOp, off: u64, bytes: &[u8], notif: Option<Vec<u8>>) -> XferId {
+        let local = match op {
+            XferOp::Write => {
+                self.d.write_region(self.src, off, bytes).unwrap();
+                self.src
+            }
+            XferOp::Read => {
+                self.p.write_region(self.dst, off, bytes).unwrap();
+                self.back
+            }
+        };
+        let len = bytes.len() as u64;
+        post(self.d, op, (local, off, len), (&self.peer, self.dst), notif)
+    }
+
+    /// The `len` bytes `op` left at `off` (the target's `dst` for a WRITE, `back` for a READ).
+    fn landed(&self, op: XferOp, off: u64, len: u64) -> Vec<u8> {
+        let mut got = vec![0u8; len as usize];
+        match op {
+            XferOp::Write => self.p.read_region(self.dst, off, &mut got).unwrap(),
+            XferOp::Read => self.d.read_region(self.back, off, &mut got).unwrap(),
+        }
+        got
+    }
+}
+
+/// Notifications as they arrived against `want` in posting order: on TCP in that order (one
+/// connection), on verbs as a set (each comes as its transfer ends).
+fn assert_notifs(mut got: Vec<Vec<u8>>, mut want: Vec<Vec<u8>>) {
+    if on_verbs() {
+        got.sort();
+        want.sort();
+    }
+    assert_eq!(got, want, "notifications (in posting order on TCP)");
+}
+
 /// `a`'s transfers of `op` that ended done, by its metrics (read without driving anything).
 fn done(a: &Agent, op: &str) -> f64 {
     let l = [("agent", a.name()), ("op", op), ("outcome", "done")];
@@ -64,30 +126,18 @@ fn driving_callers_move_small_and_large_work_byte_exact_and_in_order() {
     let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
     let d = Agent::new("decode-0", driving(Host::A, 5000)).unwrap();
     let slots = DEPTH as u64;
-    let span = slots * SLOT;
-    let src = d
-        .register(span as usize, RemoteAccess::NONE, vec![])
-        .unwrap();
-    let back = d
-        .register(span as usize, RemoteAccess::NONE, vec![])
-        .unwrap();
-    let dst = p
-        .register(span as usize, RemoteAccess::READ_WRITE, vec![])
-        .unwrap();
-    let peer = load(&d, &p);
+    let r = Regions::new(&d, &p, (slots * SLOT) as usize);
     let n = if on_verbs() { 96 } else { 400 };
     // what each transfer must leave, checked when it is done: (slot, op, len, seed)
     let mut flight = VecDeque::new();
     let mut free: Vec<u64> = (0..slots).collect();
     let mut notifs = 0;
     let check = |(slot, op, len, seed): (u64, XferOp, u64, u64)| {
-        let want = pattern(seed, len as usize);
-        let mut got = vec![0u8; len as usize];
-        match op {
-            XferOp::Write => p.read_region(dst, slot * SLOT, &mut got).unwrap(),
-            XferOp::Read => d.read_region(back, slot * SLOT, &mut got).unwrap(),
-        }
-        assert!(got == want, "{op:?} of {len} B (seed {seed}) landed wrong");
+        let got = r.landed(op, slot * SLOT, len);
+        assert!(
+            got == pattern(seed, len as usize),
+            "{op:?} of {len} B (seed {seed}) landed wrong"
+        );
     };
     for i in 0..n {
         if free.is_empty() {
@@ -107,21 +157,16 @@ fn driving_callers_move_small_and_large_work_byte_exact_and_in_order() {
         let off = slot * SLOT;
         // a READ every third transfer (its bytes put at the target first), else a WRITE
         let op = if i % 3 == 2 {
-            p.write_region(dst, off, &pattern(seed, len as usize))
-                .unwrap();
             XferOp::Read
         } else {
-            d.write_region(src, off, &pattern(seed, len as usize))
-                .unwrap();
             XferOp::Write
         };
-        let local = if op == XferOp::Read { back } else { src };
         // every fifth WRITE tells the target, after its bytes
         let notif = (op == XferOp::Write && i % 5 == 0).then(|| {
             notifs += 1;
             format!("slot {slot} seed {seed}").into_bytes()
         });
-        let x = post(&d, op, (local, off, len), (&peer, dst), notif);
+        let x = r.stage_and_post(op, off, &pattern(seed, len as usize), notif);
         flight.push_back((x, (slot, op, len, seed)));
     }
     for (x, what) in flight {
@@ -318,11 +363,8 @@ fn what_a_driving_caller_cannot_finish_goes_to_the_threads_in_order() {
         p.read_region(dst, k * BIG, &mut got).unwrap();
         assert!(got == pattern(10 + k, len), "WRITE {k}'s bytes");
     }
-    let mut notes = collect_notifs(&p, 3, Duration::from_secs(60));
-    if on_verbs() {
-        notes.sort(); // (as the transfers end there)
-    }
-    assert_eq!(notes, [b"a", b"b", b"c"], "notifications in posting order");
+    let notes = collect_notifs(&p, 3, Duration::from_secs(60));
+    assert_notifs(notes, vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
 }
 
 /// Four threads of one agent post and wait at once (an engine's workers), each with 8 small
@@ -336,15 +378,11 @@ fn threads_driving_one_connection_at_once_all_land() {
     const THREADS: u64 = 4;
     const PER: u64 = 8; // in flight per thread
     const LEN: u64 = 4096;
-    let span = (THREADS * PER * LEN) as usize;
-    let src = d.register(span, RemoteAccess::NONE, vec![]).unwrap();
-    let back = d.register(span, RemoteAccess::NONE, vec![]).unwrap();
-    let dst = p.register(span, RemoteAccess::READ_WRITE, vec![]).unwrap();
-    let peer = load(&d, &p);
+    let r = Regions::new(&d, &p, (THREADS * PER * LEN) as usize);
     let rounds = if on_verbs() { 10 } else { 50 };
     std::thread::scope(|s| {
         for t in 0..THREADS {
-            let (d, p, peer) = (&d, &p, &peer);
+            let (d, r) = (&d, &r);
             s.spawn(move || {
                 for round in 0..rounds {
                     let op = if round % 2 == 0 {
@@ -356,15 +394,8 @@ fn threads_driving_one_connection_at_once_all_land() {
                     for k in 0..PER {
                         let off = (t * PER + k) * LEN;
                         let seed = (t << 32) | (round << 8) | k;
-                        let (local, bytes) = match op {
-                            XferOp::Write => (src, pattern(seed, LEN as usize)),
-                            XferOp::Read => (back, pattern(seed, LEN as usize)),
-                        };
-                        match op {
-                            XferOp::Write => d.write_region(src, off, &bytes).unwrap(),
-                            XferOp::Read => p.write_region(dst, off, &bytes).unwrap(),
-                        }
-                        let x = post(d, op, (local, off, LEN), (peer, dst), None);
+                        let bytes = pattern(seed, LEN as usize);
+                        let x = r.stage_and_post(op, off, &bytes, None);
                         xs.push((x, off, bytes));
                     }
                     for (x, off, want) in xs {
@@ -373,13 +404,8 @@ fn threads_driving_one_connection_at_once_all_land() {
                             XferStatus::Done
                         );
                         d.release(x).unwrap();
-                        let mut got = vec![0u8; LEN as usize];
-                        match op {
-                            XferOp::Write => p.read_region(dst, off, &mut got).unwrap(),
-                            XferOp::Read => d.read_region(back, off, &mut got).unwrap(),
-                        }
                         assert!(
-                            got == want,
+                            r.landed(op, off, LEN) == want,
                             "thread {t} round {round}: {op:?} at {off} landed wrong"
                         );
                     }
@@ -398,26 +424,20 @@ fn a_loop_asking_only_status_lands_every_transfer() {
     let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
     let d = Agent::new("decode-0", driving(Host::A, 5000)).unwrap();
     const LEN: u64 = 4096;
-    let span = (DEPTH as u64 * LEN) as usize;
-    let src = d.register(span, RemoteAccess::NONE, vec![]).unwrap();
-    let back = d.register(span, RemoteAccess::NONE, vec![]).unwrap();
-    let dst = p.register(span, RemoteAccess::READ_WRITE, vec![]).unwrap();
-    let peer = load(&d, &p);
+    let r = Regions::new(&d, &p, (DEPTH as u64 * LEN) as usize);
     let total = if on_verbs() { 96 } else { 1200 };
     // transfer `n` in `slot` (one transfer a slot at a time: a new one takes the slot of
     // the one that ended)
     let start = |n: u64, slot: u64| {
         let off = slot * LEN;
         let want = pattern(n, LEN as usize);
-        let (op, local) = if n.is_multiple_of(2) {
-            d.write_region(src, off, &want).unwrap();
-            (XferOp::Write, src)
+        let op = if n.is_multiple_of(2) {
+            XferOp::Write
         } else {
-            p.write_region(dst, off, &want).unwrap();
-            (XferOp::Read, back)
+            XferOp::Read
         };
         let notif = n.is_multiple_of(8).then(|| format!("n{n}").into_bytes());
-        let x = post(&d, op, (local, off, LEN), (&peer, dst), notif);
+        let x = r.stage_and_post(op, off, &want, notif);
         (x, n, op, off, want)
     };
     let mut flight: VecDeque<_> = (0..DEPTH as u64).map(|n| start(n, n)).collect();
@@ -432,11 +452,7 @@ fn a_loop_asking_only_status_lands_every_transfer() {
                 XferStatus::InProgress => still.push_back((x, n, op, off, want)),
                 XferStatus::Done => {
                     d.release(x).unwrap();
-                    let mut got = vec![0u8; LEN as usize];
-                    match op {
-                        XferOp::Write => p.read_region(dst, off, &mut got).unwrap(),
-                        XferOp::Read => d.read_region(back, off, &mut got).unwrap(),
-                    }
+                    let got = r.landed(op, off, LEN);
                     assert!(got == want, "transfer {n} ({op:?}) landed wrong");
                     if next < total {
                         still.push_back(start(next, off / LEN));
@@ -455,12 +471,5 @@ fn a_loop_asking_only_status_lands_every_transfer() {
         .collect();
     let missing = want.len().saturating_sub(notifs.len());
     notifs.extend(collect_notifs(&p, missing, Duration::from_secs(60)));
-    if on_verbs() {
-        let (mut got, mut want) = (notifs, want);
-        got.sort();
-        want.sort();
-        assert_eq!(got, want);
-    } else {
-        assert_eq!(notifs, want);
-    }
+    assert_notifs(notifs, want);
 }

@@ -42,6 +42,11 @@ pub(crate) const WINDOW_MAX: Duration = Duration::from_millis(16);
 /// for each, finding what the first found.
 pub(crate) const LOOK_GAP: Duration = Duration::from_micros(5);
 
+/// `d` in nanoseconds (saturating), the unit of the connection's clock.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// Who makes a pass: a caller waiting for an answer reads the socket every pass; a caller
 /// looking once reads it only if nobody did within [`LOOK_GAP`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -110,7 +115,7 @@ impl Driven {
     }
 
     fn now(&self) -> u64 {
-        u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        nanos(self.base.elapsed())
     }
 
     /// Whether a caller left the writer (`out`) or the reader something.
@@ -172,11 +177,11 @@ impl Driven {
     pub(crate) fn drive(&self, shared: &Shared, budget: Duration, pass: Pass) -> usize {
         let window = budget.min(WINDOW_MAX);
         let now = self.now();
-        let end = now.saturating_add(u64::try_from(window.as_nanos()).unwrap_or(u64::MAX));
+        let end = now.saturating_add(nanos(window));
         self.until.fetch_max(end, Ordering::AcqRel);
         self.drive_out(shared);
-        let gap = u64::try_from(LOOK_GAP.as_nanos()).unwrap_or(u64::MAX);
-        if pass == Pass::Look && now.saturating_sub(self.looked.load(Ordering::Acquire)) < gap {
+        let since = now.saturating_sub(self.looked.load(Ordering::Acquire));
+        if pass == Pass::Look && since < nanos(LOOK_GAP) {
             return 0;
         }
         self.looked.store(now, Ordering::Release);
