@@ -17,7 +17,7 @@ pub(crate) struct Posted {
     pub(crate) peer: Arc<str>,
     /// Each local descriptor with the region it lies in (held busy by the table).
     pub(crate) local: Vec<(Arc<Region>, Desc)>,
-    pub(crate) remote: Vec<Desc>,
+    pub(crate) remote: Arc<[Desc]>,
     pub(crate) notif: Option<Vec<u8>>,
     /// The peer's metadata as loaded (the verbs path addresses its regions by rkey).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
@@ -78,7 +78,7 @@ impl Backend for crate::bounce::Engine {
         let pieces = x
             .local
             .iter()
-            .zip(&x.remote)
+            .zip(x.remote.iter())
             .map(|((_, l), r)| crate::bounce::wire::Piece {
                 src: part(l),
                 dst: part(r),

@@ -1103,7 +1103,7 @@ impl Shared {
     /// The notification (and its peer) of in-progress transfer `id`, looked up *before* the
     /// transfer is finished: once the engine sees it done it may release it at once, and a
     /// lookup after that would lose the notification.
-    fn xfer_notif(&self, id: u64) -> Option<(String, Vec<u8>)> {
+    fn xfer_notif(&self, id: u64) -> Option<(Arc<str>, Vec<u8>)> {
         lock(&self.xfers).completion_notif(id)
     }
 

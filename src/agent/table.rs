@@ -26,7 +26,7 @@ pub(crate) struct Entry<R> {
     /// The peer's connection epoch when the transfer was made.
     pub(crate) peer_epoch: u64,
     pub(crate) local: Vec<Desc>,
-    pub(crate) remote: Vec<Desc>,
+    pub(crate) remote: std::sync::Arc<[Desc]>,
     pub(crate) notif: Option<Vec<u8>>,
     pub(crate) status: XferStatus,
     /// READ: bytes still to arrive.
@@ -177,7 +177,7 @@ impl<R: Held> XferTable<R> {
                 peer: peer.into(),
                 peer_epoch,
                 local,
-                remote,
+                remote: remote.into(),
                 notif,
                 status: XferStatus::NotPosted,
                 remaining: 0,
@@ -276,12 +276,14 @@ impl<R: Held> XferTable<R> {
 
     /// The notification (and its peer) of in-progress transfer `id`, to send now that
     /// every byte is in place — before [`XferTable::finish`].
-    pub(crate) fn completion_notif(&self, id: u64) -> Option<(String, Vec<u8>)> {
+    /// (The peer is the transfer's shared name: a transfer without a notification made a
+    /// copy of it, allocated and freed, on every completion.)
+    pub(crate) fn completion_notif(&self, id: u64) -> Option<(std::sync::Arc<str>, Vec<u8>)> {
         let x = self.xfers.get(&id)?;
         if x.status != XferStatus::InProgress {
             return None;
         }
-        Some((x.peer.to_string(), x.notif.clone()?))
+        Some((x.peer.clone(), x.notif.clone()?))
     }
 
     /// Transfer `id` ended: its status is set and the regions it held come back to be

@@ -97,7 +97,7 @@ impl Batch {
                 && self.segs.len() + 2 * local.len() < MAX_SEGS =>
             {
                 // as `tcp::send_write`: a header and its bytes per non-empty descriptor
-                let parts = local.into_iter().zip(&remote).enumerate();
+                let parts = local.into_iter().zip(remote.iter()).enumerate();
                 for (i, ((r, d), rd)) in parts.filter(|(_, ((_, d), _))| d.len > 0) {
                     let (off, len) = (d.offset, d.len);
                     self.head(&Msg::WriteData {

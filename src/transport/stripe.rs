@@ -16,6 +16,13 @@
 
 use std::fmt;
 
+use smallvec::SmallVec;
+
+/// Rails a plan's small per-rail lists hold without the heap.
+const RAILS_ON_STACK: usize = 8;
+/// A list of rail indices (on the stack for up to [`RAILS_ON_STACK`] rails).
+type Rails = SmallVec<[usize; RAILS_ON_STACK]>;
+
 /// How transfers use the rails both sides share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StripeMode {
@@ -80,7 +87,7 @@ pub const STRIPE_ALIGN: u64 = 4096;
 pub const MIN_STRIPE: u64 = 64 * 1024;
 
 /// The slices of one transfer, by rail.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
     /// `per_rail[r]`: the slices for rail `r`, in byte-stream order.
     pub per_rail: Vec<Vec<Slice>>,
@@ -97,6 +104,11 @@ impl Plan {
         (0..self.per_rail.len())
             .filter(|&r| !self.per_rail[r].is_empty())
             .collect()
+    }
+
+    /// How many rails got work ([`Plan::rails_used`]'s length, without the list).
+    pub fn rails_used_count(&self) -> usize {
+        self.per_rail.iter().filter(|s| !s.is_empty()).count()
     }
 }
 
@@ -132,6 +144,12 @@ impl Planner {
 
     /// Rails that are up.
     pub fn up_rails(&self) -> Vec<usize> {
+        self.up_set().into_vec()
+    }
+
+    /// [`Planner::up_rails`] on the stack (a plan per transfer asked for it: an allocation
+    /// each, with the plan's other small lists four of the post path's ~16).
+    fn up_set(&self) -> Rails {
         (0..self.rails()).filter(|&r| self.up[r]).collect()
     }
 
@@ -145,14 +163,14 @@ impl Planner {
     /// # Errors
     /// When no rail is up.
     pub fn plan(&mut self, descs: &[DescPair], mode: StripeMode) -> Result<Plan, NoRail> {
-        let up = self.up_rails();
+        let up = self.up_set();
         if up.is_empty() {
             return Err(NoRail);
         }
         let total: u64 = descs.iter().map(|d| d.len).sum();
         let mut per_rail = vec![Vec::new(); self.rails()];
-        let rails: Vec<usize> = match mode {
-            StripeMode::PerTransfer => vec![self.pick(&up)],
+        let rails: Rails = match mode {
+            StripeMode::PerTransfer => smallvec::smallvec![self.pick(&up)],
             StripeMode::Striped => {
                 let n = usize::try_from((total / MIN_STRIPE).max(1))
                     .unwrap_or(usize::MAX)
@@ -182,7 +200,7 @@ impl Planner {
             }
         };
         let (mut k, mut share_end) = (0usize, end_of(0));
-        let mut planned = vec![0u64; rails.len()];
+        let mut planned: SmallVec<[u64; RAILS_ON_STACK]> = smallvec::smallvec![0; rails.len()];
         let mut stream = 0u64; // byte-stream position of the current descriptor's start
         for (i, d) in descs.iter().enumerate() {
             let mut off = 0;
@@ -238,7 +256,7 @@ impl Planner {
     /// # Errors
     /// When no rail is up.
     pub fn replan(&mut self, slices: &[Slice]) -> Result<Plan, NoRail> {
-        let up = self.up_rails();
+        let up = self.up_set();
         if up.is_empty() {
             return Err(NoRail);
         }
@@ -286,13 +304,20 @@ pub struct Progress {
     failed: Option<String>,
 }
 
+/// Track `plan`, taking its lists (no copy of them: a post that is done with its plan).
+impl From<Plan> for Progress {
+    fn from(plan: Plan) -> Self {
+        Self {
+            pending: plan.per_rail,
+            failed: None,
+        }
+    }
+}
+
 impl Progress {
     /// Track `plan`.
     pub fn new(plan: &Plan) -> Self {
-        Self {
-            pending: plan.per_rail.clone(),
-            failed: None,
-        }
+        Self::from(plan.clone())
     }
 
     /// Slices still outstanding on `rail`.

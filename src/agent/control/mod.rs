@@ -35,7 +35,7 @@ pub(crate) enum Work {
         op: XferOp,
         /// Local region and descriptor, per descriptor (as posted: no copy).
         local: Vec<(Arc<Region>, Desc)>,
-        remote: Vec<Desc>,
+        remote: Arc<[Desc]>,
         /// The grant each remote descriptor goes through (0: none).
         grants: Vec<u64>,
         notif: Option<Vec<u8>>,

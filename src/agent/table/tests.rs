@@ -364,7 +364,7 @@ fn run(
                 // notify after data: the notification goes out, then the transfer is done
                 assert!(pair.exact(&local, &remote), "done with bytes missing");
                 if let Some((peer, n)) = pair.table.completion_notif(id.0) {
-                    assert_eq!(peer, "prefill-0");
+                    assert_eq!(&*peer, "prefill-0");
                     pair.delivered.push((now, n));
                     notified_at = Some(now);
                 }

@@ -29,7 +29,7 @@ use super::{AgentConfig, AgentError, Desc, Shared, XferOp};
 use crate::agent::metadata::{AgentMetadata, RailAddr};
 use crate::idhash::IdMap;
 use crate::rails::{discover, discover_gids_of, select, AddrSource, Ipv4If, SysfsRoot};
-use crate::transport::stripe::{DescPair, Planner, Progress, StripeMode, XferState};
+use crate::transport::stripe::{DescPair, Plan, Planner, Progress, StripeMode, XferState};
 use crate::transport::verbs::{
     probe_dmabuf, Access, Completion, Context, Cq, DmabufSupport, Mr, Pd, Qp, QpOptions,
     RemoteRegion,
@@ -117,7 +117,8 @@ struct RailStats {
 pub(crate) struct PostReq<'a> {
     pub(crate) id: u64,
     pub(crate) op: XferOp,
-    pub(crate) peer: &'a str,
+    /// The peer's name, shared (the transfer's: no copy made per post).
+    pub(crate) peer: &'a Arc<str>,
     pub(crate) local: &'a [(Arc<Region>, Desc)],
     pub(crate) remote: &'a [Desc],
     pub(crate) meta: &'a Arc<AgentMetadata>,
@@ -215,7 +216,7 @@ impl Engine {
 
     /// The local rails with a live queue pair to the peer of `key` (its rail is scratch: the
     /// caller's one key serves every lookup of a post), in order.
-    fn live_rails(&self, key: &mut PairKey, rails: usize) -> Vec<usize> {
+    fn live_rails(&self, key: &mut PairKey, rails: usize) -> SmallVec<[usize; 8]> {
         (0..rails)
             .filter(|r| {
                 key.1 = *r;
@@ -610,7 +611,7 @@ impl Verbs {
             grants,
         } = req;
         let mut e = lock(&self.engine);
-        let mut key = PairKey::new(peer, 0);
+        let mut key = PairKey::shared(peer.clone(), 0);
         let rails = e.live_rails(&mut key, self.rails.len());
         if rails.is_empty() {
             return Err(AgentError::Unsupported(format!(
@@ -638,8 +639,8 @@ impl Verbs {
             .plan(&descs, self.mode)
             .map_err(|x| AgentError::Unsupported(x.to_string()))?;
         let fenced = grants.iter().any(Option::is_some);
-        let run = Run {
-            progress: Progress::new(&plan),
+        let mut run = Run {
+            progress: Progress::from(Plan::default()),
             peer: key.0.clone(),
             op,
             local: local.iter().map(|(r, _)| r.clone()).collect(),
@@ -647,8 +648,11 @@ impl Verbs {
             grants: if fenced { grants.to_vec() } else { Vec::new() },
         };
         self.enqueue(&mut e, id, &run, &plan, &mut key);
+        let (slices, rails_used) = (plan.slices(), plan.rails_used_count());
+        // the run keeps the plan's lists (enqueued above: no copy of them)
+        run.progress = Progress::from(plan);
         e.runs.insert(id, run);
-        if plan.slices() == 0 {
+        if slices == 0 {
             e.runs.remove(&id);
             if let Some((peer, n)) = shared.xfer_notif(id) {
                 self.notify_locked(shared, &mut e, &peer, n);
@@ -662,7 +666,7 @@ impl Verbs {
         // posters move the rails in parallel. Either way nothing holds the engine lock
         // through a post: rxe does the packet work inside `ibv_post_send`, and the progress
         // thread slept on the lock for the whole of it (a futex wait and a switch a transfer).
-        let in_place = plan.rails_used().len() == 1 && (e.runs.len() == 1 || !self.spin.is_zero());
+        let in_place = rails_used == 1 && (e.runs.len() == 1 || !self.spin.is_zero());
         let mut mine: SmallVec<[poster::InPlace; 1]> = SmallVec::new();
         for r in 0..self.rails.len() {
             key.1 = r;
@@ -685,14 +689,7 @@ impl Verbs {
     }
 
     /// Queue a plan's slices on the pairs to the run's peer (`key`: that peer, any rail).
-    fn enqueue(
-        &self,
-        e: &mut Engine,
-        id: u64,
-        run: &Run,
-        plan: &crate::transport::stripe::Plan,
-        key: &mut PairKey,
-    ) {
+    fn enqueue(&self, e: &mut Engine, id: u64, run: &Run, plan: &Plan, key: &mut PairKey) {
         for (r, slices) in plan.per_rail.iter().enumerate() {
             if slices.is_empty() {
                 continue;

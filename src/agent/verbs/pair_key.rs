@@ -25,7 +25,13 @@ fn names() -> &'static std::collections::hash_map::RandomState {
 impl PairKey {
     /// The key of `peer`'s pair on local rail `rail`.
     pub(super) fn new(peer: &str, rail: usize) -> Self {
-        Self(peer.into(), rail, names().hash_one(peer))
+        Self::shared(peer.into(), rail)
+    }
+
+    /// [`PairKey::new`] with a name already shared (a transfer's: no copy of it made).
+    pub(super) fn shared(peer: Arc<str>, rail: usize) -> Self {
+        let h = names().hash_one(&*peer);
+        Self(peer, rail, h)
     }
 
     /// Whether this is a pair to `peer`.
