@@ -405,6 +405,67 @@ fn burst_of_100k_notifications_in_order() {
     }
 }
 
+/// One sender, three receivers, notifications to them in runs of irregular length: each
+/// receiver gets exactly its own, in order, from the sender (on verbs each over its own
+/// channel). The sender finds the channel of the last send without hashing the name: a
+/// send to another peer must never take that shortcut to the wrong one.
+#[test]
+fn notifications_to_several_peers_reach_each_its_own() {
+    let p = Agent::new("prefill-0", cfg(Host::B)).unwrap();
+    let ds: Vec<Agent> = (0..3)
+        .map(|i| Agent::new(&format!("decode-{i}"), cfg(Host::A)).unwrap())
+        .collect();
+    let names: Vec<String> = ds.iter().map(|d| load(&p, d)).collect();
+    if on_verbs() {
+        for n in &names {
+            assert_eq!(p.notif_rail(n).as_deref(), Some("rxeB0:1"), "{n}");
+        }
+    }
+    // runs of 1..=4 to one peer, each run to another peer than the run before
+    let mut sent = vec![0u32; ds.len()];
+    let mut k = 0usize;
+    for step in 0..3000usize {
+        let to = (step * 7 + step / 5) % ds.len();
+        for _ in 0..=(step % 4) {
+            let i = sent[to];
+            p.send_notif(&names[to], format!("to {to} #{i}").into_bytes())
+                .unwrap();
+            sent[to] += 1;
+            k += 1;
+        }
+    }
+    let t = Instant::now();
+    for (to, d) in ds.iter().enumerate() {
+        let mut next = 0;
+        while next < sent[to] {
+            for (from, b) in d.get_new_notifs() {
+                assert_eq!(from, "prefill-0");
+                assert_eq!(
+                    String::from_utf8_lossy(&b),
+                    format!("to {to} #{next}"),
+                    "decode-{to}: another peer's notification, or out of order"
+                );
+                next += 1;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "decode-{to}: {next} of {} arrived",
+                sent[to]
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert_eq!(sent.iter().sum::<u32>() as usize, k);
+    // nothing more comes: every notification went to exactly one peer
+    std::thread::sleep(Duration::from_millis(200));
+    for (to, d) in ds.iter().enumerate() {
+        assert!(
+            d.get_new_notifs().is_empty(),
+            "decode-{to} got extra notifications"
+        );
+    }
+}
+
 /// Callers that wait with a polling budget (`progress_spin_us`) find small answers while
 /// they look, on TCP too (no sleep and wake-up per answer); on TCP a large transfer's
 /// waiter takes the sleeping path at once (its copies need the CPU). Every byte checked;

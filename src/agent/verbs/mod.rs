@@ -184,6 +184,8 @@ struct Engine {
     out_ids: HashMap<String, u64>,
     /// The next channel id.
     next_out: u64,
+    /// The channel of the last notification sent (a hint: see `Engine::out_mut`).
+    last_out: u64,
     /// Notification channels we receive on, per target connection.
     ins: IdMap<u64, notif::InChan>,
     /// (rail, qpn) → the channel a queue pair carries.
