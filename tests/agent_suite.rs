@@ -423,7 +423,6 @@ fn notifications_to_several_peers_reach_each_its_own() {
     }
     // runs of 1..=4 to one peer, each run to another peer than the run before
     let mut sent = vec![0u32; ds.len()];
-    let mut k = 0usize;
     for step in 0..3000usize {
         let to = (step * 7 + step / 5) % ds.len();
         for _ in 0..=(step % 4) {
@@ -431,7 +430,6 @@ fn notifications_to_several_peers_reach_each_its_own() {
             p.send_notif(&names[to], format!("to {to} #{i}").into_bytes())
                 .unwrap();
             sent[to] += 1;
-            k += 1;
         }
     }
     let t = Instant::now();
@@ -455,7 +453,6 @@ fn notifications_to_several_peers_reach_each_its_own() {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
-    assert_eq!(sent.iter().sum::<u32>() as usize, k);
     // nothing more comes: every notification went to exactly one peer
     std::thread::sleep(Duration::from_millis(200));
     for (to, d) in ds.iter().enumerate() {

@@ -147,8 +147,8 @@ impl Planner {
         self.up_set().into_vec()
     }
 
-    /// [`Planner::up_rails`] on the stack (a plan per transfer asked for it: an allocation
-    /// each, with the plan's other small lists four of the post path's ~16).
+    /// [`Planner::up_rails`] on the stack: every plan asks for it, and the plan's small lists
+    /// were three of the ~16 allocations a verbs post made (callgrind, lab).
     fn up_set(&self) -> Rails {
         (0..self.rails()).filter(|&r| self.up[r]).collect()
     }
