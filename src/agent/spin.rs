@@ -120,8 +120,9 @@ impl Shared {
     /// still in progress (as a waiting caller would: [`Shared::spin_budget`]; one that
     /// ended needs no look), reading the socket only if nobody did within
     /// `driven::LOOK_GAP`: a loop asking about every transfer in flight made a receive call
-    /// for each, ~1.2 a transfer with kvrail-perf's loop (4 KiB x 32, `perf stat`), 0.38
-    /// with the gap, and five interleaved rounds went from 255k to 289k transfers/s (medians).
+    /// for each, ~1.2 a transfer with kvrail-perf's loop (4 KiB x 32, `perf stat`), 0.31
+    /// with the gap, and seven interleaved rounds went from 255k to 344k transfers/s
+    /// (medians; the README's "Looks that find nothing new").
     pub(crate) fn poll_for_status(&self, id: XferId) {
         let mut in_progress = true;
         let budget = self.spin_budget(|| {

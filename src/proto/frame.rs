@@ -278,8 +278,9 @@ mod tests {
         }
 
         /// Frames each followed by raw bytes (a data header and its payload), pushed (or
-        /// received in place) in arbitrary pieces and taken as they become available: every frame and every raw
-        /// byte comes out in order, and `has_frame` says exactly when `next_frame` yields.
+        /// received in place) in arbitrary pieces and taken as they become available: every
+        /// frame and every raw byte comes out in order, and `has_frame` says exactly when
+        /// `next_frame` yields.
         #[test]
         fn frames_and_raw_bytes_across_splits(
             items in prop::collection::vec((prop::collection::vec(any::<u8>(), 0..40), 0usize..300), 1..30),

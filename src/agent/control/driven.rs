@@ -180,8 +180,9 @@ impl Driven {
         let end = now.saturating_add(nanos(window));
         self.until.fetch_max(end, Ordering::AcqRel);
         self.drive_out(shared);
-        let since = now.saturating_sub(self.looked.load(Ordering::Acquire));
-        if pass == Pass::Look && since < nanos(LOOK_GAP) {
+        if pass == Pass::Look
+            && now.saturating_sub(self.looked.load(Ordering::Acquire)) < nanos(LOOK_GAP)
+        {
             return 0;
         }
         self.looked.store(now, Ordering::Release);
