@@ -213,6 +213,24 @@ impl HostBuffer {
         Ok(())
     }
 
+    /// Copy `parts` in one after another from `offset`, under one lock (a frame's header
+    /// and payload): how many bytes. Nothing is written when they do not all fit.
+    ///
+    /// # Errors
+    /// [`MemError::OutOfRange`].
+    pub fn write_parts(&self, offset: usize, parts: &[&[u8]]) -> Result<usize, MemError> {
+        let len = parts.iter().map(|p| p.len()).sum();
+        let r = self.check(offset, len)?;
+        let mut g = self.lock();
+        let bytes = &mut g.bytes()[r];
+        let mut at = 0;
+        for p in parts {
+            bytes[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        Ok(len)
+    }
+
     /// Copy `out.len()` bytes out from `offset`.
     ///
     /// # Errors
@@ -286,5 +304,22 @@ mod tests {
         ));
         assert!(b.read(usize::MAX, &mut out).is_err());
         assert!(HostBuffer::new(0).is_err());
+    }
+
+    #[test]
+    fn parts_land_back_to_back_or_not_at_all() {
+        let b = HostBuffer::new(4096).unwrap();
+        assert_eq!(b.write_parts(100, &[b"hd", b"", b"abc", b"z"]).unwrap(), 6);
+        let mut out = [0u8; 8];
+        b.read(99, &mut out).unwrap();
+        assert_eq!(&out, b"\0hdabcz\0");
+        // the last part would end past the buffer: none of them is written
+        assert!(matches!(
+            b.write_parts(4090, &[b"xyz", b"1234"]),
+            Err(MemError::OutOfRange { len: 7, .. })
+        ));
+        let mut tail = [9u8; 6];
+        b.read(4090, &mut tail).unwrap();
+        assert_eq!(tail, [0; 6]);
     }
 }

@@ -197,6 +197,14 @@ struct Engine {
 }
 
 impl Engine {
+    /// Whether the progress thread should look at the ports every `PORT_CHECK`: transfers
+    /// in flight, a dead pair to rebuild, or a notification channel busy or dead.
+    fn needs_watching(&self) -> bool {
+        !self.runs.is_empty()
+            || self.pairs.values().any(|q| q.dead.is_some())
+            || self.outs.values().any(|o| o.busy() || o.dead())
+    }
+
     /// Make `qp` the pair to `peer` on `rail` (replacing a dead one).
     fn install(&mut self, peer: &str, rail: usize, peer_rail: usize, qp: Qp) {
         let key = PairKey::new(peer, rail);
@@ -970,11 +978,15 @@ impl Verbs {
                     // port that went DOWN is retired and its work moved, without waiting
                     // for the transport's retries to run out.
                     // A dead pair is looked at too, to be rebuilt when its port is back.
-                    let watch = {
-                        let e = lock(&me.engine);
-                        !e.runs.is_empty()
-                            || e.pairs.values().any(|q| q.dead.is_some())
-                            || e.outs.values().any(|o| o.busy() || o.dead())
+                    // The engine lock busy means work is under way: watch then, rather than
+                    // wait for it (a look at the clock's business never queues behind a
+                    // caller that posts or dispatches, nor makes that caller wake it).
+                    let watch = match me.engine.try_lock() {
+                        Ok(e) => e.needs_watching(),
+                        Err(std::sync::TryLockError::Poisoned(p)) => {
+                            p.into_inner().needs_watching()
+                        }
+                        Err(std::sync::TryLockError::WouldBlock) => true,
                     };
                     let mut timeout = watch.then(|| PORT_CHECK.saturating_sub(checked.elapsed()));
                     if let Some(t) = me.rearm_after() {

@@ -47,8 +47,13 @@ pub(super) struct PollState {
     bufs: Vec<Mutex<Vec<Completion>>>,
     /// Callers polling now.
     pollers: AtomicUsize,
-    /// When the last caller stopped polling.
-    last: Mutex<Option<Instant>>,
+    /// When the last caller stopped polling without going to sleep, in microseconds since
+    /// `epoch` plus one; 0 when it went to sleep (or none stopped yet). An atomic, not a
+    /// lock: the progress thread reads it at every wake-up, and a lock beside the callers'
+    /// (each round trip stores it) made it wait its turn.
+    last: AtomicU64,
+    /// What `last` counts from.
+    epoch: Instant,
     /// Per rail: an event was taken without arming the queue again.
     disarmed: Vec<AtomicBool>,
     /// How long the progress thread sleeps before its next look at disarmed queues, in
@@ -64,10 +69,18 @@ impl PollState {
                 .map(|_| Mutex::new(Vec::with_capacity(64)))
                 .collect(),
             pollers: AtomicUsize::new(0),
-            last: Mutex::new(None),
+            last: AtomicU64::new(0),
+            epoch: Instant::now(),
             disarmed: (0..rails).map(|_| AtomicBool::new(false)).collect(),
             look_us: AtomicU64::new(0),
         }
+    }
+}
+
+impl PollState {
+    /// Now, as a `last` stamp.
+    fn stamp(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX - 1) + 1
     }
 }
 
@@ -95,7 +108,8 @@ impl Verbs {
     /// budget before dispatching them (a caller that got its answer tends to come back at
     /// once: for it the queues stay unarmed a budget longer).
     pub(crate) fn stop_polling(&self, shared: &Shared, sleeping: bool) {
-        *lock(&self.polling.last) = (!sleeping).then(Instant::now);
+        let stamp = if sleeping { 0 } else { self.polling.stamp() };
+        self.polling.last.store(stamp, Ordering::Release);
         let last = self.polling.pollers.fetch_sub(1, Ordering::AcqRel) == 1;
         if last && sleeping {
             self.rearm(shared);
@@ -127,7 +141,10 @@ impl Verbs {
         if self.polling.pollers.load(Ordering::Acquire) > 0 {
             return true;
         }
-        lock(&self.polling.last).is_some_and(|t| t.elapsed() < self.spin)
+        match self.polling.last.load(Ordering::Acquire) {
+            0 => false,
+            t => self.polling.stamp().saturating_sub(t) < self.spin.as_micros() as u64,
+        }
     }
 
     /// The first wait before a look at disarmed queues: one budget (at least 1 ms).

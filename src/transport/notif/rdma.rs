@@ -306,12 +306,13 @@ impl MsgChannel {
             credit_only,
         };
         let off = (self.slots + s) as usize * self.slot;
-        self.mr.write(off, &h.encode())?;
-        let mut len = HEADER;
-        for p in payload {
-            self.mr.write(off + len, p)?;
-            len += p.len();
-        }
+        let header = h.encode();
+        let mut parts: SmallVec<[&[u8]; 4]> = SmallVec::with_capacity(payload.len() + 1);
+        parts.push(&header);
+        parts.extend_from_slice(payload);
+        // one range check and one lock for the whole frame (a lock per part was three a
+        // notification, each ~27 ns in the lab)
+        let len = self.mr.write_parts(off, &parts)?;
         let mut wr = SendWr::send(u64::from(self.slots + s), Sge::new(&self.mr, off, len));
         if len <= self.qp.max_inline() as usize {
             // small frames ride in the work request (no fetch from memory by the device)

@@ -295,6 +295,15 @@ impl Mr {
         Ok(self.inner.buf.write(offset, data)?)
     }
 
+    /// Copy `parts` into the region one after another from `offset`, with one range check
+    /// and one lock: how many bytes. Nothing is written when they do not all fit.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`].
+    pub fn write_parts(&self, offset: usize, parts: &[&[u8]]) -> Result<usize, Error> {
+        Ok(self.inner.buf.write_parts(offset, parts)?)
+    }
+
     /// Copy `out.len()` bytes at `offset` out of the region.
     ///
     /// # Errors

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use rdma_mummy_sys as ffi;
@@ -146,7 +146,30 @@ pub enum QpState {
     Unknown,
 }
 
+// A variant added without its place in `QpState::ALL` fails the build here (Unknown stays
+// the last).
+const _: () = assert!(QpState::Unknown as usize + 1 == QpState::ALL.len());
+
 impl QpState {
+    /// Every state, in declaration order (the index is what [`QpInner::state`] stores).
+    const ALL: [Self; 8] = [
+        Self::Reset,
+        Self::Init,
+        Self::Rtr,
+        Self::Rts,
+        Self::Sqd,
+        Self::Sqe,
+        Self::Error,
+        Self::Unknown,
+    ];
+
+    fn from_index(i: u8) -> Self {
+        Self::ALL
+            .get(usize::from(i))
+            .copied()
+            .unwrap_or(Self::Unknown)
+    }
+
     fn from_raw(v: u32) -> Self {
         use ffi::ibv_qp_state::*;
         match v {
@@ -222,7 +245,9 @@ struct QpInner {
     max_rd_atomic: u8,
     max_dest_rd_atomic: u8,
     max_inline: u32,
-    state: Mutex<QpState>,
+    /// The last state a transition or query saw ([`QpState::ALL`]'s index). An atomic, not a
+    /// lock: every post reads it, and it is only ever read or replaced whole.
+    state: AtomicU8,
     /// Serializes posters of the send queue through `ibv_post_send`, so that sequence
     /// numbers follow the order the device sees. The queue's own lock (in `shared`) is held
     /// only to reserve and, after a failed post, to give back: the completion side retires
@@ -370,7 +395,7 @@ impl Qp {
                 max_rd_atomic: dev.max_qp_init_rd_atom.clamp(1, 255) as u8,
                 max_dest_rd_atomic,
                 max_inline,
-                state: Mutex::new(QpState::Reset),
+                state: AtomicU8::new(QpState::Reset as u8),
                 posting: Mutex::new(()),
                 shared,
                 send_cq: send_cq.inner.clone(),
@@ -416,16 +441,16 @@ impl Qp {
                 source: from_ret(ret),
             });
         }
-        *self.lock_state() = to;
+        self.set_state(to);
         Ok(())
     }
 
-    fn lock_state(&self) -> MutexGuard<'_, QpState> {
-        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn set_state(&self, s: QpState) {
+        self.inner.state.store(s as u8, Ordering::Release);
     }
 
     fn cached_state(&self) -> QpState {
-        *self.lock_state()
+        QpState::from_index(self.inner.state.load(Ordering::Acquire))
     }
 
     /// Queue pair number.
@@ -573,7 +598,7 @@ impl Qp {
     /// [`Error::QueryQp`].
     pub fn state(&self) -> Result<QpState, Error> {
         let s = QpState::from_raw(self.query(ffi::ibv_qp_attr_mask::IBV_QP_STATE)?.qp_state);
-        *self.lock_state() = s;
+        self.set_state(s);
         Ok(s)
     }
 
@@ -1032,5 +1057,16 @@ mod tests {
         };
         let back: Endpoint = rmp_serde::from_slice(&rmp_serde::to_vec(&new).unwrap()).unwrap();
         assert_eq!(back, new);
+    }
+
+    /// The state a QP keeps as a byte comes back as the same state, for every state (the
+    /// table and the declaration order agree).
+    #[test]
+    fn a_state_stored_as_its_index_reads_back() {
+        use super::QpState;
+        for s in QpState::ALL {
+            assert_eq!(QpState::from_index(s as u8), s, "{}", s.name());
+        }
+        assert_eq!(QpState::from_index(200), QpState::Unknown);
     }
 }
