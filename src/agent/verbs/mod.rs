@@ -979,8 +979,8 @@ impl Verbs {
                     // for the transport's retries to run out.
                     // A dead pair is looked at too, to be rebuilt when its port is back.
                     // The engine lock busy means work is under way: watch then, rather than
-                    // wait for it (a look at the clock's business never queues behind a
-                    // caller that posts or dispatches, nor makes that caller wake it).
+                    // wait for it (the port look never queues behind a caller that posts or
+                    // dispatches, nor makes that caller wake this thread).
                     let watch = match me.engine.try_lock() {
                         Ok(e) => e.needs_watching(),
                         Err(std::sync::TryLockError::Poisoned(p)) => {
