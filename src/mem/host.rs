@@ -220,15 +220,14 @@ impl HostBuffer {
     /// [`MemError::OutOfRange`].
     pub fn write_parts(&self, offset: usize, parts: &[&[u8]]) -> Result<usize, MemError> {
         let len = parts.iter().map(|p| p.len()).sum();
-        let r = self.check(offset, len)?;
-        let mut g = self.lock();
-        let bytes = &mut g.bytes()[r];
-        let mut at = 0;
-        for p in parts {
-            bytes[at..at + p.len()].copy_from_slice(p);
-            at += p.len();
-        }
-        Ok(len)
+        self.with_mut(offset, len, |bytes| {
+            let mut at = 0;
+            for p in parts {
+                bytes[at..at + p.len()].copy_from_slice(p);
+                at += p.len();
+            }
+            Ok(len)
+        })
     }
 
     /// Copy `out.len()` bytes out from `offset`.

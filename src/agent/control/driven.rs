@@ -43,7 +43,7 @@ pub(crate) const WINDOW_MAX: Duration = Duration::from_millis(16);
 pub(crate) const LOOK_GAP: Duration = Duration::from_micros(5);
 
 /// `d` in nanoseconds (saturating), the unit of the connection's clock.
-fn nanos(d: Duration) -> u64 {
+pub(crate) fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 

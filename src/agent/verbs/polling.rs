@@ -23,6 +23,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{lock, Verbs};
+use crate::agent::control::driven::nanos;
 use crate::agent::Shared;
 use crate::transport::verbs::Completion;
 
@@ -47,7 +48,7 @@ pub(super) struct PollState {
     bufs: Vec<Mutex<Vec<Completion>>>,
     /// Callers polling now.
     pollers: AtomicUsize,
-    /// When the last caller stopped polling without going to sleep, in microseconds since
+    /// When the last caller stopped polling without going to sleep, in nanoseconds since
     /// `epoch` plus one; 0 when it went to sleep (or none stopped yet). An atomic, not a
     /// lock: every wait stores it as it ends (a lock and unlock there cost ~27 ns a round
     /// trip in the lab) and the progress thread reads it at every wake-up.
@@ -78,7 +79,7 @@ impl PollState {
 
     /// Now, as a `last` stamp.
     fn stamp(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX - 1) + 1
+        nanos(self.epoch.elapsed()).saturating_add(1)
     }
 }
 
@@ -141,7 +142,7 @@ impl Verbs {
         }
         match self.polling.last.load(Ordering::Acquire) {
             0 => false,
-            t => self.polling.stamp().saturating_sub(t) < self.spin.as_micros() as u64,
+            t => self.polling.stamp().saturating_sub(t) < nanos(self.spin),
         }
     }
 
