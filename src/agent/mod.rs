@@ -794,13 +794,14 @@ impl Agent {
     /// # Errors
     /// [`AgentError::NoXfer`].
     pub fn wait(&self, id: XferId, timeout: std::time::Duration) -> Result<XferStatus, AgentError> {
-        let deadline = std::time::Instant::now() + timeout;
+        let start = std::time::Instant::now();
+        let deadline = start + timeout;
         let budget = self
             .shared
             .spin_budget(|| lock(&self.shared.xfers).bytes(id));
         let ended = &self.shared.ended;
         let mut seen = None; // the count of ended transfers at the last look
-        let polled = self.shared.spin_until(budget, deadline, || {
+        let polled = self.shared.spin_until(budget, start, deadline, || {
             let now = ended.load(std::sync::atomic::Ordering::Acquire);
             if seen == Some(now) {
                 return Ok(None); // nothing ended since: no need to look
@@ -883,9 +884,10 @@ impl Agent {
     /// [`AgentConfig::progress_spin_us`] it polls the completion queues itself first (on
     /// TCP it looks for the notifications before sleeping).
     pub fn wait_notifs(&self, timeout: std::time::Duration) -> Vec<(String, Vec<u8>)> {
-        let deadline = std::time::Instant::now() + timeout;
+        let start = std::time::Instant::now();
+        let deadline = start + timeout;
         let budget = self.shared.spin_budget(|| None);
-        let polled = self.shared.spin_until(budget, deadline, || {
+        let polled = self.shared.spin_until(budget, start, deadline, || {
             let mut q = lock(&self.shared.notifs);
             Ok((!q.is_empty()).then(|| q.drain(..).collect()))
         });

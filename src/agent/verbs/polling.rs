@@ -105,9 +105,16 @@ impl Verbs {
     /// A caller stops polling; `sleeping`: it ran out of budget and is going to sleep, so
     /// the queues must raise events again and the progress thread must not wait out a
     /// budget before dispatching them (a caller that got its answer tends to come back at
-    /// once: for it the queues stay unarmed a budget longer).
-    pub(crate) fn stop_polling(&self, shared: &Shared, sleeping: bool) {
-        let stamp = if sleeping { 0 } else { self.polling.stamp() };
+    /// once: for it the queues stay unarmed a budget longer). `seen`: the caller's latest
+    /// reading of the clock, taken as the time it stopped (None: read it now).
+    pub(crate) fn stop_polling(&self, shared: &Shared, sleeping: bool, seen: Option<Instant>) {
+        let stamp = match (sleeping, seen) {
+            (true, _) => 0,
+            (false, Some(t)) => {
+                nanos(t.saturating_duration_since(self.polling.epoch)).saturating_add(1)
+            }
+            (false, None) => self.polling.stamp(),
+        };
         self.polling.last.store(stamp, Ordering::Release);
         let last = self.polling.pollers.fetch_sub(1, Ordering::AcqRel) == 1;
         if last && sleeping {
