@@ -170,8 +170,8 @@ impl Shared {
     /// The clock is read after a poll that found nothing (and after every
     /// [`LOOKS_BETWEEN_READINGS`]th poll), not at every pass: a reading is ~120 ns in the lab
     /// (an uncontended lock ~25), and a wait answered by its first poll read it four times
-    /// (callgrind of a notification ping-pong); it reads it none now, and stops with the
-    /// caller's own reading as its time.
+    /// (callgrind of a notification ping-pong); it now reads it once, the caller's `start`,
+    /// which is also the time it stopped polling unless a later reading was taken.
     pub(crate) fn spin_until<T>(
         &self,
         budget: Duration,
