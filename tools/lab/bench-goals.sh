@@ -95,7 +95,7 @@ row() {   # label reference-key kvrail-key ratio-key goal-value min|max
 for op in write read; do
     for size in 65536 1048576 8388608; do
         row "$op $size -t 32 vs ib_${op}_bw -t 32" "pt_${op}_$size" "kv_${op}_$size" "r_${op}_$size" 0.97 min
-        row "  the same, one buffer (perftest's layout)" "pt_${op}_$size" "kv1_${op}_$size" "r1_${op}_$size" 0.97 min
+        row "$op $size -t 32, one buffer (--slots 1)" "pt_${op}_$size" "kv1_${op}_$size" "r1_${op}_$size" 0.97 min
     done
 done
 row "write 65536 -t 32: ib_write_bw again (A/A)" pt_write_65536 pt2_65536 raa_65536 - info
