@@ -77,9 +77,9 @@ impl PollState {
         }
     }
 
-    /// Now, as a `last` stamp.
-    fn stamp(&self) -> u64 {
-        nanos(self.epoch.elapsed()).saturating_add(1)
+    /// `t` as a `last` stamp.
+    fn stamp_at(&self, t: Instant) -> u64 {
+        nanos(t.saturating_duration_since(self.epoch)).saturating_add(1)
     }
 }
 
@@ -108,12 +108,10 @@ impl Verbs {
     /// once: for it the queues stay unarmed a budget longer). `seen`: the caller's latest
     /// reading of the clock, taken as the time it stopped (None: read it now).
     pub(crate) fn stop_polling(&self, shared: &Shared, sleeping: bool, seen: Option<Instant>) {
-        let stamp = match (sleeping, seen) {
-            (true, _) => 0,
-            (false, Some(t)) => {
-                nanos(t.saturating_duration_since(self.polling.epoch)).saturating_add(1)
-            }
-            (false, None) => self.polling.stamp(),
+        let stamp = if sleeping {
+            0
+        } else {
+            self.polling.stamp_at(seen.unwrap_or_else(Instant::now))
         };
         self.polling.last.store(stamp, Ordering::Release);
         let last = self.polling.pollers.fetch_sub(1, Ordering::AcqRel) == 1;
@@ -149,7 +147,7 @@ impl Verbs {
         }
         match self.polling.last.load(Ordering::Acquire) {
             0 => false,
-            t => self.polling.stamp().saturating_sub(t) < nanos(self.spin),
+            t => self.polling.stamp_at(Instant::now()).saturating_sub(t) < nanos(self.spin),
         }
     }
 
