@@ -664,10 +664,7 @@ impl Verbs {
         e.runs.insert(id, run);
         if slices == 0 {
             e.runs.remove(&id);
-            if let Some((peer, n)) = shared.xfer_notif(id) {
-                self.notify_locked(shared, &mut e, &peer, n);
-            }
-            shared.finish(id, Ok(()));
+            self.completed(shared, &mut e, id);
             return Ok(());
         }
         // The only transfer in flight, on one rail: post in place (one thread hand-off less,
@@ -950,13 +947,25 @@ impl Verbs {
         }
         if done {
             e.runs.remove(&xfer);
-            // the notification is queued before the engine can see the transfer done
-            if let Some((peer, n)) = shared.xfer_notif(xfer) {
-                self.notify_locked(shared, e, &peer, n);
-            }
-            shared.finish(xfer, Ok(()));
+            self.completed(shared, e, xfer);
         }
         self.pump(e, &key);
+    }
+
+    /// Transfer `id` is complete (every slice in place; its run removed): done, then its
+    /// notification. The notification is taken before the transfer is marked done (an
+    /// engine that releases a done transfer at once must not lose it), and the transfer is
+    /// marked done before the notification goes out: a peer that exits on it closes its
+    /// connection, whose end fails the peer's transfers still in progress — this one too,
+    /// bytes all landed, when that came first (the lab's two-process test, once in a CI run).
+    /// What needs the notification queued — a later post or notification to the peer, a
+    /// dropping agent's flush — takes the engine lock, held here, first.
+    fn completed(&self, shared: &Shared, e: &mut Engine, id: u64) {
+        let notif = shared.xfer_notif(id);
+        shared.finish(id, Ok(()));
+        if let Some((peer, n)) = notif {
+            self.notify_locked(shared, e, &peer, n);
+        }
     }
 
     /// The progress thread: sleep on the rails' completion channels; dispatch completions.
