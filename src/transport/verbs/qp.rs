@@ -701,102 +701,145 @@ impl Qp {
                 depth: q.depth,
             });
         }
-        // On the stack for the usual post (one or two requests of a few SGEs each: a
+        if let [wr] = wrs {
+            if wr.local.len() <= INLINE_SGES {
+                return self.post_one_send(wr, q);
+            }
+        }
+        // On the stack for the usual list (a request or two of a few SGEs each: a
         // notification frame, a transfer's slice); the heap only for longer lists.
         let nsge: usize = wrs.iter().map(|w| w.local.len()).sum();
         let mut sges: SmallVec<[ffi::ibv_sge; INLINE_SGES]> = SmallVec::with_capacity(nsge);
         // where the queue stood before each request, to give back what a failed post left
         let mut marks: SmallVec<[Mark; INLINE_WRS]> = SmallVec::with_capacity(wrs.len());
-        // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those).
-        let mut raw: SmallVec<[ffi::ibv_send_wr; INLINE_WRS]> = (0..wrs.len())
-            .map(|_| unsafe { std::mem::zeroed() })
-            .collect();
-        for (wr, r) in wrs.iter().zip(raw.iter_mut()) {
+        let mut raw: SmallVec<[ffi::ibv_send_wr; INLINE_WRS]> = SmallVec::with_capacity(wrs.len());
+        for wr in wrs {
             marks.push(q.mark());
-            let (seq, signaled) = q.next(wr.signaled);
-            r.wr_id = seq;
-            r.num_sge = wr.local.len() as i32;
-            r.send_flags = if signaled {
-                ffi::ibv_send_flags::IBV_SEND_SIGNALED.0
-            } else {
-                0
-            };
-            if wr.inline {
-                r.send_flags |= ffi::ibv_send_flags::IBV_SEND_INLINE.0;
-            }
-            let (opcode, imm) = match wr.op {
-                SendOp::Write { .. } => (ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE, None),
-                SendOp::WriteWithImm { imm, .. } => {
-                    (ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm))
-                }
-                SendOp::Read { .. } => (ffi::ibv_wr_opcode::IBV_WR_RDMA_READ, None),
-                SendOp::Send => (ffi::ibv_wr_opcode::IBV_WR_SEND, None),
-                SendOp::SendWithImm { imm } => {
-                    (ffi::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM, Some(imm))
-                }
-            };
-            r.opcode = opcode;
-            if let Some(imm) = imm {
-                r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-            }
-            if let Some((remote, off)) = wr.op.remote() {
-                r.wr.rdma = ffi::rdma_t {
-                    remote_addr: remote.addr + off,
-                    rkey: remote.rkey,
-                };
-            }
-            let mut refs = SmallVec::with_capacity(wr.local.len());
-            for s in &wr.local {
-                sges.push(ffi::ibv_sge {
-                    addr: s.mr.addr() + s.offset as u64,
-                    length: s.len as u32,
-                    lkey: s.mr.lkey(),
-                });
-                refs.push(MrRef::new(s.mr.inner()));
-            }
-            // pending before it is posted: its completion may come before the post returns
-            q.push(Pending {
-                seq,
-                wr_id: wr.wr_id,
-                op: wr.op.kind(),
-                report: wr.signaled,
-                _refs: refs,
-            });
+            raw.push(self.reserve_send(&mut q, wr, |s| sges.push(s)));
         }
         drop(q);
-        // Link the list and point each request at its SGEs (`raw` and `sges` stay where they
-        // are, on the stack or in their heap buffers, until the post below returns).
-        let mut at = 0;
-        for i in 0..raw.len() {
-            let n = raw[i].num_sge as usize;
-            raw[i].sg_list = if n == 0 {
-                std::ptr::null_mut()
-            } else {
-                sges[at..].as_mut_ptr()
-            };
-            at += n;
-            let next = if i + 1 < raw.len() {
-                &mut raw[i + 1] as *mut _
-            } else {
-                std::ptr::null_mut()
-            };
-            raw[i].next = next;
-        }
+        link(
+            &mut raw,
+            &mut sges,
+            |r| r.num_sge,
+            |r, sg, next| {
+                r.sg_list = sg;
+                r.next = next;
+            },
+        );
         if raw.is_empty() {
             return Ok(());
         }
+        self.ring_send(&mut raw, |posted| marks.get(posted).copied())
+    }
+
+    /// [`Qp::post_send`] of one request of at most [`INLINE_SGES`] SGEs (a notification
+    /// frame, a transfer's slice: most posts), without the list's bookkeeping.
+    fn post_one_send(
+        &self,
+        wr: &SendWr<'_>,
+        mut q: MutexGuard<'_, WorkQueue>,
+    ) -> Result<(), Error> {
+        let mark = q.mark();
+        let mut sges = [ffi::ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        }; INLINE_SGES];
+        let mut n = 0;
+        let mut r = self.reserve_send(&mut q, wr, |s| {
+            sges[n] = s;
+            n += 1;
+        });
+        drop(q);
+        if n > 0 {
+            r.sg_list = sges.as_mut_ptr();
+        }
+        self.ring_send(std::slice::from_mut(&mut r), |posted| {
+            (posted == 0).then_some(mark)
+        })
+    }
+
+    /// Reserve `wr`'s place in the send queue `q` (its pending entry, pushed before it is
+    /// posted: its completion may come before the post returns) and make its raw request;
+    /// its SGEs go to `sge`, in order (the caller points the request at them).
+    fn reserve_send(
+        &self,
+        q: &mut WorkQueue,
+        wr: &SendWr<'_>,
+        mut sge: impl FnMut(ffi::ibv_sge),
+    ) -> ffi::ibv_send_wr {
+        // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those).
+        let mut r: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+        let (seq, signaled) = q.next(wr.signaled);
+        r.wr_id = seq;
+        r.num_sge = wr.local.len() as i32;
+        r.send_flags = if signaled {
+            ffi::ibv_send_flags::IBV_SEND_SIGNALED.0
+        } else {
+            0
+        };
+        if wr.inline {
+            r.send_flags |= ffi::ibv_send_flags::IBV_SEND_INLINE.0;
+        }
+        let (opcode, imm) = match wr.op {
+            SendOp::Write { .. } => (ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE, None),
+            SendOp::WriteWithImm { imm, .. } => {
+                (ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm))
+            }
+            SendOp::Read { .. } => (ffi::ibv_wr_opcode::IBV_WR_RDMA_READ, None),
+            SendOp::Send => (ffi::ibv_wr_opcode::IBV_WR_SEND, None),
+            SendOp::SendWithImm { imm } => (ffi::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM, Some(imm)),
+        };
+        r.opcode = opcode;
+        if let Some(imm) = imm {
+            r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+        }
+        if let Some((remote, off)) = wr.op.remote() {
+            r.wr.rdma = ffi::rdma_t {
+                remote_addr: remote.addr + off,
+                rkey: remote.rkey,
+            };
+        }
+        let mut refs = SmallVec::with_capacity(wr.local.len());
+        for s in &wr.local {
+            sge(ffi::ibv_sge {
+                addr: s.mr.addr() + s.offset as u64,
+                length: s.len as u32,
+                lkey: s.mr.lkey(),
+            });
+            refs.push(MrRef::new(s.mr.inner()));
+        }
+        q.push(Pending {
+            seq,
+            wr_id: wr.wr_id,
+            op: wr.op.kind(),
+            report: wr.signaled,
+            _refs: refs,
+        });
+        r
+    }
+
+    /// Hand a linked, reserved list to the device; when it takes only part of it, give
+    /// back what it did not take (`mark_of(i)`: where the queue stood before request `i`).
+    /// The caller holds `posting`.
+    fn ring_send(
+        &self,
+        raw: &mut [ffi::ibv_send_wr],
+        mark_of: impl FnOnce(usize) -> Option<Mark>,
+    ) -> Result<(), Error> {
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: live QP in RTS; the list and SGE arrays are valid for the call (the
         // device copies them); every SGE lies inside a registered region of this PD that
         // stays alive until its completion is polled (the MrRefs of the pending entries
-        // pushed above).
+        // pushed by `reserve_send`).
         let ret = unsafe { ffi::ibv_post_send(self.inner.qp.as_ptr(), raw.as_mut_ptr(), &mut bad) };
         if ret != 0 {
             let posted = bad_index(raw.as_ptr(), bad, raw.len());
             // Give back what was not posted: the newest entries (no other poster ran:
             // `posting` is held), which no completion can name.
             // (a failure that names no request leaves them all counted, as posted)
-            if let Some(&m) = marks.get(posted) {
+            if let Some(m) = mark_of(posted) {
                 self.inner.shared.queue(false).unwind(m);
             }
             return Err(Error::Post {
@@ -931,7 +974,9 @@ impl Qp {
         let mut sges: SmallVec<[ffi::ibv_sge; INLINE_RECVS]> = SmallVec::with_capacity(nsge);
         let mut raw: SmallVec<[ffi::ibv_recv_wr; INLINE_RECVS]> =
             SmallVec::with_capacity(wrs.len());
-        let mut pend: SmallVec<[Pending; INLINE_RECVS]> = SmallVec::with_capacity(wrs.len());
+        // Pending before it is posted (the queue stays locked until the post returns, so no
+        // completion can look for it earlier); what the device did not take is given back.
+        let mark = q.mark();
         for wr in wrs {
             let (seq, _) = q.next(true);
             let mut refs = SmallVec::with_capacity(wr.local.len());
@@ -949,7 +994,7 @@ impl Qp {
                 sg_list: std::ptr::null_mut(),
                 num_sge: wr.local.len() as i32,
             });
-            pend.push(Pending {
+            q.push(Pending {
                 seq,
                 wr_id: wr.wr_id,
                 op: OpKind::Recv,
@@ -957,38 +1002,27 @@ impl Qp {
                 _refs: refs,
             });
         }
-        let mut at = 0;
-        for i in 0..raw.len() {
-            let n = raw[i].num_sge as usize;
-            raw[i].sg_list = if n == 0 {
-                std::ptr::null_mut()
-            } else {
-                sges[at..].as_mut_ptr()
-            };
-            at += n;
-            let next = if i + 1 < raw.len() {
-                &mut raw[i + 1] as *mut _
-            } else {
-                std::ptr::null_mut()
-            };
-            raw[i].next = next;
-        }
+        link(
+            &mut raw,
+            &mut sges,
+            |r| r.num_sge,
+            |r, sg, next| {
+                r.sg_list = sg;
+                r.next = next;
+            },
+        );
         if raw.is_empty() {
             return Ok(());
         }
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: live QP; the list and SGEs are valid for the call; every buffer lies in a
-        // locally writable region kept alive by `pend` until its completion is polled.
+        // locally writable region kept alive by its pending entry until its completion is
+        // polled (or the entry is given back below, when the device did not take it).
         let ret = unsafe { ffi::ibv_post_recv(self.inner.qp.as_ptr(), raw.as_mut_ptr(), &mut bad) };
-        let posted = if ret == 0 {
-            raw.len()
-        } else {
-            bad_index(raw.as_ptr(), bad, raw.len())
-        };
-        for p in pend.drain(..posted) {
-            q.push(p);
-        }
         if ret != 0 {
+            // (a failure that names no request leaves them all counted, as posted)
+            let posted = bad_index(raw.as_ptr(), bad, raw.len());
+            q.unwind(mark.after_receives(posted));
             return Err(Error::Post {
                 verb: "ibv_post_recv",
                 qpn: self.inner.qpn,
@@ -1014,6 +1048,33 @@ impl Qp {
 /// request failed, all of them are taken as posted: their regions then stay busy until a
 /// later completion (or the QP's destruction) retires them, which is safe, while releasing
 /// a request the device may still execute would not be.
+/// Link a list of work requests and point each at its SGEs, in order (`raw` and `sges` stay
+/// where they are, on the stack or in their heap buffers, until the post returns).
+fn link<W>(
+    raw: &mut [W],
+    sges: &mut [ffi::ibv_sge],
+    num_sge: impl Fn(&W) -> i32,
+    set: impl Fn(&mut W, *mut ffi::ibv_sge, *mut W),
+) {
+    let mut at = 0;
+    let n = raw.len();
+    for i in 0..n {
+        let k = num_sge(&raw[i]) as usize;
+        let sg = if k == 0 {
+            std::ptr::null_mut()
+        } else {
+            sges[at..].as_mut_ptr()
+        };
+        at += k;
+        let next = if i + 1 < n {
+            &mut raw[i + 1] as *mut W
+        } else {
+            std::ptr::null_mut()
+        };
+        set(&mut raw[i], sg, next);
+    }
+}
+
 fn bad_index<T>(base: *const T, bad: *const T, len: usize) -> usize {
     let off = (bad as usize).wrapping_sub(base as usize) / std::mem::size_of::<T>().max(1);
     if bad.is_null() || off >= len {

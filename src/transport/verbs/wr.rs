@@ -239,6 +239,17 @@ pub(crate) struct Mark {
     unsignaled_run: usize,
 }
 
+impl Mark {
+    /// Where the queue stood after `n` more receives were reserved from here (receives
+    /// are all signaled: only the sequence moves).
+    pub(crate) fn after_receives(self, n: usize) -> Self {
+        Self {
+            next_seq: self.next_seq + n as u64,
+            unsignaled_run: 0,
+        }
+    }
+}
+
 /// What happened to a completion's sequence number.
 pub(crate) enum Retired {
     /// Found: the request (and every unsignaled one before it) is retired.
@@ -345,6 +356,26 @@ mod tests {
         }
         assert_eq!(q.outstanding(), 0);
         assert!(matches!(q.retire(4), Retired::Unknown));
+    }
+
+    /// A receive list the device refused from its third request on: the two before stay
+    /// pending, the rest are given back from the list's one mark, and the numbers reused.
+    #[test]
+    fn a_receive_list_unwinds_from_its_one_mark() {
+        let mut q = WorkQueue::new(8);
+        let (s0, _) = q.next(true);
+        q.push(pending(s0));
+        let mark = q.mark();
+        for _ in 0..4 {
+            let (seq, _) = q.next(true);
+            q.push(pending(seq));
+        }
+        q.unwind(mark.after_receives(2));
+        assert_eq!(q.outstanding(), 3);
+        assert_eq!(q.next(true), (3, true));
+        q.unwind(mark.after_receives(0));
+        assert_eq!(q.outstanding(), 1);
+        assert_eq!(q.next(true), (1, true));
     }
 
     #[test]
