@@ -718,15 +718,7 @@ impl Qp {
             raw.push(self.reserve_send(&mut q, wr, |s| sges.push(s)));
         }
         drop(q);
-        link(
-            &mut raw,
-            &mut sges,
-            |r| r.num_sge,
-            |r, sg, next| {
-                r.sg_list = sg;
-                r.next = next;
-            },
-        );
+        link(&mut raw, &mut sges);
         if raw.is_empty() {
             return Ok(());
         }
@@ -1002,15 +994,7 @@ impl Qp {
                 _refs: refs,
             });
         }
-        link(
-            &mut raw,
-            &mut sges,
-            |r| r.num_sge,
-            |r, sg, next| {
-                r.sg_list = sg;
-                r.next = next;
-            },
-        );
+        link(&mut raw, &mut sges);
         if raw.is_empty() {
             return Ok(());
         }
@@ -1048,18 +1032,39 @@ impl Qp {
 /// request failed, all of them are taken as posted: their regions then stay busy until a
 /// later completion (or the QP's destruction) retires them, which is safe, while releasing
 /// a request the device may still execute would not be.
+/// A raw work request of a list (send or receive): its SGE count, its list pointers.
+trait RawWr: Sized {
+    fn num_sge(&self) -> usize;
+    fn point(&mut self, sg_list: *mut ffi::ibv_sge, next: *mut Self);
+}
+
+impl RawWr for ffi::ibv_send_wr {
+    fn num_sge(&self) -> usize {
+        self.num_sge as usize
+    }
+    fn point(&mut self, sg_list: *mut ffi::ibv_sge, next: *mut Self) {
+        self.sg_list = sg_list;
+        self.next = next;
+    }
+}
+
+impl RawWr for ffi::ibv_recv_wr {
+    fn num_sge(&self) -> usize {
+        self.num_sge as usize
+    }
+    fn point(&mut self, sg_list: *mut ffi::ibv_sge, next: *mut Self) {
+        self.sg_list = sg_list;
+        self.next = next;
+    }
+}
+
 /// Link a list of work requests and point each at its SGEs, in order (`raw` and `sges` stay
 /// where they are, on the stack or in their heap buffers, until the post returns).
-fn link<W>(
-    raw: &mut [W],
-    sges: &mut [ffi::ibv_sge],
-    num_sge: impl Fn(&W) -> i32,
-    set: impl Fn(&mut W, *mut ffi::ibv_sge, *mut W),
-) {
+fn link<W: RawWr>(raw: &mut [W], sges: &mut [ffi::ibv_sge]) {
     let mut at = 0;
     let n = raw.len();
     for i in 0..n {
-        let k = num_sge(&raw[i]) as usize;
+        let k = raw[i].num_sge();
         let sg = if k == 0 {
             std::ptr::null_mut()
         } else {
@@ -1071,7 +1076,7 @@ fn link<W>(
         } else {
             std::ptr::null_mut()
         };
-        set(&mut raw[i], sg, next);
+        raw[i].point(sg, next);
     }
 }
 
