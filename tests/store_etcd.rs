@@ -138,6 +138,62 @@ fn agents_find_each_other_by_name_and_follow_registrations() {
     }
 }
 
+/// A region a peer registered a moment ago is usable at once: a transfer that names what
+/// the loaded metadata lacks asks the store before it is refused (the watch delivers a
+/// registration within milliseconds; an engine's next request can come sooner). Eight
+/// regions, each READ right after its registration returns, every byte checked; a region
+/// the peer never registered is still refused, naming it.
+#[test]
+fn a_region_registered_a_moment_ago_is_usable_at_once() {
+    let e = etcd::Etcd::start();
+    let ns = etcd::namespace("fresh");
+    let s = store(&e.url(), &ns, 30);
+    let p = Agent::new("p-1", cfg_p(Some(s.clone()))).unwrap();
+    let d = Agent::new("d-1", cfg(Some(s))).unwrap();
+    d.load_by_name("p-1").unwrap();
+    on_verbs_in_the_lab(&d, "p-1");
+    let dst = d.register(LEN, RemoteAccess::NONE, vec![]).unwrap();
+    // the transfer is created right after the registration returns (the race is there: its
+    // checks use the loaded metadata); the bytes are written before it is posted
+    let read = |src: RegionId, fill: &dyn Fn()| -> Result<Vec<u8>, String> {
+        let x = d
+            .create_xfer(
+                XferOp::Read,
+                vec![Desc::new(dst, 0, LEN as u64)],
+                "p-1",
+                vec![Desc::new(src, 0, LEN as u64)],
+                None,
+            )
+            .map_err(|e| e.to_string())?;
+        fill();
+        d.post(x).map_err(|e| e.to_string())?;
+        let st = d
+            .wait(x, Duration::from_secs(60))
+            .map_err(|e| e.to_string())?;
+        d.release(x).ok();
+        if st != XferStatus::Done {
+            return Err(format!("{st:?}"));
+        }
+        let mut got = vec![0u8; LEN];
+        d.read_region(dst, 0, &mut got).unwrap();
+        Ok(got)
+    };
+    for k in 0..8u64 {
+        let src = p.register(LEN, RemoteAccess::READ, vec![]).unwrap();
+        let fill = || p.write_region(src, 0, &pattern(20 + k, LEN)).unwrap();
+        let got = read(src, &fill).unwrap_or_else(|e| panic!("region {}: {e}", src.0));
+        assert!(
+            got == pattern(20 + k, LEN),
+            "region {}: bytes differ",
+            src.0
+        );
+    }
+    match read(RegionId(999), &|| ()) {
+        Err(e) => assert!(e.contains("advertised no region 999"), "{e}"),
+        Ok(_) => panic!("a region never registered was read"),
+    }
+}
+
 /// The child: agent `crash-p` publishing generation `KVRAIL_GEN`'s pattern, until killed.
 fn child_main() {
     let url = std::env::var("KVRAIL_ETCD").unwrap();

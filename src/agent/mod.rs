@@ -604,7 +604,10 @@ impl Agent {
 
     /// Create a transfer: `op` between `local` descriptors and the peer's `remote` ones
     /// (equal counts, pairwise equal sizes), with an optional notification the peer gets
-    /// after all bytes landed. Validated here; nothing moves until [`Agent::post`].
+    /// after all bytes landed. Validated here; nothing moves until [`Agent::post`]. A remote
+    /// descriptor the loaded metadata does not cover, of a peer loaded from the metadata
+    /// store, is checked once more after loading the store's newer revision, when it has
+    /// one (a region the peer registered a moment ago, before the store's watch delivered it).
     ///
     /// # Errors
     /// [`AgentError::LengthMismatch`], [`AgentError::InvalidDesc`] naming the index,
@@ -618,21 +621,38 @@ impl Agent {
         notif: Option<Vec<u8>>,
     ) -> Result<XferId, AgentError> {
         check_notif_len(notif.as_deref())?;
-        let epoch = {
-            let peers = lock(&self.shared.peers);
-            let p = peers
-                .get(peer)
-                .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
-            let regions = lock(&self.shared.regions);
-            table::validate(op, &local, &remote, &p.meta, |r| {
-                regions.get(&r.0).map(|r| r.len())
-            })?;
-            drop(regions);
-            self.shared
-                .grants_for(peer, &p.meta, &remote, op == XferOp::Write)?;
-            p.epoch
+        let epoch = match self.checked_epoch(op, &local, peer, &remote) {
+            // the peer may have registered it a moment ago: ask the store once
+            Err(AgentError::InvalidDesc { side: "remote", .. })
+                if self.refresh_from_store(peer) =>
+            {
+                self.checked_epoch(op, &local, peer, &remote)?
+            }
+            r => r?,
         };
         Ok(lock(&self.shared.xfers).create(op, (peer, epoch), local, remote, notif))
+    }
+
+    /// [`Agent::create_xfer`]'s checks against `peer`'s loaded metadata; its epoch.
+    fn checked_epoch(
+        &self,
+        op: XferOp,
+        local: &[Desc],
+        peer: &str,
+        remote: &[Desc],
+    ) -> Result<u64, AgentError> {
+        let peers = lock(&self.shared.peers);
+        let p = peers
+            .get(peer)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.into()))?;
+        let regions = lock(&self.shared.regions);
+        table::validate(op, local, remote, &p.meta, |r| {
+            regions.get(&r.0).map(|r| r.len())
+        })?;
+        drop(regions);
+        self.shared
+            .grants_for(peer, &p.meta, remote, op == XferOp::Write)?;
+        Ok(p.epoch)
     }
 
     /// Post a transfer (again, once it is no longer active).

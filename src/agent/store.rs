@@ -2,7 +2,9 @@
 //! (at start and after every registration change), load peers by name, and follow the
 //! namespace watch — a peer whose key is deleted is invalidated (its transfers fail, its
 //! connection closes); a peer whose key another incarnation wrote (another lease) is
-//! invalidated and loaded again, so the next transfer goes to the new process.
+//! invalidated and loaded again, so the next transfer goes to the new process. A transfer
+//! naming a region the loaded metadata lacks asks the store for a newer revision first (the
+//! watch lags a registration by milliseconds).
 
 #[cfg(feature = "etcd")]
 use super::lock;
@@ -15,13 +17,17 @@ pub(crate) use with_etcd::AgentStore;
 #[cfg(feature = "etcd")]
 mod with_etcd {
     use std::collections::HashMap;
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
 
     /// The store connection and what this agent loaded from it.
     pub(crate) struct AgentStore {
         pub(crate) etcd: crate::store::EtcdStore,
         /// Peers loaded by name: the lease (incarnation) and revision loaded.
         pub(crate) known: Mutex<HashMap<String, (i64, i64)>>,
+        /// One gate a peer name: loads of one peer's metadata (the watch's, a load by name,
+        /// a transfer's refresh) run one at a time, so an older revision loaded late cannot
+        /// overwrite a newer one; loads of different peers do not wait for each other.
+        pub(crate) adopting: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     }
 }
 
@@ -34,6 +40,7 @@ pub(crate) fn open(config: &super::AgentConfig) -> Result<Option<AgentStore>, Ag
     Ok(Some(AgentStore {
         etcd: crate::store::EtcdStore::connect(c)?,
         known: std::sync::Mutex::default(),
+        adopting: std::sync::Mutex::default(),
     }))
 }
 
@@ -194,6 +201,31 @@ impl Agent {
         }
     }
 
+    /// Load peer `peer`'s metadata again when the store holds a newer revision than the
+    /// one loaded from it — a registration or a restart its watch has not delivered yet;
+    /// whether it did. For a transfer naming what the loaded metadata lacks: the watch
+    /// follows a peer within milliseconds, an engine's next request can come sooner.
+    pub(crate) fn refresh_from_store(&self, peer: &str) -> bool {
+        #[cfg(feature = "etcd")]
+        {
+            let Some(s) = &self.shared.store else {
+                return false;
+            };
+            let Some((_, rev)) = lock(&s.known).get(peer).copied() else {
+                return false;
+            };
+            match s.etcd.fetch(peer) {
+                Ok(Some(m)) if m.revision > rev => self.adopt(s, peer, m).is_ok(),
+                _ => false,
+            }
+        }
+        #[cfg(not(feature = "etcd"))]
+        {
+            let _ = peer;
+            false
+        }
+    }
+
     /// Load `m` as peer `name`: a new incarnation (another lease) replaces the old one's
     /// connection and keys; an older revision than the one loaded is ignored.
     #[cfg(feature = "etcd")]
@@ -203,6 +235,11 @@ impl Agent {
         name: &str,
         m: crate::store::StoredMetadata,
     ) -> Result<String, AgentError> {
+        let gate = lock(&s.adopting)
+            .entry(name.to_owned())
+            .or_default()
+            .clone();
+        let _one_at_a_time = lock(&gate);
         let known = lock(&s.known).get(name).copied();
         if let Some((lease, rev)) = known {
             if m.revision < rev && self.peer_connected(name) {
