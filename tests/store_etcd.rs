@@ -61,31 +61,41 @@ fn on_verbs_in_the_lab(d: &Agent, peer: &str) {
 /// READ all of `peer`'s region `src` into a fresh region of `d`; the bytes.
 fn read_all(d: &Agent, peer: &str, src: RegionId) -> Result<Vec<u8>, String> {
     let dst = d.register(LEN, RemoteAccess::NONE, vec![]).unwrap();
-    let r = (|| {
-        let x = d
-            .create_xfer(
-                XferOp::Read,
-                vec![Desc::new(dst, 0, LEN as u64)],
-                peer,
-                vec![Desc::new(src, 0, LEN as u64)],
-                None,
-            )
-            .map_err(|e| e.to_string())?;
-        d.post(x).map_err(|e| e.to_string())?;
-        match d
-            .wait(x, Duration::from_secs(60))
-            .map_err(|e| e.to_string())?
-        {
-            XferStatus::Done => {}
-            other => return Err(format!("{other:?}")),
-        }
-        let mut got = vec![0u8; LEN];
-        d.read_region(dst, 0, &mut got).unwrap();
-        d.release(x).ok();
-        Ok(got)
-    })();
+    let r = read_into(d, peer, dst, src, &|| ());
     d.deregister(dst).unwrap();
     r
+}
+
+/// READ all of `peer`'s region `src` into `d`'s region `dst`, running `fill` between the
+/// transfer's creation and its post; the bytes.
+fn read_into(
+    d: &Agent,
+    peer: &str,
+    dst: RegionId,
+    src: RegionId,
+    fill: &dyn Fn(),
+) -> Result<Vec<u8>, String> {
+    let x = d
+        .create_xfer(
+            XferOp::Read,
+            vec![Desc::new(dst, 0, LEN as u64)],
+            peer,
+            vec![Desc::new(src, 0, LEN as u64)],
+            None,
+        )
+        .map_err(|e| e.to_string())?;
+    fill();
+    d.post(x).map_err(|e| e.to_string())?;
+    let st = d
+        .wait(x, Duration::from_secs(60))
+        .map_err(|e| e.to_string())?;
+    d.release(x).ok();
+    if st != XferStatus::Done {
+        return Err(format!("{st:?}"));
+    }
+    let mut got = vec![0u8; LEN];
+    d.read_region(dst, 0, &mut got).unwrap();
+    Ok(got)
 }
 
 fn until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
@@ -155,29 +165,7 @@ fn a_region_registered_a_moment_ago_is_usable_at_once() {
     let dst = d.register(LEN, RemoteAccess::NONE, vec![]).unwrap();
     // the transfer is created right after the registration returns (the race is there: its
     // checks use the loaded metadata); the bytes are written before it is posted
-    let read = |src: RegionId, fill: &dyn Fn()| -> Result<Vec<u8>, String> {
-        let x = d
-            .create_xfer(
-                XferOp::Read,
-                vec![Desc::new(dst, 0, LEN as u64)],
-                "p-1",
-                vec![Desc::new(src, 0, LEN as u64)],
-                None,
-            )
-            .map_err(|e| e.to_string())?;
-        fill();
-        d.post(x).map_err(|e| e.to_string())?;
-        let st = d
-            .wait(x, Duration::from_secs(60))
-            .map_err(|e| e.to_string())?;
-        d.release(x).ok();
-        if st != XferStatus::Done {
-            return Err(format!("{st:?}"));
-        }
-        let mut got = vec![0u8; LEN];
-        d.read_region(dst, 0, &mut got).unwrap();
-        Ok(got)
-    };
+    let read = |src: RegionId, fill: &dyn Fn()| read_into(&d, "p-1", dst, src, fill);
     for k in 0..8u64 {
         let src = p.register(LEN, RemoteAccess::READ, vec![]).unwrap();
         let fill = || p.write_region(src, 0, &pattern(20 + k, LEN)).unwrap();
