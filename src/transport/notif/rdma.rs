@@ -226,7 +226,7 @@ impl MsgChannel {
                 let h = Header::decode(frame).inspect_err(|e| {
                     self.failed.get_or_insert_with(|| e.to_string());
                 })?;
-                self.credits.arrived(h.credits)?;
+                self.credits.arrived(h.credits.into())?;
                 if !h.credit_only {
                     if let Some(msg) = self.asm.push(&h, &frame[HEADER..])? {
                         self.inbox.push_back(msg);

@@ -20,11 +20,24 @@ fn header_round_trip_and_garbage() {
         credit_only: true,
     };
     assert_eq!(Header::decode(&c.encode()).unwrap(), c);
-    assert_eq!(Header::decode(&[0x6b, 1, 0]), Err(FrameError::Short(3)));
+    assert_eq!(Header::decode(&[0x4b, 1, 0]), Err(FrameError::Short(3)));
     assert_eq!(Header::decode(&[0; 8]), Err(FrameError::Magic(0)));
     assert_eq!(
-        Header::decode(&[0x6b, 0x80, 0, 0, 0, 0, 0, 0]),
+        Header::decode(&[0x4b, 0x80, 0, 0, 0, 0, 0, 0]),
         Err(FrameError::Flags(0x80))
+    );
+    // the wire form: magic, flags, credits (little endian), nothing else
+    let h = Header {
+        credits: 0x0102,
+        first: true,
+        last: true,
+        credit_only: false,
+    };
+    assert_eq!(h.encode(), [0x4b, 3, 2, 1]);
+    // an 8-byte header of an older build is refused by its first byte
+    assert_eq!(
+        Header::decode(&[0x6b, 3, 0, 0, 2, 0, 0, 0]),
+        Err(FrameError::Magic(0x6b))
     );
     // a credit-only frame carries nothing else
     let mut f = c.encode().to_vec();
@@ -34,7 +47,7 @@ fn header_round_trip_and_garbage() {
 
 #[test]
 fn fragmenting_and_reassembly() {
-    let frames: Vec<_> = fragments(10, 8 + 4).collect();
+    let frames: Vec<_> = fragments(10, HEADER + 4).collect();
     assert_eq!(
         frames,
         [
@@ -72,6 +85,17 @@ fn fragmenting_and_reassembly() {
     };
     a.push(&first, b"x").unwrap();
     assert!(matches!(a.push(&first, b"x"), Err(FrameError::Sequence(_))));
+}
+
+/// More owed than the header's 16 bits carry: the rest rides on the next frame, none lost.
+#[test]
+fn owed_credits_beyond_the_header_field_wait_for_the_next_frame() {
+    let mut c = Credits::new(4);
+    c.reposted(70_000);
+    assert_eq!(c.spend(), u16::MAX);
+    assert_eq!(c.owed(), 70_000 - u32::from(u16::MAX));
+    assert_eq!(u32::from(c.spend()), 70_000 - u32::from(u16::MAX));
+    assert_eq!(c.owed(), 0);
 }
 
 #[test]
@@ -163,7 +187,7 @@ impl Sim {
             );
             self.posted[i] -= 1;
             self.unposted[i] += 1;
-            self.credits[i].arrived(h.credits).unwrap();
+            self.credits[i].arrived(h.credits.into()).unwrap();
             if self.unposted[i] >= self.batch {
                 self.posted[i] += self.unposted[i];
                 self.credits[i].reposted(std::mem::take(&mut self.unposted[i]));
