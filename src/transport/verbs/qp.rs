@@ -1028,10 +1028,6 @@ impl Qp {
     }
 }
 
-/// Index of `bad` in the array starting at `base`. When the provider did not say which
-/// request failed, all of them are taken as posted: their regions then stay busy until a
-/// later completion (or the QP's destruction) retires them, which is safe, while releasing
-/// a request the device may still execute would not be.
 /// A raw work request of a list (send or receive): its SGE count, its list pointers.
 trait RawWr: Sized {
     fn num_sge(&self) -> usize;
@@ -1080,6 +1076,10 @@ fn link<W: RawWr>(raw: &mut [W], sges: &mut [ffi::ibv_sge]) {
     }
 }
 
+/// Index of `bad` in the array starting at `base`. When the provider did not say which
+/// request failed, all of them are taken as posted: their regions then stay busy until a
+/// later completion (or the QP's destruction) retires them, which is safe, while releasing
+/// a request the device may still execute would not be.
 fn bad_index<T>(base: *const T, bad: *const T, len: usize) -> usize {
     let off = (bad as usize).wrapping_sub(base as usize) / std::mem::size_of::<T>().max(1);
     if bad.is_null() || off >= len {
