@@ -3,6 +3,8 @@
 //! transfer and striped, notifications after the data, and two agents in two processes.
 //! Outside the lab every case is SKIPPED.
 
+#[path = "agent_lab/bad_frame.rs"]
+mod bad_frame;
 #[path = "agent_lab/grant_cost.rs"]
 mod grant_cost;
 mod lab;
@@ -97,6 +99,7 @@ fn main() {
         "a_reader_that_only_reads_notifications_polls",
         "a_sender_dropped_with_its_channel_stalled_sends_the_rest_over_tcp",
         "messages_in_the_receivers_queue_when_the_sender_drops_still_arrive",
+        "a_malformed_frame_closes_the_channel_and_nothing_after_it_is_lost",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -119,6 +122,7 @@ fn main() {
     r.run(cases[11], || polling::readers_poll(&t));
     r.run(cases[12], || stalled_drop::stalled_channel_drop(&t));
     r.run(cases[13], || stalled_drop::queued_at_the_receiver(&t));
+    r.run(cases[14], || bad_frame::bad_frame_closes_the_channel(&t));
     r.finish();
 }
 

@@ -944,6 +944,21 @@ impl Agent {
         None
     }
 
+    /// Fault injection, for tests (not part of the API): `frame` as it is on the verbs
+    /// notification channel to `peer`, as a broken or foreign peer would send it.
+    ///
+    /// # Errors
+    /// [`AgentError::Unsupported`]: no live channel to `peer`, or it has no room now.
+    #[doc(hidden)]
+    pub fn inject_notif_frame(&self, peer: &str, frame: &[u8]) -> Result<(), AgentError> {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            return v.inject_frame(peer, frame).map_err(AgentError::Unsupported);
+        }
+        let _ = (peer, frame);
+        Err(AgentError::Unsupported("no verbs backend".into()))
+    }
+
     /// Whether each rail's device can register dma-buf memory, probed once when the agent
     /// started (verbs backend; empty on TCP, which never registers device memory).
     pub fn dmabuf_support(&self) -> Vec<crate::mem::NicDmabuf> {

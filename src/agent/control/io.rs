@@ -106,7 +106,14 @@ fn send_one(shared: &Shared, w: &mut TcpStream, work: Work) -> std::io::Result<(
         #[cfg(feature = "verbs")]
         Work::QpOpen(pairs) => send(w, &Msg::QpOpen { pairs }),
         #[cfg(feature = "verbs")]
-        Work::ChanOpen(rail, ep) => send(w, &Msg::ChanOpen { rail, ep }),
+        Work::ChanOpen(rail, ep) => send(
+            w,
+            &Msg::ChanOpen {
+                rail,
+                ep,
+                frames: crate::transport::notif::FRAME_FORMAT,
+            },
+        ),
         Work::Xfer {
             id,
             op: XferOp::Write,
@@ -191,9 +198,10 @@ pub(super) fn answer(
             }
         }
         #[cfg(feature = "verbs")]
-        Msg::ChanOpened { ep } => {
+        Msg::ChanOpened { ep, frames } => {
             if let Some(v) = &shared.verbs {
-                v.chan_rebuilt(peer, Ok(ep));
+                let answer = crate::agent::verbs::exchange::frames_agree((ep, frames));
+                v.chan_rebuilt(peer, answer);
             }
         }
         #[cfg(feature = "verbs")]

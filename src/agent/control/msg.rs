@@ -35,15 +35,21 @@ pub(crate) enum Msg {
     },
     /// Verbs: open the receiving end of a notification channel on target rail `rail`,
     /// connected to the initiator's endpoint.
+    /// `frames` is the initiator's frame layout (`transport::notif::FRAME_FORMAT`; absent
+    /// from builds before it was sent: 1).
     #[cfg(feature = "verbs")]
     ChanOpen {
         rail: u32,
         ep: crate::transport::verbs::Endpoint,
+        #[serde(default = "frame_format_before")]
+        frames: u8,
     },
-    /// Verbs: the target's channel endpoint, connected.
+    /// Verbs: the target's channel endpoint, connected, and its frame layout.
     #[cfg(feature = "verbs")]
     ChanOpened {
         ep: crate::transport::verbs::Endpoint,
+        #[serde(default = "frame_format_before")]
+        frames: u8,
     },
     /// Attach refused, or a request that cannot be served at all.
     Refused { message: String },
@@ -112,6 +118,13 @@ pub(crate) enum Msg {
         #[serde(with = "serde_bytes")]
         proof: Vec<u8>,
     },
+}
+
+/// The notification frame layout of a peer that does not say (builds before the layout was
+/// agreed on: the 8-byte header).
+#[cfg(feature = "verbs")]
+fn frame_format_before() -> u8 {
+    1
 }
 
 /// Append one message's frame to `out` (to be written later, with others): the body is
@@ -344,5 +357,76 @@ mod tests {
             assert_eq!(format!("{got:?}"), format!("{m:?}"));
         }
         assert!(r.next().unwrap().is_none());
+    }
+}
+
+/// The notification channel's frame layout is agreed on when it opens: a `ChanOpen` or
+/// `ChanOpened` from a build that does not send its layout reads as layout 1 (the 8-byte
+/// header), and an endpoint whose layout differs from ours is refused with both named.
+#[cfg(all(test, feature = "verbs"))]
+mod frame_layout {
+    use serde::Serialize;
+
+    use super::Msg;
+    use crate::agent::verbs::exchange::frames_agree;
+    use crate::transport::notif::FRAME_FORMAT;
+    use crate::transport::verbs::{Endpoint, Gid, Mtu};
+
+    /// The messages as builds before the layout was sent wrote them (same variants, in the
+    /// same order, up to the channel's).
+    #[derive(Serialize)]
+    #[allow(dead_code)]
+    enum Before {
+        GetMetadata,
+        Metadata(Vec<u8>),
+        Attach(u8),
+        Attached,
+        QpOpen(u8),
+        QpOpened(u8),
+        ChanOpen { rail: u32, ep: Endpoint },
+        ChanOpened { ep: Endpoint },
+    }
+
+    fn ep() -> Endpoint {
+        Endpoint {
+            qpn: 0x12_3456,
+            psn: 77,
+            gid: Gid([9; 16]),
+            lid: 0,
+            mtu: Mtu::Mtu1024,
+            rd_atomic: 16,
+        }
+    }
+
+    #[test]
+    fn an_older_peers_channel_is_refused_by_name() {
+        let old = rmp_serde::to_vec(&Before::ChanOpen { rail: 3, ep: ep() }).unwrap();
+        let Msg::ChanOpen {
+            rail,
+            ep: got,
+            frames,
+        } = rmp_serde::from_slice(&old).unwrap()
+        else {
+            panic!("not a ChanOpen");
+        };
+        assert_eq!((rail, got.qpn, frames), (3, 0x12_3456, 1));
+        let e = frames_agree((got, frames)).unwrap_err();
+        assert!(e.contains("layout 1 there and 2 here"), "{e}");
+        let old = rmp_serde::to_vec(&Before::ChanOpened { ep: ep() }).unwrap();
+        let Msg::ChanOpened { ep: got, frames } = rmp_serde::from_slice(&old).unwrap() else {
+            panic!("not a ChanOpened");
+        };
+        assert!(frames_agree((got, frames)).is_err());
+        // this build's answer carries its layout, and is taken
+        let new = Msg::ChanOpened {
+            ep: ep(),
+            frames: FRAME_FORMAT,
+        };
+        let Msg::ChanOpened { ep: got, frames } =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&new).unwrap()).unwrap()
+        else {
+            panic!("not a ChanOpened");
+        };
+        assert_eq!(frames_agree((got, frames)).unwrap().qpn, 0x12_3456);
     }
 }

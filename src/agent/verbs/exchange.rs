@@ -11,6 +11,7 @@ use crate::agent::control::msg::{send, Msg, Reader};
 use crate::agent::control::{conn_err, expect_reply};
 use crate::agent::metadata::{AgentMetadata, BackendKind};
 use crate::agent::{AgentError, Shared};
+use crate::transport::notif::FRAME_FORMAT;
 use crate::transport::verbs::{Access, ConnectOptions, Endpoint, Qp};
 
 /// Initiator, while attaching: one queue pair per paired rail (endpoints exchanged on the
@@ -79,6 +80,7 @@ fn open_chan(
         &Msg::ChanOpen {
             rail,
             ep: qp.endpoint(),
+            frames: FRAME_FORMAT,
         },
     )
     .map_err(|e| conn_err(step, addr, e))?;
@@ -88,14 +90,27 @@ fn open_chan(
         step,
         "notification channel refused by",
         |m| match m {
-            Msg::ChanOpened { ep } => Ok(ep),
+            Msg::ChanOpened { ep, frames } => Ok((ep, frames)),
             m => Err(m),
         },
     )?;
+    let ep = frames_agree(ep).map_err(|e| conn_err(step, addr, e))?;
     qp.connect(&ep, &chan_connect_options())
         .map_err(|e| conn_err(step, addr, e))?;
     v.add_out_chan(peer, mine, &qp, ch);
     Ok(())
+}
+
+/// A peer's endpoint for a notification channel, if its frames are laid out as ours (see
+/// [`FRAME_FORMAT`]); otherwise why not.
+pub(crate) fn frames_agree<E>((ep, theirs): (E, u8)) -> Result<E, String> {
+    if theirs == FRAME_FORMAT {
+        return Ok(ep);
+    }
+    Err(format!(
+        "notification frames of layout {theirs} there and {FRAME_FORMAT} here: \
+         a channel between these kvrail builds would lose notifications; run one build on both"
+    ))
 }
 
 /// Target: the queue pairs one attached initiator asked for; they live as long as its
@@ -119,10 +134,15 @@ impl TargetQps {
             message: "this agent runs on TCP".into(),
         };
         Some(match m {
-            Msg::ChanOpen { rail, ep } => match shared.verbs.as_ref() {
+            Msg::ChanOpen { rail, ep, frames } => match shared.verbs.as_ref() {
                 None => tcp(),
-                Some(v) => match v.accept_chan(conn, from, *rail, ep) {
-                    Ok(ep) => Msg::ChanOpened { ep },
+                Some(v) => match (frames_agree((ep, *frames)))
+                    .and_then(|ep| v.accept_chan(conn, from, *rail, ep))
+                {
+                    Ok(ep) => Msg::ChanOpened {
+                        ep,
+                        frames: FRAME_FORMAT,
+                    },
                     Err(message) => Msg::Refused { message },
                 },
             },

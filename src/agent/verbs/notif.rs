@@ -114,10 +114,15 @@ const CHAN_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// How a channel's queue pair connects: `rnr_retry` 0, so a frame that found no receive
 /// posted would fail the channel at once (credits make sure it never happens) instead of
-/// being retried unseen.
+/// being retried unseen; `retry_cnt` 6, so a frame that gets no answer (the receiver closed
+/// its queue pair: a malformed frame) fails the channel after seven timeouts (~7.5 s at
+/// the default 1.07 s) and the rest goes over TCP. At 7, the default, Soft-RoCE retries
+/// forever (it reads 7 as "infinite" there as for `rnr_retry`): the sender kept filling a
+/// channel nobody read (lab test `a_malformed_frame_closes_the_channel…`).
 pub(crate) fn chan_connect_options() -> ConnectOptions {
     ConnectOptions {
         rnr_retry: 0,
+        retry_cnt: 6,
         ..ConnectOptions::default()
     }
 }
@@ -397,6 +402,13 @@ impl Verbs {
         Ok(())
     }
 
+    /// Fault injection, for tests: `frame` raw on the live channel to `peer`.
+    pub(crate) fn inject_frame(&self, peer: &str, frame: &[u8]) -> Result<(), String> {
+        let mut e = lock(&self.engine);
+        let o = (e.out_mut(peer).filter(|o| !o.dead)).ok_or("no live notification channel")?;
+        o.ch.post_raw_frame(frame).map_err(|e| e.to_string())
+    }
+
     /// The channel to `peer` failed: every undelivered message goes over TCP, in order.
     pub(super) fn fail_out_chan(&self, shared: &Shared, e: &mut Engine, peer: &str, why: &str) {
         if let Some(&id) = e.out_ids.get(peer) {
@@ -473,9 +485,15 @@ impl Verbs {
                     return;
                 }
                 if let Err(err) = i.ch.handle(c) {
-                    // the sender sees its side fail too and resends over TCP
-                    tracing::warn!(from = %i.from, error = %err, "notification channel failed");
+                    // Our queue pair must stop acknowledging at once: the sender counts a
+                    // frame delivered once acknowledged, and every frame from here on would
+                    // be dropped unread. In the error state it answers nothing, so the
+                    // sender's next frame fails there (retries run out) and it resends what
+                    // is undelivered over TCP. (A failed completion has put it there already;
+                    // a malformed frame had not: its sender went on filling a dead channel.)
+                    tracing::warn!(from = %i.from, error = %err, "notification channel failed; closed");
                     i.dead = true;
+                    let _ = i.ch.qp().set_error();
                 }
                 while let Some(mut m) = i.ch.recv() {
                     if m.len() < SEQ {

@@ -33,10 +33,16 @@ pub const MAX_MESSAGE: usize = 16 << 20;
 const FIRST: u8 = 1;
 const LAST: u8 = 2;
 const CREDIT_ONLY: u8 = 4;
-/// 'K'. Frames of the 8-byte header began with 'k' (0x6b): a channel between agents of this
-/// build and an older one fails on the first frame as malformed ("bad frame magic"), instead
-/// of reading a header at the wrong width.
+/// 'K'. Frames of the 8-byte header began with 'k' (0x6b): a frame of the other layout is
+/// refused as malformed ("bad frame magic") instead of being read at the wrong width.
 const MAGIC: u8 = 0x4b;
+
+/// The frame layout this build speaks, which the two ends of a channel agree on before it
+/// opens (the agent's `ChanOpen`): 1 was the 8-byte header, 2 is the 4-byte one. A receiver
+/// refuses a frame of the other layout, but its queue pair has already acknowledged it and
+/// the sender counted it delivered: agreeing first is what keeps such notifications from
+/// being lost.
+pub const FRAME_FORMAT: u8 = 2;
 
 /// A frame header: credits handed back, and where the frame sits in its message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,6 +221,11 @@ impl Credits {
     /// a credit is there to carry it.
     pub fn should_return(&self) -> bool {
         self.owed >= (self.slots / 2).max(1) && self.available >= 1
+    }
+
+    /// A frame that carries no credits is being sent (fault injection).
+    pub(crate) fn spend_without_returning(&mut self) {
+        self.available = self.available.saturating_sub(1);
     }
 
     /// A frame is being sent: spend a credit, and piggyback what is owed (up to the

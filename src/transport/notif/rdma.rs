@@ -289,6 +289,29 @@ impl MsgChannel {
         Ok(())
     }
 
+    /// Fault injection, for tests: post `frame` as it is (no header of ours, no credit or
+    /// message counted), as a broken or foreign peer would. Not part of the API.
+    ///
+    /// # Errors
+    /// No credit or send slot free ([`ChannelError::Failed`]), or a posting error.
+    #[doc(hidden)]
+    pub fn post_raw_frame(&mut self, frame: &[u8]) -> Result<(), ChannelError> {
+        self.check()?;
+        if !self.credits.can_send_data() || frame.len() > self.slot {
+            return Err(ChannelError::Failed("no room for a raw frame".into()));
+        }
+        let Some(s) = self.free_send.pop() else {
+            return Err(ChannelError::Failed("no send slot free".into()));
+        };
+        self.ends[s as usize] = false;
+        self.credits.spend_without_returning();
+        let off = (self.slots + s) as usize * self.slot;
+        let len = self.mr.write_parts(off, &[frame])?;
+        let wr = SendWr::send(u64::from(self.slots + s), Sge::new(&self.mr, off, len));
+        self.qp.post_send(&[wr])?;
+        Ok(())
+    }
+
     fn post_frame(
         &mut self,
         first: bool,
