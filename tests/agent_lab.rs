@@ -8,6 +8,8 @@ mod bad_frame;
 #[path = "agent_lab/grant_cost.rs"]
 mod grant_cost;
 mod lab;
+#[path = "agent_lab/lanes.rs"]
+mod lanes;
 #[path = "agent_lab/polling.rs"]
 mod polling;
 #[path = "agent_lab/stalled_drop.rs"]
@@ -100,6 +102,7 @@ fn main() {
         "a_sender_dropped_with_its_channel_stalled_sends_the_rest_over_tcp",
         "messages_in_the_receivers_queue_when_the_sender_drops_still_arrive",
         "a_malformed_frame_closes_the_channel_and_nothing_after_it_is_lost",
+        "two_lanes_a_port_share_one_registration_byte_exact",
     ];
     let Some(t) = Topology::from_env() else {
         println!("agent_lab: not inside the kvrail lab (LAB_GUEST unset): every case SKIPPED");
@@ -123,6 +126,7 @@ fn main() {
     r.run(cases[12], || stalled_drop::stalled_channel_drop(&t));
     r.run(cases[13], || stalled_drop::queued_at_the_receiver(&t));
     r.run(cases[14], || bad_frame::bad_frame_closes_the_channel(&t));
+    r.run(cases[15], || lanes::lanes_share_one_registration(&t));
     r.finish();
 }
 

@@ -37,12 +37,14 @@ avg_of() {   # the BW average column (4th) of the last perftest-style result lin
 ok() { awk -v v="$1" 'BEGIN{exit !(v > 0)}'; }
 
 # ib_<op>_bw on rail $2 with size $3, depth $4, iterations $5, output file $6 (server B,
-# client A), started in the background
+# client A), started in the background; PT_EXTRA: more perftest flags for both ends (`-q 2`)
 perftest_start() {
     local op=$1 r=$2 size=$3 depth=$4 n=$5 out=$6 port; port=$(next_port)
-    timeout 300 "ib_${op}_bw" -d "${B[$r]}" -p $port -x "$G" -t "$depth" -F -s "$size" -n "$n" > "$out.srv" 2>&1 &
+    # shellcheck disable=SC2086 # PT_EXTRA is a list of flags
+    timeout 300 "ib_${op}_bw" -d "${B[$r]}" -p $port -x "$G" -t "$depth" -F -s "$size" -n "$n" ${PT_EXTRA:-} > "$out.srv" 2>&1 &
     wait_listen $port || die "ib_${op}_bw server did not start"
-    timeout 300 "ib_${op}_bw" -d "${A[$r]}" -p $port -x "$G" -t "$depth" -F -s "$size" -n "$n" "${BIPS[$r]}" > "$out" 2>&1 &
+    # shellcheck disable=SC2086
+    timeout 300 "ib_${op}_bw" -d "${A[$r]}" -p $port -x "$G" -t "$depth" -F -s "$size" -n "$n" ${PT_EXTRA:-} "${BIPS[$r]}" > "$out" 2>&1 &
 }
 
 perftest_one() {   # op rail size depth iters → MB/s (a failed run is retried once)

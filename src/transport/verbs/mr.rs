@@ -287,6 +287,15 @@ impl Mr {
         &self.inner
     }
 
+    /// Another handle on this registration, for queue pairs of the same protection domain
+    /// (the agent's lanes of one port). The registration goes when the last handle and the
+    /// last work request referencing it do; [`Mr::in_flight`] counts the other handles too.
+    pub(crate) fn share(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+
     /// Copy `data` into the region at `offset`.
     ///
     /// # Errors
