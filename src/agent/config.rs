@@ -78,9 +78,9 @@ pub struct AgentConfig {
     /// thread) that the planner spreads transfers over like rails; a port's lanes share its
     /// protection domain, so memory is registered once per port whatever the count. Where
     /// the device's packet work is CPU work in the posting thread (Soft-RoCE), two lanes
-    /// keep two cores at it: one rail's deep queue of 64 KiB–8 MiB WRITEs and READs went
-    /// 1.3–1.9× as fast as with one, and as `ib_write_bw` (README, "Two queue pairs on one
-    /// rail"). With more than one lane a caller that polls (`progress_spin_us`) leaves the
+    /// keep two cores at it: one rail's deep queue of 64 KiB and 1 MiB WRITEs and 64 KiB
+    /// READs moved 1.1–2.1× what `ib_write_bw` / `ib_read_bw` did in the same rounds
+    /// (README, "Two queue pairs on one rail"). With more than one lane a caller that polls (`progress_spin_us`) leaves the
     /// posting to the lanes' posters too (with one it posts its own, as perftest does).
     pub qps_per_rail: u32,
     /// TCP connections to each peer on the TCP backend (1..=16, default 1). With more, each

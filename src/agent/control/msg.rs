@@ -35,6 +35,7 @@ pub(crate) enum Msg {
     },
     /// Verbs: open the receiving end of a notification channel on target rail `rail`,
     /// connected to the initiator's endpoint.
+    ///
     /// `frames` is the initiator's frame layout (`transport::notif::FRAME_FORMAT`; absent
     /// from builds before it was sent: 1).
     #[cfg(feature = "verbs")]

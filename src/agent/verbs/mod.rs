@@ -355,7 +355,7 @@ impl Verbs {
         if !(1..=MAX_QPS_PER_RAIL).contains(&lanes) {
             return Err(format!("qps_per_rail {lanes}: use 1 to {MAX_QPS_PER_RAIL}"));
         }
-        let mut out = Vec::new();
+        let mut out: Vec<LocalRail> = Vec::new();
         let poll = Poll::new().map_err(|e| e.to_string())?;
         // perftest's -q: each queue pair of a rail is a lane of its own
         let each = rails.iter().flat_map(|r| (0..lanes).map(move |k| (r, k)));
@@ -368,10 +368,7 @@ impl Verbs {
             // a port's later lanes share its first lane's context and protection domain
             let first_lane = i - k as usize;
             let (ctx, pd) = match out.get(first_lane) {
-                Some(f) if k > 0 => {
-                    let f: &LocalRail = f;
-                    (f.ctx.clone(), f.pd.clone())
-                }
+                Some(f) if k > 0 => (f.ctx.clone(), f.pd.clone()),
                 _ => {
                     let ctx = Context::open(&r.port.device).map_err(|e| e.to_string())?;
                     let pd = Pd::new(&ctx).map_err(|e| e.to_string())?;
@@ -701,9 +698,9 @@ impl Verbs {
         // (agent::spin) and a rail has one lane: the thread that polls posts, as perftest's
         // does. Otherwise the posters move the rails (and a rail's lanes) in parallel: on
         // rxe, where a post does its queue pair's packet work, two lanes of one rail posted
-        // by one caller moved as one (64 KiB WRITE x 32: 57 MB/s in place, 92-96 from the
-        // posters, 108-117 with the caller asleep; `ib_write_bw` 68-70). Either way nothing holds the engine lock
-        // through a post: rxe does the packet work inside `ibv_post_send`, and the progress
+        // by one caller moved as one (64 KiB WRITE x 32: 43-68 MB/s in place, 92-96 from
+        // the posters, 108-117 with the caller asleep; `ib_write_bw` 68-70). Either way
+        // nothing holds the engine lock through a post: rxe does the packet work inside `ibv_post_send`, and the progress
         // thread slept on the lock for the whole of it (a futex wait and a switch a transfer).
         let in_place =
             rails_used == 1 && (e.runs.len() == 1 || (!self.spin.is_zero() && self.lanes == 1));

@@ -116,9 +116,9 @@ const CHAN_RETRY_MAX: Duration = Duration::from_secs(30);
 /// posted would fail the channel at once (credits make sure it never happens) instead of
 /// being retried unseen; `retry_cnt` 6, so a frame that gets no answer (the receiver closed
 /// its queue pair: a malformed frame) fails the channel after seven timeouts (~7.5 s at
-/// the default 1.07 s) and the rest goes over TCP. At 7, the default, Soft-RoCE retries
-/// forever (it reads 7 as "infinite" there as for `rnr_retry`): the sender kept filling a
-/// channel nobody read (lab test `a_malformed_frame_closes_the_channel…`).
+/// the default 1.07 s) and the rest goes over TCP. At 7, the default, Soft-RoCE went on
+/// retrying for the whole minute the lab test waited (`a_malformed_frame_closes_the_channel…`:
+/// 7.3 s to the TCP path at 6), the sender filling a channel nobody read.
 pub(crate) fn chan_connect_options() -> ConnectOptions {
     ConnectOptions {
         rnr_retry: 0,

@@ -100,8 +100,8 @@ pub struct ConnectOptions {
     /// Local ACK timeout exponent: 4.096 µs × 2^timeout. 18 (≈1 s) and up; lower values gave
     /// spurious retry-exceeded errors on Soft-RoCE under load.
     pub timeout: u8,
-    /// Transport retries (0–7). Soft-RoCE retries forever at 7 (measured in the lab: a peer
-    /// that closed its queue pair was retried for a minute); 6 bounds it there too.
+    /// Transport retries (0–7). At 7 Soft-RoCE retried a peer that had closed its queue pair
+    /// for as long as the lab test waited (a minute); at 6 it gave up after ~7 s.
     pub retry_cnt: u8,
     /// RNR retries (7 = infinite).
     pub rnr_retry: u8,
