@@ -24,8 +24,8 @@
 #                here), and kvrail's verbs layer alone (kvrail-verbs-bw) against ib_write_bw
 # Prints every round, then the medians, ratios and whether each goal held; JSON to
 # $BENCH_JSON (default target/bench-goals.json). Under TCG runs vary ±30 %: only the medians
-# of one run mean anything. ~7 min with ROUNDS=3, ~11 with 5 (CI).
-#   ROUNDS (3)  BENCH_MB (100: MiB moved per bandwidth run)  BENCH_SPIN_US (2000)
+# of one run mean anything. ~8 min with ROUNDS=3, ~14 with 5 (CI; ~4 for one round).
+#   ROUNDS (3)  BENCH_MB (100: MiB moved per bandwidth run, at least 40 transfers)  BENCH_SPIN_US (2000)
 set -u
 BENCH_NAME=bench-goals
 . "$(dirname "${BASH_SOURCE[0]}")/bench-lib.sh"
@@ -34,7 +34,9 @@ ROUNDS=${ROUNDS:-3}
 MB=${BENCH_MB:-100}
 SPIN=${BENCH_SPIN_US:-2000}
 JSON=${BENCH_JSON:-target/bench-goals.json}
-iters() { local n=$(( MB * 1048576 / $1 )); [ "$n" -gt 3000 ] && n=3000; [ "$n" -lt 8 ] && n=8; echo "$n"; }
+# transfers a bandwidth run moves: BENCH_MB's worth, but at least 40 — more than the 32 a deep
+# queue keeps in flight (at 8 MiB, 100 MiB was 12 transfers: a start-up, not a deep queue)
+iters() { local n=$(( MB * 1048576 / $1 )); [ "$n" -gt 3000 ] && n=3000; [ "$n" -lt 40 ] && n=40; echo "$n"; }
 K=$(mktemp -d /run/goals.XXXXXX)   # one file of values per measurement
 
 put() { echo "$2" >> "$K/$1"; }
