@@ -651,12 +651,7 @@ fn notif_rail_down(t: &Topology) -> R {
     })?;
     // the rail is back: the channel is rebuilt on it, and the numbering goes on there
     let up = Instant::now();
-    while p.notif_rail(&peer).is_none() {
-        ensure(up.elapsed() < Duration::from_secs(30), || {
-            "the notification channel was not rebuilt within 30 s of its rail".into()
-        })?;
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_chan_rebuilt(&p, &peer)?;
     println!(
         "    channel rebuilt on {:?} {:.2} s after its port was ACTIVE again",
         p.notif_rail(&peer),
@@ -669,6 +664,18 @@ fn notif_rail_down(t: &Topology) -> R {
     ensure(p.notif_rail(&peer).as_deref() == Some("rxeA0:1"), || {
         format!("the rebuilt channel failed: {:?}", p.notif_rail(&peer))
     })
+}
+
+/// Until the notification channel to `peer` is up again (30 s at most).
+fn wait_chan_rebuilt(p: &Agent, peer: &str) -> R {
+    let t0 = Instant::now();
+    while p.notif_rail(peer).is_none() {
+        ensure(t0.elapsed() < Duration::from_secs(30), || {
+            "the notification channel was not rebuilt within 30 s".into()
+        })?;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
 }
 
 /// utime + stime of this process, in clock ticks (/proc/self/stat fields 14 and 15).

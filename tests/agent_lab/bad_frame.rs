@@ -33,13 +33,7 @@ pub(super) fn bad_frame_closes_the_channel(t: &Topology) -> R {
         p.notif_rail(&peer)
     );
     // the rail is up: the channel comes back, and the numbering goes on there
-    let t1 = Instant::now();
-    while p.notif_rail(&peer).is_none() {
-        ensure(t1.elapsed() < Duration::from_secs(30), || {
-            "the notification channel was not rebuilt within 30 s".into()
-        })?;
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    super::wait_chan_rebuilt(&p, &peer)?;
     for i in 3 * N..4 * N {
         p.send_notif(&peer, notif_msg(i)).map_err(s)?;
     }

@@ -84,28 +84,29 @@ fn open_chan(
         },
     )
     .map_err(|e| conn_err(step, addr, e))?;
-    let ep = expect_reply(
-        reader,
-        addr,
-        step,
-        "notification channel refused by",
-        |m| match m {
-            Msg::ChanOpened { ep, frames } => Ok((ep, frames)),
-            m => Err(m),
-        },
-    )?;
-    let ep = frames_agree(ep).map_err(|e| conn_err(step, addr, e))?;
+    let (ep, frames) =
+        expect_reply(
+            reader,
+            addr,
+            step,
+            "notification channel refused by",
+            |m| match m {
+                Msg::ChanOpened { ep, frames } => Ok((ep, frames)),
+                m => Err(m),
+            },
+        )?;
+    frames_agree(frames).map_err(|e| conn_err(step, addr, e))?;
     qp.connect(&ep, &chan_connect_options())
         .map_err(|e| conn_err(step, addr, e))?;
     v.add_out_chan(peer, mine, &qp, ch);
     Ok(())
 }
 
-/// A peer's endpoint for a notification channel, if its frames are laid out as ours (see
-/// [`FRAME_FORMAT`]); otherwise why not.
-pub(crate) fn frames_agree<E>((ep, theirs): (E, u8)) -> Result<E, String> {
+/// Whether a peer's notification frames (layout `theirs`) are laid out as ours (see
+/// [`FRAME_FORMAT`]); if not, why a channel must not open.
+pub(crate) fn frames_agree(theirs: u8) -> Result<(), String> {
     if theirs == FRAME_FORMAT {
-        return Ok(ep);
+        return Ok(());
     }
     Err(format!(
         "notification frames of layout {theirs} there and {FRAME_FORMAT} here: \
@@ -136,8 +137,8 @@ impl TargetQps {
         Some(match m {
             Msg::ChanOpen { rail, ep, frames } => match shared.verbs.as_ref() {
                 None => tcp(),
-                Some(v) => match (frames_agree((ep, *frames)))
-                    .and_then(|ep| v.accept_chan(conn, from, *rail, ep))
+                Some(v) => match frames_agree(*frames)
+                    .and_then(|()| v.accept_chan(conn, from, *rail, ep))
                 {
                     Ok(ep) => Msg::ChanOpened {
                         ep,
