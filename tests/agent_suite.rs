@@ -6,6 +6,8 @@
 //! descriptor; busy deregistration; handshake refusals; the loopback-advertise error; repost
 //! rules; a peer that dies mid-transfer; two agents in two processes.
 
+#[path = "agent_suite/deregister.rs"]
+mod deregister;
 #[path = "agent_suite/driven.rs"]
 mod driven;
 #[path = "agent_suite/grants.rs"]

@@ -110,6 +110,11 @@ pub struct AgentConfig {
     /// agent's metadata in etcd and load peers by name ([`super::Agent::load_by_name`]);
     /// see [`crate::store`]. Needs the `etcd` cargo feature. None: side channel only.
     pub metadata_store: Option<crate::store::StoreConfig>,
+    /// `deregister_wait_ms`: how long [`super::Agent::deregister`] waits for what still
+    /// reaches a region (a chunk of a peer's transfer on TCP, work requests on verbs)
+    /// before it gives up and the region stays registered (default
+    /// [`super::DEREGISTER_WAIT`], 10 s).
+    pub deregister_wait: std::time::Duration,
 }
 
 impl Default for AgentConfig {
@@ -145,6 +150,7 @@ impl Default for AgentConfig {
             cluster_secret: None,
             metrics_listen: None,
             metadata_store: None,
+            deregister_wait: super::DEREGISTER_WAIT,
         }
     }
 }

@@ -33,6 +33,7 @@ struct ConfigJson {
     metadata_store: Option<String>,
     metadata_namespace: Option<String>,
     metadata_lease_ttl_s: Option<u64>,
+    deregister_wait_ms: Option<u64>,
 }
 
 fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
@@ -54,7 +55,8 @@ impl AgentConfig {
     /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16);
     /// `tcp_conns` (1 to 16, see [`AgentConfig::tcp_conns`]); `progress_spin_us` (see
     /// [`AgentConfig::progress_spin_us`]); `metadata_store` ("etcd://HOST:PORT[,…]"),
-    /// `metadata_namespace`, `metadata_lease_ttl_s` (see [`AgentConfig::metadata_store`]).
+    /// `metadata_namespace`, `metadata_lease_ttl_s` (see [`AgentConfig::metadata_store`]);
+    /// `deregister_wait_ms` (see [`AgentConfig::deregister_wait`]).
     ///
     /// # Errors
     /// [`ConfigError`] naming the key: an unknown key, a value of the wrong type, a bad
@@ -137,6 +139,9 @@ impl AgentConfig {
                 return Err(bad("qps_per_rail", format!("{q}: use 1 to 16")));
             }
             c.qps_per_rail = q;
+        }
+        if let Some(ms) = j.deregister_wait_ms {
+            c.deregister_wait = std::time::Duration::from_millis(ms);
         }
         if let Some(n) = j.tcp_conns {
             if !(1..=MAX_TCP_CONNS).contains(&n) {

@@ -54,6 +54,20 @@ pub enum AgentError {
         /// Active transfers.
         transfers: usize,
     },
+    /// Deregistration could not finish in time: chunks of peers' transfers (TCP) or work
+    /// requests (verbs) still reached the region. It stays registered.
+    #[error(
+        "region {region} is still reached by {holders} after {waited_ms} ms; it stays \
+         registered: try again, or invalidate the peers whose transfers hold it"
+    )]
+    DeregisterTimeout {
+        /// Region id.
+        region: u32,
+        /// What still reached it.
+        holders: String,
+        /// How long deregistration waited.
+        waited_ms: u64,
+    },
     /// A descriptor list is unusable; nothing was posted.
     #[error("{side} descriptor #{index}: {reason}")]
     InvalidDesc {
@@ -141,6 +155,7 @@ impl AgentError {
             | Self::NoGrant(_)
             | Self::InvalidGrant(_) => Fault::Misuse,
             Self::Handshake(_) | Self::Metadata(_) => Fault::Peer,
+            Self::DeregisterTimeout { .. } => Fault::Timeout,
             Self::Connection { .. } => Fault::Connection,
             Self::InvalidMemory(_) => Fault::Memory,
             Self::Unsupported(_) => Fault::Unavailable,

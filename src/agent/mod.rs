@@ -428,12 +428,17 @@ impl Agent {
         self.register_memory(MemRegion::host(buf).access(access).layers(layers))
     }
 
-    /// Deregister a region.
+    /// Deregister a region. When this returns nothing of kvrail's touches the memory any
+    /// more: peers' transfers of it that were moving have stopped (and fail, naming the
+    /// region), its grants are revoked, and on verbs its keys are deregistered, so the NIC
+    /// refuses them. It waits for a chunk in flight, up to [`AgentConfig::deregister_wait`].
     ///
     /// # Errors
-    /// [`AgentError::NoRegion`]; [`AgentError::RegionBusy`] while active transfers use it.
+    /// [`AgentError::NoRegion`]; [`AgentError::RegionBusy`] while this agent's active
+    /// transfers use it; [`AgentError::DeregisterTimeout`] when peers' transfers still
+    /// reached it after [`AgentConfig::deregister_wait`] (it stays registered).
     pub fn deregister(&self, id: RegionId) -> Result<(), AgentError> {
-        self.shared.take_idle_region(id).map(drop)
+        self.shared.deregister_region(id).map(drop)
     }
 
     /// Copy `data` into a local region (the engine's CPU access to its own memory).
@@ -688,8 +693,10 @@ impl Agent {
                 ),
             });
         }
-        let mut held = Vec::with_capacity(x.local.len());
+        let mut held: Vec<Arc<Region>> = Vec::with_capacity(x.local.len());
         {
+            // held busy under the regions' lock: a deregistration sees them busy, or they
+            // see it gone
             let regions = lock(&self.shared.regions);
             for (i, d) in x.local.iter().enumerate() {
                 let r = regions
@@ -699,13 +706,13 @@ impl Agent {
                         index: i,
                         reason: format!("region {} is no longer registered", d.region.0),
                     })?;
-                if !held.iter().any(|h: &Arc<Region>| Arc::ptr_eq(h, r)) {
+                if !held.iter().any(|h| Arc::ptr_eq(h, r)) {
                     held.push(r.clone());
                 }
             }
-        }
-        for r in &held {
-            r.acquire();
+            for r in &held {
+                r.acquire();
+            }
         }
         // fenced memory of the peer is named through the grants it gave (checked again: one
         // may have been forgotten since the transfer was created)
@@ -1063,23 +1070,78 @@ fn check_notif_len(n: Option<&[u8]>) -> Result<(), AgentError> {
     }
 }
 
+/// How long deregistration waits by default for what still reaches a region — chunks of
+/// peers' transfers moving on TCP, a finished transfer's last references, work requests on
+/// verbs — before it gives up (the region stays registered; see
+/// [`AgentError::DeregisterTimeout`] and [`AgentConfig::deregister_wait`]).
+pub const DEREGISTER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Shared {
-    /// Remove region `id` from the registry unless transfers use it.
-    fn take_idle_region(&self, id: RegionId) -> Result<Arc<Region>, AgentError> {
-        let mut regions = lock(&self.regions);
-        let r = regions.get(&id.0).ok_or(AgentError::NoRegion(id.0))?;
-        let transfers = r.in_use();
-        if transfers > 0 {
-            return Err(AgentError::RegionBusy {
-                region: id.0,
-                transfers,
-            });
-        }
-        let r = regions.remove(&id.0).ok_or(AgentError::NoRegion(id.0))?;
-        drop(regions);
-        // nothing may reach the memory once it is given back
+    /// Deregister region `id` and hand its memory back. Refused while this agent's own
+    /// transfers use it. Otherwise, before this returns: no lookup finds it any more (a
+    /// peer's new READ or WRITE of it is refused, naming it), its grants are revoked, the
+    /// chunks of peers' transfers inside its gate have moved and no more enter (what is
+    /// left of those transfers fails with the reason), and on verbs its keys are
+    /// deregistered once no work request holds them — so nothing reads or writes the
+    /// memory from then on. What does not let go within `deregister_wait` puts it back.
+    fn deregister_region(&self, id: RegionId) -> Result<RegionMemory, AgentError> {
+        let r = {
+            let mut regions = lock(&self.regions);
+            let r = regions.get(&id.0).ok_or(AgentError::NoRegion(id.0))?;
+            let transfers = r.in_use();
+            if transfers > 0 {
+                return Err(AgentError::RegionBusy {
+                    region: id.0,
+                    transfers,
+                });
+            }
+            regions.remove(&id.0).ok_or(AgentError::NoRegion(id.0))?
+        };
         self.revoke_region_grants(id.0);
-        Ok(r)
+        let (start, wait) = (std::time::Instant::now(), self.config.deregister_wait);
+        let put_back = |r: Arc<Region>, holders: String| {
+            r.gate.reopen();
+            lock(&self.regions).insert(id.0, r);
+            tracing::warn!(agent = %self.name, region = id.0, %holders,
+                "deregistration timed out; the region stays registered");
+            Err(AgentError::DeregisterTimeout {
+                region: id.0,
+                holders,
+                waited_ms: start.elapsed().as_millis() as u64,
+            })
+        };
+        if let Err(n) = r.gate.close(wait) {
+            return put_back(r, format!("{n} chunk(s) of transfers in progress"));
+        }
+        // the last reference: a finished transfer's may still be on its way out
+        let mut r = r;
+        let region = loop {
+            match Arc::try_unwrap(r) {
+                Ok(region) => break region,
+                Err(again) if start.elapsed() < wait => {
+                    r = again;
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                Err(held) => {
+                    let n = Arc::strong_count(&held) - 1;
+                    return put_back(held, format!("{n} reference(s) of ended transfers"));
+                }
+            }
+        };
+        // verbs: the keys go now (a work request still holding one defers `ibv_dereg_mr`
+        // until its completion, so wait for those)
+        #[cfg(feature = "verbs")]
+        while crate::transport::verbs::work_in_flight(&region.mrs) > 0 {
+            if start.elapsed() >= wait {
+                let n = crate::transport::verbs::work_in_flight(&region.mrs);
+                return put_back(Arc::new(region), format!("{n} work request(s)"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let mem = region.into_memory();
+        self.republish();
+        tracing::debug!(agent = %self.name, region = id.0, "memory deregistered");
+        Ok(mem)
     }
 
     fn region(&self, id: u32) -> Result<Arc<Region>, AgentError> {
@@ -1198,9 +1260,20 @@ impl Shared {
         }
     }
 
-    /// READ bytes arrived for `id`: returns true when the transfer just completed.
-    fn read_arrived(&self, id: u64, n: u64) -> bool {
-        lock(&self.xfers).arrived(id, n) == table::Arrival::Complete
+    /// `n` bytes of READ `id` came for its descriptor `idx` at `at` (see
+    /// [`table::XferTable::arrived`]).
+    fn read_arrival(&self, id: u64, at: (u32, u64), n: u64) -> table::Arrival {
+        lock(&self.xfers).arrived(id, at, n)
+    }
+
+    /// True while transfer `id` is in progress.
+    fn xfer_in_progress(&self, id: u64) -> bool {
+        lock(&self.xfers).in_progress(id)
+    }
+
+    /// WRITE `id`'s end is about to be sent (its Ack may complete it from now on).
+    fn xfer_end_sent(&self, id: u64) {
+        lock(&self.xfers).end_sent(id);
     }
 
     fn fail_peer(&self, peer: &str, why: &str) {

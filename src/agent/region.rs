@@ -2,11 +2,13 @@
 //! caller's, which the verbs backend registers in place on every rail's device) or device
 //! memory (reached by copies through its runtime), with the least remote access its role
 //! needs, the layers it holds (one, or several at known offsets in a pooled allocation),
-//! and a count of active transfers that use it (deregistration is refused while it is
-//! non-zero).
+//! a count of active transfers that use it (deregistration is refused while it is
+//! non-zero), and the [`Gate`] every copy of kvrail's own goes through (deregistration closes
+//! it, so nothing of kvrail's touches memory given back).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::metadata::MemKind;
 use super::AgentError;
@@ -86,11 +88,70 @@ pub(crate) struct Layers {
     pub(crate) len: u64,
 }
 
+/// kvrail's own access to a region's memory — a peer's READ served or WRITE received on
+/// TCP, a WRITE's source sent, a READ's bytes placed, a copy through a device runtime —
+/// one chunk at a time: each chunk enters the gate and leaves it when its bytes moved.
+/// Deregistration closes it: no chunk enters after that, and the close waits for the chunks
+/// inside (each a bounded copy or a socket transfer of at most one message), so once
+/// deregistration returned nothing of kvrail's reads or writes the memory.
+#[derive(Default)]
+pub(crate) struct Gate(AtomicUsize);
+
+/// The gate's closed bit (the rest counts the chunks inside).
+const CLOSED: usize = 1 << (usize::BITS - 1);
+
+/// A chunk inside a [`Gate`]; it leaves when dropped.
+pub(crate) struct Inside<'a>(&'a Gate);
+
+impl Drop for Inside<'_> {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl Gate {
+    /// Enter for one chunk; `None` once the gate is closed.
+    pub(crate) fn enter(&self) -> Option<Inside<'_>> {
+        // one read-modify-write on the word the closer sets its bit in: either this entry
+        // comes first (the closer sees it and waits) or the bit does (it is refused)
+        if self.0.fetch_add(1, Ordering::AcqRel) & CLOSED != 0 {
+            self.0.fetch_sub(1, Ordering::Release);
+            return None;
+        }
+        Some(Inside(self))
+    }
+
+    /// Close the gate and wait for the chunks inside to leave, up to `limit`: `Err` with how
+    /// many are still inside when it passed (the gate is open again then).
+    pub(crate) fn close(&self, limit: Duration) -> Result<(), usize> {
+        self.0.fetch_or(CLOSED, Ordering::AcqRel);
+        let start = Instant::now();
+        loop {
+            let inside = self.0.load(Ordering::Acquire) & !CLOSED;
+            if inside == 0 {
+                return Ok(());
+            }
+            if start.elapsed() >= limit {
+                self.0.fetch_and(!CLOSED, Ordering::AcqRel);
+                return Err(inside);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Open again (a deregistration that could not finish).
+    pub(crate) fn reopen(&self) {
+        self.0.fetch_and(!CLOSED, Ordering::AcqRel);
+    }
+}
+
 pub(crate) struct Region {
     pub(crate) id: RegionId,
     pub(crate) access: RemoteAccess,
     pub(crate) layers: Layers,
     pub(crate) busy: AtomicUsize,
+    /// kvrail's own copies of the memory go through it (see [`Gate`]).
+    pub(crate) gate: Gate,
     pub(crate) mem: RegionMemory,
     pub(crate) kind: MemKind,
     /// The device the memory is on (-1 for host memory).
@@ -116,6 +177,7 @@ impl Region {
             access,
             layers,
             busy: AtomicUsize::new(0),
+            gate: Gate::default(),
             mem,
             kind,
             device,
@@ -172,8 +234,17 @@ impl Region {
         }
     }
 
+    /// Enter the region's [`Gate`] for one chunk.
+    ///
+    /// # Errors
+    /// [`AgentError::NoRegion`] once it is being deregistered.
+    pub(crate) fn enter(&self) -> Result<Inside<'_>, AgentError> {
+        self.gate.enter().ok_or(AgentError::NoRegion(self.id.0))
+    }
+
     pub(crate) fn write(&self, offset: u64, data: &[u8]) -> Result<(), AgentError> {
         let at = self.start(offset, data.len() as u64)?;
+        let _in = self.enter()?;
         let res = match &self.mem {
             RegionMemory::Host(b) => b.write(at, data),
             RegionMemory::Device(d) => d.copy_from_host(offset, data),
@@ -184,6 +255,7 @@ impl Region {
     pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), AgentError> {
         let at = self.start(offset, out.len() as u64)?;
         let len = out.len() as u64;
+        let _in = self.enter()?;
         let res = match &self.mem {
             RegionMemory::Host(b) => b.read(at, out),
             RegionMemory::Device(d) => d.copy_to_host(offset, out),

@@ -282,34 +282,13 @@ impl Agent {
         Ok(id)
     }
 
-    /// Deregister a region and give its memory back (the caller's vector or mapping, say).
+    /// Deregister a region and give its memory back (the caller's vector or mapping, say),
+    /// with [`Agent::deregister`]'s guarantee: nothing of kvrail's touches it any more.
     ///
     /// # Errors
-    /// [`AgentError::NoRegion`]; [`AgentError::RegionBusy`] while transfers use it (it
-    /// stays registered).
+    /// As [`Agent::deregister`] (the region stays registered).
     pub fn deregister_memory(&self, id: RegionId) -> Result<RegisteredMemory, AgentError> {
-        // A finished transfer's last reference may still be on its way out: wait briefly.
-        let mut region = self.shared.take_idle_region(id)?;
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        let region = loop {
-            match Arc::try_unwrap(region) {
-                Ok(r) => break r,
-                Err(r) if std::time::Instant::now() < deadline => {
-                    region = r;
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
-                Err(r) => {
-                    let transfers = Arc::strong_count(&r) - 1;
-                    lock(&self.shared.regions).insert(id.0, r);
-                    return Err(AgentError::RegionBusy {
-                        region: id.0,
-                        transfers,
-                    });
-                }
-            }
-        };
-        self.shared.republish();
-        match region.into_memory() {
+        match self.shared.deregister_region(id)? {
             RegionMemory::Host(b) => Ok(HostBuffer::into_owner(b)
                 .map_or_else(RegisteredMemory::HostShared, RegisteredMemory::Host)),
             RegionMemory::Device(d) => Ok(RegisteredMemory::Device(d)),

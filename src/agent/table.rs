@@ -31,6 +31,12 @@ pub(crate) struct Entry<R> {
     pub(crate) status: XferStatus,
     /// READ: bytes still to arrive.
     remaining: u64,
+    /// READ on TCP: the next byte expected of each local descriptor (its chunks come in
+    /// order on one connection), so a repeated or skipped chunk cannot complete it.
+    cursors: Vec<u64>,
+    /// WRITE on TCP: its end is on its way to the peer (set before it is sent), so the
+    /// peer's Ack may complete it; an Ack before that is a protocol error.
+    end_sent: bool,
     /// Regions held busy while in progress.
     pub(crate) held: Vec<R>,
 }
@@ -44,6 +50,22 @@ pub(crate) enum Arrival {
     More,
     /// The last byte: send the notification (`completion_notif`), then `finish`.
     Complete,
+    /// Bytes the transfer did not ask for there (a chunk repeated, skipped or outside the
+    /// descriptor, or a READ's bytes for a WRITE): a protocol error of the peer's.
+    Unasked,
+}
+
+/// What a peer's Ack of a transfer means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ack {
+    /// The transfer is not in progress (failed, released, reposted): ignore it.
+    Stale,
+    /// A WRITE whose end was sent: it is done.
+    Complete,
+    /// A READ (completed by its bytes, never by an Ack): a protocol error.
+    NotAWrite,
+    /// A WRITE whose end was not sent yet: a protocol error.
+    Early,
 }
 
 /// Every transfer of an agent.
@@ -181,6 +203,8 @@ impl<R: Held> XferTable<R> {
                 notif,
                 status: XferStatus::NotPosted,
                 remaining: 0,
+                cursors: Vec::new(),
+                end_sent: false,
                 held: Vec::new(),
             },
         );
@@ -214,7 +238,10 @@ impl<R: Held> XferTable<R> {
         let x = self.xfers.get_mut(&id.0).ok_or(AgentError::NoXfer(id.0))?;
         x.held = held;
         x.status = XferStatus::InProgress;
+        x.end_sent = false;
+        x.cursors.clear();
         x.remaining = if x.op == XferOp::Read {
+            x.cursors.resize(x.local.len(), 0);
             x.local.iter().map(|d| d.len).sum()
         } else {
             0
@@ -259,19 +286,56 @@ impl<R: Held> XferTable<R> {
         Ok(())
     }
 
-    /// `n` bytes of READ `id` arrived.
-    pub(crate) fn arrived(&mut self, id: u64, n: u64) -> Arrival {
-        match self.xfers.get_mut(&id) {
-            Some(x) if x.status == XferStatus::InProgress => {
-                x.remaining = x.remaining.saturating_sub(n);
-                if x.remaining == 0 {
-                    Arrival::Complete
-                } else {
-                    Arrival::More
-                }
-            }
-            _ => Arrival::Stale,
+    /// `n` bytes of READ `id` arrived for its local descriptor `idx`, at `at` of it: they
+    /// count only where that descriptor expects its next bytes.
+    pub(crate) fn arrived(&mut self, id: u64, (idx, at): (u32, u64), n: u64) -> Arrival {
+        let Some(x) = self.xfers.get_mut(&id) else {
+            return Arrival::Stale;
+        };
+        if x.status != XferStatus::InProgress {
+            return Arrival::Stale;
         }
+        let i = idx as usize;
+        let (Some(d), Some(next)) = (x.local.get(i), x.cursors.get(i)) else {
+            return Arrival::Unasked;
+        };
+        let end = at.checked_add(n);
+        if x.op != XferOp::Read || at != *next || end.is_none_or(|e| e > d.len) {
+            return Arrival::Unasked;
+        }
+        x.cursors[i] = at + n;
+        x.remaining -= n;
+        if x.remaining == 0 {
+            Arrival::Complete
+        } else {
+            Arrival::More
+        }
+    }
+
+    /// WRITE `id`'s end is about to be sent: the peer's Ack may complete it from now on.
+    pub(crate) fn end_sent(&mut self, id: u64) {
+        if let Some(x) = self.xfers.get_mut(&id) {
+            x.end_sent = true;
+        }
+    }
+
+    /// What the peer's Ack of transfer `id` means.
+    pub(crate) fn ack(&self, id: u64) -> Ack {
+        match self.xfers.get(&id) {
+            Some(x) if x.status == XferStatus::InProgress => match (x.op, x.end_sent) {
+                (XferOp::Read, _) => Ack::NotAWrite,
+                (XferOp::Write, false) => Ack::Early,
+                (XferOp::Write, true) => Ack::Complete,
+            },
+            _ => Ack::Stale,
+        }
+    }
+
+    /// True while transfer `id` is in progress.
+    pub(crate) fn in_progress(&self, id: u64) -> bool {
+        self.xfers
+            .get(&id)
+            .is_some_and(|x| x.status == XferStatus::InProgress)
     }
 
     /// The notification (and its peer) of in-progress transfer `id`, to send now that

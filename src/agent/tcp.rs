@@ -14,9 +14,9 @@ use std::sync::mpsc;
 use super::control::msg::{send, send_data, Msg, Reader, CHUNK};
 use super::control::Work;
 use super::region::Region;
+use super::table::Arrival;
 use super::tcp_io;
 use super::{Desc, Shared, XferError};
-use crate::mem::HostBuffer;
 use std::sync::Arc;
 
 /// Initiator: send WRITE `id`'s bytes (`local` region, offset, length per descriptor, into
@@ -39,6 +39,17 @@ pub(crate) fn send_write(
         let mut at = 0;
         while at < len {
             let n = (len - at).min(CHUNK as u64);
+            // a transfer that ended meanwhile (failed: the connection is going, the peer was
+            // invalidated) reads no more of its source: the engine may reuse it
+            if !shared.xfer_in_progress(id) {
+                return send(
+                    w,
+                    &Msg::WriteEnd {
+                        xfer: id,
+                        notif: None,
+                    },
+                );
+            }
             let header = Msg::WriteData {
                 xfer: id,
                 region: rd.region.0,
@@ -46,24 +57,41 @@ pub(crate) fn send_write(
                 len: n as u32,
                 grant,
             };
-            if let Some(host) = r.host() {
-                // host memory: the kernel sends from the buffer itself
-                send(w, &header)?;
-                tcp_io::send_from(w, host, (off + at) as usize, n as usize)?;
+            let sent = if let Some(host) = r.host() {
+                // host memory: the kernel sends from the buffer itself, inside the region's
+                // gate (a deregistration waits for the chunk)
+                r.enter().map(|_in| {
+                    send(w, &header)?;
+                    tcp_io::send_from(w, host, (off + at) as usize, n as usize)
+                })
             } else {
-                let filled = send_data(w, &mut frame, &header, n as usize, |out| {
+                send_data(w, &mut frame, &header, n as usize, |out| {
                     r.read(off + at, out)
-                })?;
-                if let Err(e) = filled {
+                })?
+                .map(|()| {
+                    shared.count_copy(n);
+                    Ok(())
+                })
+            };
+            match sent {
+                Ok(res) => res?,
+                Err(e) => {
                     shared.finish(id, Err(XferError::Memory(e.to_string())));
-                    return Ok(());
+                    return send(
+                        w,
+                        &Msg::WriteEnd {
+                            xfer: id,
+                            notif: None,
+                        },
+                    );
                 }
-                shared.count_copy(n);
             }
             at += n;
             shared.stats.tcp_bytes[super::stats::op_index(super::XferOp::Write)].add(n);
         }
     }
+    // every byte is sent: from now on the peer's Ack completes the transfer
+    shared.xfer_end_sent(id);
     send(w, &Msg::WriteEnd { xfer: id, notif })
 }
 
@@ -102,10 +130,12 @@ pub(crate) fn read_reqs<'a>(
 }
 
 /// Initiator: `len` bytes for descriptor `idx` of READ `xfer`, at `at` of it, follow on
-/// `r` from `peer`: received into host memory in place, or through `r`'s buffer.
+/// `r` from `peer`: received into host memory in place (inside the region's gate), or
+/// through `r`'s buffer. Bytes of a transfer that ended are read and dropped; bytes the
+/// transfer did not ask for there fail it as a protocol error, which ends the connection.
 ///
 /// # Errors
-/// The connection's (the stream cannot continue).
+/// The connection's (the stream cannot continue), or the peer's protocol error.
 pub(crate) fn on_read_data(
     shared: &Shared,
     tx: &mpsc::Sender<Work>,
@@ -114,58 +144,56 @@ pub(crate) fn on_read_data(
     r: &mut Reader<TcpStream>,
 ) -> Result<(), String> {
     let n = u64::from(len);
-    let in_place = shared
-        .read_target(xfer, idx)
-        .filter(|(_, _, dlen)| at.checked_add(n).is_some_and(|e| e <= *dlen))
-        .and_then(|(region, off, _)| Some((region.host()?.clone(), off)));
-    let Some((host, off)) = in_place else {
-        // device memory, a transfer gone, or bytes outside the descriptor (said there)
-        let data = r.payload(len)?;
-        on_read_resp(shared, tx, peer, (xfer, idx, at), data);
+    let arrival = shared.read_arrival(xfer, (idx, at), n);
+    let target = match arrival {
+        Arrival::Unasked => {
+            let why = format!(
+                "protocol error: {peer} sent {n} bytes at {at} of descriptor #{idx} of transfer \
+                 {xfer}, which did not ask for them there"
+            );
+            shared.finish(xfer, Err(XferError::Protocol(why.clone())));
+            return Err(why);
+        }
+        Arrival::Stale => None,
+        Arrival::More | Arrival::Complete => shared.read_target(xfer, idx),
+    };
+    let Some((region, off, _)) = target else {
+        r.payload(len)?; // a transfer that ended: its bytes go nowhere
         return Ok(());
     };
-    let copied = r.payload_into(len, &host, (off + at) as usize)?;
-    shared.count_copy(copied);
-    read_arrived(shared, tx, xfer, n);
-    Ok(())
-}
-
-/// READ `xfer` has `n` more bytes in place: after the last, its notification is queued
-/// (on `tx`) before the transfer is done — an engine that sees it done may release it at
-/// once.
-fn read_arrived(shared: &Shared, tx: &mpsc::Sender<Work>, xfer: u64, n: u64) {
+    let landed = match region.host() {
+        Some(host) => match region.enter() {
+            Ok(_in) => {
+                let copied = r.payload_into(len, host, (off + at) as usize)?;
+                shared.count_copy(copied);
+                Ok(())
+            }
+            Err(e) => {
+                r.payload(len)?;
+                Err(e)
+            }
+        },
+        None => {
+            let data = r.payload(len)?;
+            let res = region.write(off + at, data);
+            shared.count_copy(n);
+            res
+        }
+    };
+    if let Err(e) = landed {
+        shared.finish(xfer, Err(XferError::Memory(e.to_string())));
+        return Ok(());
+    }
     shared.stats.tcp_bytes[super::stats::op_index(super::XferOp::Read)].add(n);
-    if shared.read_arrived(xfer, n) {
+    // after the last byte its notification is queued (on `tx`) before the transfer is done
+    // — an engine that sees it done may release it at once
+    if arrival == Arrival::Complete {
         if let Some((_, n)) = shared.xfer_notif(xfer) {
             let _ = tx.send(Work::Notif(n));
         }
         shared.finish(xfer, Ok(()));
     }
-}
-
-/// Initiator: `data` for descriptor `idx` of READ `xfer`, at `at` of it, came from `peer`.
-fn on_read_resp(
-    shared: &Shared,
-    tx: &mpsc::Sender<Work>,
-    peer: &str,
-    (xfer, idx, at): (u64, u32, u64),
-    data: &[u8],
-) {
-    let Some((region, off, len)) = shared.read_target(xfer, idx) else {
-        return;
-    };
-    let n = data.len() as u64;
-    if at.checked_add(n).is_none_or(|e| e > len) {
-        let why = format!("{peer} sent bytes outside descriptor #{idx}");
-        shared.finish(xfer, Err(XferError::Protocol(why)));
-        return;
-    }
-    if let Err(e) = region.write(off + at, data) {
-        shared.finish(xfer, Err(XferError::Memory(e.to_string())));
-        return;
-    }
-    shared.count_copy(n);
-    read_arrived(shared, tx, xfer, n);
+    Ok(())
 }
 
 /// Target: the WRITEs of one attached initiator, in order.
@@ -191,29 +219,40 @@ impl Writes {
         }
     }
 
-    /// Where `len` bytes of WRITE `xfer` for `region` at `offset` can be received in place:
-    /// a host region that allows remote WRITE and is not fenced (fenced bytes are copied
-    /// under their grant's gate, never while waiting on the socket), the range inside it,
-    /// the transfer not failed already. None sends them through [`Writes::chunk`], which
-    /// says what is wrong.
-    pub(crate) fn in_place(
-        &self,
+    /// A chunk of WRITE `xfer` (`len` bytes for `region` at `offset`, through `grant`)
+    /// follows on `r`. Host memory that allows remote WRITE and is not fenced receives it in
+    /// place, inside the region's gate (fenced bytes are copied under their grant's gate,
+    /// never while waiting on the socket); the rest goes through [`Writes::chunk`], which
+    /// says what is wrong. A region deregistered meanwhile takes nothing.
+    ///
+    /// # Errors
+    /// The connection's (the stream cannot continue).
+    pub(crate) fn data(
+        &mut self,
         shared: &Shared,
+        r: &mut Reader<TcpStream>,
         xfer: u64,
-        region: u32,
-        offset: u64,
-        len: u32,
-    ) -> Option<Arc<HostBuffer>> {
-        if self.failed.contains_key(&xfer) {
-            return None;
-        }
-        let r = shared.region(region).ok()?;
-        let inside = offset
-            .checked_add(u64::from(len))
-            .is_some_and(|e| e <= r.len());
-        (r.access.write && !r.fenced && inside)
-            .then(|| r.host().cloned())
+        (region, offset, len, grant): (u32, u64, u32, u64),
+    ) -> Result<(), String> {
+        let inside = |r: &Region| {
+            offset
+                .checked_add(u64::from(len))
+                .is_some_and(|e| e <= r.len())
+        };
+        let in_place = (!self.failed.contains_key(&xfer))
+            .then(|| shared.region(region).ok())
             .flatten()
+            .filter(|r| r.access.write && !r.fenced && inside(r) && r.host().is_some());
+        if let Some((reg, host)) = in_place.as_ref().and_then(|r| Some((r, r.host()?))) {
+            if let Ok(_in) = reg.enter() {
+                let copied = r.payload_into(len, host, offset as usize)?;
+                shared.count_copy(copied);
+                return Ok(());
+            }
+        }
+        let data = r.payload(len)?;
+        self.chunk(shared, xfer, (region, offset, grant), data);
+        Ok(())
     }
 
     /// The initiator's end of WRITE `xfer`: its notification (delivered now, after every
@@ -292,6 +331,13 @@ pub(crate) fn serve_read(
             idx,
             at,
             len: n as u32,
+        };
+        // each chunk inside the region's gate: once its owner deregistered it, no more
+        let Ok(_in) = r.enter() else {
+            return fail(
+                w,
+                format!("region {region} was deregistered by its owner during the READ"),
+            );
         };
         if r.fenced {
             // copied out under the grant's gate: revocation never waits on the socket

@@ -70,7 +70,7 @@ impl Batch {
 
     /// Take `w` into the batch when it is small work (a small WRITE from host memory, a READ
     /// request, a notification); otherwise hand it back.
-    pub(crate) fn take(&mut self, w: Work) -> io::Result<Option<Work>> {
+    pub(crate) fn take(&mut self, shared: &Shared, w: Work) -> io::Result<Option<Work>> {
         match w {
             Work::Notif(b) => self.head(&Msg::Notif(b))?,
             Work::SeqNotif(seq, bytes) => self.head(&Msg::SeqNotif { seq, bytes })?,
@@ -111,6 +111,9 @@ impl Batch {
                     self.bytes += len as usize;
                     self.payload += len;
                 }
+                // its bytes go out before its end, in this batch: the peer's Ack may
+                // complete it from now on
+                shared.xfer_end_sent(id);
                 self.head(&Msg::WriteEnd { xfer: id, notif })?;
             }
             other => return Ok(Some(other)),
@@ -162,8 +165,10 @@ fn send_all(
     done: &mut usize,
     block: bool,
 ) -> io::Result<bool> {
-    // the distinct buffers, in address order, and each payload entry's buffer among them
+    // the distinct buffers, in address order, and each payload entry's buffer among them;
+    // the distinct regions, whose gates each attempt enters
     let mut bufs: Vec<&HostBuffer> = Vec::new();
+    let mut regions: Vec<&Region> = Vec::new();
     for s in segs {
         if let Seg::Mem(r, off, len) = s {
             let b = host(r)?;
@@ -175,6 +180,9 @@ fn send_all(
             }
             if !bufs.iter().any(|x| std::ptr::eq(*x, b)) {
                 bufs.push(b);
+            }
+            if !regions.iter().any(|x| std::ptr::eq(*x, &**r)) {
+                regions.push(r);
             }
         }
     }
@@ -193,6 +201,14 @@ fn send_all(
         })
         .sum();
     while *done < total {
+        // a source deregistered with its bytes still here (its transfer ended early: only a
+        // broken peer or a lost connection does that) is never read: the connection ends
+        let inside = (regions.iter())
+            .map(|r| r.gate.enter())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                io::Error::other("a WRITE's source was deregistered before it was sent")
+            })?;
         let mut guards: Vec<_> = bufs.iter().map(|b| b.locked()).collect();
         let whole: Vec<&[u8]> = guards.iter_mut().map(|g| g.bytes()).collect();
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(segs.len());
@@ -217,6 +233,7 @@ fn send_all(
         drop(iov);
         drop(whole);
         drop(guards);
+        drop(inside);
         match sent {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => *done += n,

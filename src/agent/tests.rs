@@ -19,6 +19,7 @@ fn zero_length_and_bad_names_are_refused() {
     );
 }
 
+mod fencing;
 mod strangers;
 
 /// Defect: devices named in the configuration that do not exist fell back to TCP silently.

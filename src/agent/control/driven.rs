@@ -199,7 +199,7 @@ impl Driven {
         }
         let mut rest = false;
         while let Ok(work) = o.rx.try_recv() {
-            match o.batch.take(work) {
+            match o.batch.take(shared, work) {
                 Ok(None) => {
                     self.sent.fetch_add(1, Ordering::Release);
                     if o.batch.full() {

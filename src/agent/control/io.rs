@@ -9,6 +9,7 @@ use std::sync::mpsc;
 use super::driven::Driven;
 use super::msg::{send, Msg, Reader};
 use super::{lock, Group, Work};
+use crate::agent::table::Ack;
 use crate::agent::{Shared, XferError, XferOp};
 
 /// Sends this agent's transfers and notifications, in submission order. Small work queued
@@ -75,7 +76,7 @@ fn drain(
                 }
             },
         };
-        match o.batch.take(work)? {
+        match o.batch.take(shared, work)? {
             None => {
                 sent.fetch_add(1, Ordering::Release);
                 if o.batch.full() {
@@ -173,7 +174,23 @@ pub(super) fn answer(
         }
     }
     match m {
-        Msg::Ack { xfer } => shared.finish(xfer, Ok(())),
+        Msg::Ack { xfer } => {
+            let why = match lock(&shared.xfers).ack(xfer) {
+                Ack::Stale => return Ok(()),
+                Ack::Complete => None,
+                Ack::NotAWrite => Some("an Ack for a READ (its bytes complete it)"),
+                Ack::Early => Some("an Ack for a WRITE whose end was not sent yet"),
+            };
+            let Some(why) = why else {
+                shared.finish(xfer, Ok(()));
+                return Ok(());
+            };
+            // nothing after it on this connection can be trusted: the transfer fails as
+            // the peer's protocol error, then the connection ends (failing the rest)
+            let why = format!("protocol error: {peer} sent {why}, transfer {xfer}");
+            shared.finish(xfer, Err(XferError::Protocol(why.clone())));
+            return Err(why);
+        }
         Msg::Fail { xfer, message } => {
             let e = match message.strip_prefix(crate::agent::grant::REVOKED) {
                 Some(why) => XferError::GrantRevoked {

@@ -596,14 +596,8 @@ fn target_loop(
                 len,
                 grant,
             } => {
-                let e = |e: String| format!("from {from}: {e}");
-                if let Some(buf) = writes.in_place(shared, xfer, region, offset, len) {
-                    let copied = r.payload_into(len, &buf, offset as usize).map_err(e)?;
-                    shared.count_copy(copied);
-                } else {
-                    let data = r.payload(len).map_err(e)?;
-                    writes.chunk(shared, xfer, (region, offset, grant), data);
-                }
+                (writes.data(shared, r, xfer, (region, offset, len, grant)))
+                    .map_err(|e| format!("from {from}: {e}"))?;
                 Ok(())
             }
             Msg::WriteEnd { xfer, notif } => {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 
-use super::{validate, Arrival, Held, XferTable};
+use super::{validate, Ack, Arrival, Held, XferTable};
 use crate::agent::metadata::{AgentMetadata, BackendKind, MemKind, RegionMeta, VERSION};
 use crate::agent::{AgentError, Desc, Fault, RegionId, XferError, XferOp, XferStatus};
 use crate::proto::handshake::{CompatHash, HandshakeInfo};
@@ -492,24 +492,100 @@ fn arriving_bytes_complete_a_read_once() {
         vec![Desc::new(RegionId(7), 0, 10), Desc::new(RegionId(7), 20, 5)],
         None,
     );
-    assert_eq!(t.arrived(id.0, 3), Arrival::Stale, "not posted");
+    assert_eq!(t.arrived(id.0, (0, 0), 3), Arrival::Stale, "not posted");
     t.begin(id, vec![m.clone()]).unwrap();
     assert_eq!(
         t.read_target(id.0, 1).map(|(_, o, n)| (o, n)),
         Some((20, 5))
     );
-    assert_eq!(t.arrived(id.0, 10), Arrival::More);
-    assert_eq!(t.arrived(id.0, 5), Arrival::Complete);
+    assert_eq!(t.arrived(id.0, (0, 0), 4), Arrival::More);
+    assert_eq!(t.arrived(id.0, (1, 0), 5), Arrival::More);
+    assert_eq!(t.arrived(id.0, (0, 4), 6), Arrival::Complete);
     assert_eq!(t.completion_notif(id.0), None, "no notification asked for");
     assert!(t.finish(id.0, Ok(())).is_some());
     assert!(t.finish(id.0, Ok(())).is_none(), "finished once");
-    assert_eq!(t.arrived(id.0, 1), Arrival::Stale);
+    assert_eq!(t.arrived(id.0, (0, 0), 1), Arrival::Stale);
     t.begin(id, vec![m]).unwrap();
     t.finish(id.0, Err(XferError::Closed));
     assert_eq!(
-        t.arrived(id.0, 15),
+        t.arrived(id.0, (0, 0), 10),
         Arrival::Stale,
         "a failed READ takes no bytes"
+    );
+}
+
+/// Defect (issue 46): a READ counted bytes only, so a peer that sent one chunk twice (or
+/// answered with an Ack) completed it with bytes missing. Each descriptor's bytes count
+/// only where it expects its next ones.
+#[test]
+fn a_read_completes_only_with_every_byte_of_every_descriptor() {
+    let mut t: XferTable<Mem> = XferTable::default();
+    let m = Mem {
+        id: RegionId(1),
+        busy: Arc::new(AtomicUsize::new(0)),
+    };
+    let id = t.create(
+        XferOp::Read,
+        ("p", 1),
+        vec![Desc::new(RegionId(1), 0, 8), Desc::new(RegionId(1), 8, 8)],
+        vec![Desc::new(RegionId(7), 0, 8), Desc::new(RegionId(7), 8, 8)],
+        None,
+    );
+    t.begin(id, vec![m]).unwrap();
+    assert_eq!(t.ack(id.0), Ack::NotAWrite, "an Ack never completes a READ");
+    assert_eq!(t.arrived(id.0, (0, 0), 4), Arrival::More);
+    assert_eq!(
+        t.arrived(id.0, (0, 0), 4),
+        Arrival::Unasked,
+        "a chunk repeated"
+    );
+    assert_eq!(
+        t.arrived(id.0, (1, 4), 4),
+        Arrival::Unasked,
+        "a chunk skipped"
+    );
+    assert_eq!(
+        t.arrived(id.0, (0, 4), 8),
+        Arrival::Unasked,
+        "past the descriptor"
+    );
+    assert_eq!(
+        t.arrived(id.0, (2, 0), 1),
+        Arrival::Unasked,
+        "no such descriptor"
+    );
+    assert_eq!(t.arrived(id.0, (0, 4), 4), Arrival::More);
+    assert_eq!(t.arrived(id.0, (1, 0), 8), Arrival::Complete);
+}
+
+/// Defect (issue 46): an Ack completed a WRITE whenever it came, so a peer that answered
+/// right after the first chunk made the engine reuse memory the writer was still sending.
+#[test]
+fn a_write_completes_only_on_an_ack_after_its_end() {
+    let mut t: XferTable<Mem> = XferTable::default();
+    let m = Mem {
+        id: RegionId(1),
+        busy: Arc::new(AtomicUsize::new(0)),
+    };
+    let d = vec![Desc::new(RegionId(1), 0, 8)];
+    let id = t.create(XferOp::Write, ("p", 1), d.clone(), d, None);
+    assert_eq!(t.ack(id.0), Ack::Stale, "not posted");
+    t.begin(id, vec![m.clone()]).unwrap();
+    assert_eq!(t.ack(id.0), Ack::Early);
+    assert_eq!(
+        t.arrived(id.0, (0, 0), 8),
+        Arrival::Unasked,
+        "bytes for a WRITE"
+    );
+    t.end_sent(id.0);
+    assert_eq!(t.ack(id.0), Ack::Complete);
+    assert!(t.finish(id.0, Ok(())).is_some());
+    assert_eq!(t.ack(id.0), Ack::Stale, "a late duplicate is ignored");
+    t.begin(id, vec![m]).unwrap();
+    assert_eq!(
+        t.ack(id.0),
+        Ack::Early,
+        "posted again: its end is not sent yet"
     );
 }
 

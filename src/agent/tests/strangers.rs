@@ -10,7 +10,7 @@ use crate::agent::metadata::AgentMetadata;
 use crate::agent::{Agent, AgentConfig, AgentError, BackendChoice, Desc, RemoteAccess};
 use crate::agent::{XferOp, XferStatus};
 
-fn tcp() -> AgentConfig {
+pub(super) fn tcp() -> AgentConfig {
     AgentConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         backend: BackendChoice::Tcp,
@@ -20,7 +20,7 @@ fn tcp() -> AgentConfig {
 
 /// A fake peer called `name`: metadata copied from a real agent's (so its regions and
 /// handshake are valid) with its data address pointing at a listener of the test's.
-fn fake_peer(name: &str, regions: usize) -> (Vec<u8>, TcpListener, Agent) {
+pub(super) fn fake_peer(name: &str, regions: usize) -> (Vec<u8>, TcpListener, Agent) {
     let tmpl = Agent::new("template", tcp()).unwrap();
     for _ in 0..regions {
         tmpl.register(1 << 20, RemoteAccess::READ_WRITE, vec![])
@@ -34,7 +34,7 @@ fn fake_peer(name: &str, regions: usize) -> (Vec<u8>, TcpListener, Agent) {
 }
 
 /// Accept the agent's data connection on `l` and answer its Attach.
-fn accept_attach(l: &TcpListener) -> (TcpStream, Reader<TcpStream>) {
+pub(super) fn accept_attach(l: &TcpListener) -> (TcpStream, Reader<TcpStream>) {
     let (s, _) = l.accept().unwrap();
     let mut r = Reader::new(s.try_clone().unwrap());
     assert!(matches!(r.next(), Ok(Some(Msg::Attach { .. }))));

@@ -40,6 +40,7 @@ pub use cq::{Completion, Cq, WcError};
 pub use device::{devices, Context, DeviceAttr, DeviceInfo, Mtu, PortAttr, PortState};
 pub use dmabuf::{probe_dmabuf, DmabufMr, DmabufSupport};
 pub use error::{classify_device_list_errno, Error, Unavailable};
+pub(crate) use mr::work_in_flight;
 pub use mr::{Access, DeregisterError, Mr, RemoteRegion};
 pub use pd::Pd;
 pub use qp::{ConnectOptions, Endpoint, Qp, QpOptions, QpState};

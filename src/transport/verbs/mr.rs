@@ -351,6 +351,27 @@ impl Mr {
     }
 }
 
+/// Work requests in flight on any of `mrs` (handles of one region on each rail, some sharing
+/// one registration): each registration's references beyond the handles here. Zero means
+/// dropping the handles deregisters every one of them at once.
+pub(crate) fn work_in_flight(mrs: &[Mr]) -> usize {
+    let mut seen: Vec<*const MrInner> = Vec::new();
+    let mut n = 0;
+    for m in mrs {
+        let p = Arc::as_ptr(&m.inner);
+        if seen.contains(&p) {
+            continue;
+        }
+        seen.push(p);
+        let handles = mrs
+            .iter()
+            .filter(|o| Arc::ptr_eq(&o.inner, &m.inner))
+            .count();
+        n += Arc::strong_count(&m.inner) - handles;
+    }
+    n
+}
+
 /// A refused or failed [`Mr::deregister`].
 #[derive(Debug, thiserror::Error)]
 #[error("{error}")]
