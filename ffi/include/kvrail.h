@@ -387,7 +387,11 @@ kvrail_result kvrail_agent_register(const kvrail_agent *agent,
                                     uint32_t *out_region);
 
 /**
- * Deregister a region ([`kvrail_result::RegionBusy`] while transfers use it).
+ * Deregister a region ([`kvrail_result::RegionBusy`] while this agent's transfers use it).
+ * When it returns 0 nothing of kvrail's reads or writes the memory any more: peers'
+ * transfers of it that were moving have stopped (and fail), and on verbs its keys are
+ * deregistered. [`kvrail_result::Timeout`] when peers' transfers still reached it after
+ * `deregister_wait_ms` (default 10000; the region stays registered).
  *
  * # Safety
  * `agent` from [`kvrail_agent_new`].

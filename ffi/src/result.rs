@@ -63,6 +63,7 @@ impl From<&AgentError> for kvrail_result {
             AgentError::NoRegion(_) => Self::NoRegion,
             AgentError::OutOfRange { .. } => Self::OutOfRange,
             AgentError::RegionBusy { .. } => Self::RegionBusy,
+            AgentError::DeregisterTimeout { .. } => Self::Timeout,
             AgentError::InvalidDesc { .. } => Self::InvalidDesc,
             AgentError::LengthMismatch { .. } => Self::LengthMismatch,
             AgentError::UnknownPeer(_) => Self::UnknownPeer,
