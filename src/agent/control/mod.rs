@@ -67,6 +67,19 @@ pub(crate) fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToStr
     }
 }
 
+/// A handshake read's error, a timeout said with its bound (a silent listener that is not
+/// a kvrail agent, or one that hangs).
+fn no_answer(e: String) -> String {
+    if e == msg::TIMED_OUT {
+        format!(
+            "timed out after {} s without an answer (is a kvrail agent listening there?)",
+            HANDSHAKE_TIMEOUT.as_secs()
+        )
+    } else {
+        e
+    }
+}
+
 /// Get a peer's metadata bytes from its side channel.
 pub(crate) fn fetch_metadata(
     addr: SocketAddr,
@@ -97,7 +110,11 @@ pub(crate) fn fetch_metadata(
             format!("{other:?}"),
         )),
         Ok(None) => Err(conn_err("side channel: closed by", addr, "no metadata")),
-        Err(e) => Err(conn_err("side channel: no metadata from", addr, e)),
+        Err(e) => Err(conn_err(
+            "side channel: no metadata from",
+            addr,
+            no_answer(e),
+        )),
     }
 }
 
@@ -363,7 +380,7 @@ pub(crate) fn expect_reply<T>(
         Ok(Some(m)) => want(m)
             .map_err(|other| conn_err(step, addr, format!("unexpected reply {:?}", Some(other)))),
         Ok(None) => Err(conn_err(step, addr, "unexpected reply None")),
-        Err(e) => Err(conn_err(step, addr, e)),
+        Err(e) => Err(conn_err(step, addr, no_answer(e))),
     }
 }
 

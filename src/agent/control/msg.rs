@@ -13,6 +13,9 @@ pub(crate) const MAX_FRAME: usize = CHUNK + 4096;
 /// Data moves in chunks of at most this many bytes.
 pub(crate) const CHUNK: usize = 4 << 20;
 
+/// What [`Reader::next`] says when its stream's read timeout passed without a message.
+pub(crate) const TIMED_OUT: &str = "timed out";
+
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Msg {
     /// Side channel: send me your metadata.
@@ -310,7 +313,13 @@ impl<R: Read> Reader<R> {
             let r = &mut self.r;
             let n = (self.dec)
                 .read_with(READ_AHEAD, |room| r.read(room))
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| match e.kind() {
+                    // a read timeout (the handshake's): said as what it is, not as EAGAIN
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                        TIMED_OUT.to_owned()
+                    }
+                    _ => e.to_string(),
+                })?;
             if n == 0 {
                 return self.dec.finish().map(|()| None).map_err(|e| e.to_string());
             }

@@ -78,7 +78,7 @@ pub(crate) fn serve(inst: Instance) -> Result<(), String> {
     let mut free: VecDeque<u64> = (0..layout.num_blocks).collect();
 
     let ctl = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    println!(
+    outln!(
         "ready {} backend {:?} side {}",
         ctl.local_addr().map_err(|e| e.to_string())?.port(),
         agent.metadata().backend,

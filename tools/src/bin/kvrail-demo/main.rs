@@ -6,6 +6,9 @@
 //! the totals. `--kill d` kills D mid-run and shows P reclaiming every block by lease
 //! expiry; `--kill p` kills P and shows D failing those requests cleanly.
 
+#[macro_use]
+#[path = "../../out.rs"]
+mod out;
 mod engine;
 #[path = "../../logging.rs"]
 mod logging;
@@ -52,7 +55,7 @@ enum Backend {
         "  kvrail-demo --soak --mode pull --requests 1000 --kill-every 60\n",
         "  kvrail-demo --metadata etcd://127.0.0.1:2379    # D finds P by name through etcd\n\n",
         "Exit status: 0 every request as expected; 1 a run that failed (a wrong byte, a hang, ",
-        "a leak); 2 usage."
+        "a leak); 2 usage; 141 stdout closed."
     )
 )]
 struct Args {
@@ -385,9 +388,12 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
     // how long after P's prefill ended D had every byte
     let mut prefill_end = std::collections::HashMap::new();
     let mut tails = Vec::new();
-    println!(
+    outln!(
         "{:<18} {:>7} {:>10} {:>12}",
-        "request", "tokens", "KV bytes", "transfer ms"
+        "request",
+        "tokens",
+        "KV bytes",
+        "transfer ms"
     );
     while (ok as usize) < reqs.len() {
         while inflight < a.concurrency && next < reqs.len() {
@@ -412,7 +418,7 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
             .ok_or("unknown id")?;
         let ms = v["ms"].as_f64().unwrap_or(0.0);
         let b = v["bytes"].as_u64().unwrap_or(0);
-        println!("{:<18} {:>7} {:>10} {:>12.2}", r.id, r.tokens, b, ms);
+        outln!("{:<18} {:>7} {:>10} {:>12.2}", r.id, r.tokens, b, ms);
         lat.push(ms);
         if let (Some(end), Some(done)) = (prefill_end.get(&r.id), v["done_at_us"].as_u64()) {
             tails.push(done.saturating_sub(*end) as f64 / 1e3);
@@ -423,7 +429,7 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
     }
     let secs = t0.elapsed().as_secs_f64();
     lat.sort_by(f64::total_cmp);
-    println!(
+    outln!(
         "{ok} requests, {:.1} MiB of KV blocks, every prompt token attention reads checked byte for byte, {:.2} s, {:.1} MB/s; transfer ms p50 {:.2} max {:.2}",
         bytes as f64 / (1 << 20) as f64,
         secs,
@@ -433,7 +439,7 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
     );
     if !tails.is_empty() {
         tails.sort_by(f64::total_cmp);
-        println!(
+        outln!(
             "tail after the prefill ended: p50 {:.2} ms, max {:.2} ms{}",
             tails[tails.len() / 2],
             tails[tails.len() - 1],
@@ -446,12 +452,12 @@ fn run(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
         if s["held"] == json!(0) {
             let moved = s["bytes_posted"].as_u64().unwrap_or(0)
                 + d.stats()?["bytes_posted"].as_u64().unwrap_or(0);
-            println!(
+            outln!(
                 "moved over the fabric: {:.1} MiB ({:.0} % of the blocks)",
                 moved as f64 / (1 << 20) as f64,
                 moved as f64 * 100.0 / bytes.max(1) as f64
             );
-            println!(
+            outln!(
                 "P holds no blocks (freed {} requests on completion)",
                 s["freed"]
             );
@@ -477,11 +483,11 @@ fn kill_d(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
     let _ = d.child.wait();
     let killed = Instant::now();
     let s = p.stats()?;
-    println!("killed D; P holds {} requests' blocks", s["held"]);
+    outln!("killed D; P holds {} requests' blocks", s["held"]);
     loop {
         let s = p.stats()?;
         if s["held"] == json!(0) {
-            println!(
+            outln!(
                 "P reclaimed every block {:.1} s after D died (lease {} s, extension {} s); free blocks {}",
                 killed.elapsed().as_secs_f64(),
                 a.lease,
@@ -509,7 +515,7 @@ fn kill_p(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     p.child.kill().map_err(|e| e.to_string())?;
     let _ = p.child.wait();
-    println!("killed P after {} prefills", reqs.len());
+    outln!("killed P after {} prefills", reqs.len());
     for (r, pr) in reqs.iter().zip(&params) {
         decode(d, r, pr)?;
     }
@@ -519,14 +525,14 @@ fn kill_p(a: &Args, p: &mut Inst, d: &mut Inst) -> Result<(), String> {
         if v["ok"] == json!(true) {
             return Err(format!("{} reported success with P dead", v["id"]));
         }
-        println!("{}: failed cleanly ({})", v["id"], v["error"]);
+        outln!("{}: failed cleanly ({})", v["id"], v["error"]);
         failed += 1;
     }
     let s = d.stats()?;
     if s["free_blocks"] != json!(a.num_blocks) {
         return Err(format!("D leaked blocks: {s}"));
     }
-    println!("D failed all {failed} requests and holds no blocks");
+    outln!("D failed all {failed} requests and holds no blocks");
     Ok(())
 }
 
@@ -639,11 +645,11 @@ fn main() {
         let mut p = spawn(&a, "prefill-0", "kv_producer", a.devices_of(true))?;
         let mut d = spawn(&a, "decode-0", "kv_consumer", a.devices_of(false))?;
         let s = shape(&a);
-        println!(
+        outln!(
             "kvrail-demo: {:?} mode, P on {}, D on {}; model {} layers x 8 KV heads x 128, fp16, block size {}; lease {} s",
             a.mode, p.backend, d.backend, s.layers, s.block_size, a.lease
         );
-        println!("{}", metadata_line(&a));
+        outln!("{}", metadata_line(&a));
         let r = match a.kill {
             None => run(&a, &mut p, &mut d),
             Some(Kill::D) => kill_d(&a, &mut p, &mut d),

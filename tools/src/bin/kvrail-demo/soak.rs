@@ -137,11 +137,11 @@ pub(crate) fn run(a: &Args) -> Result<(), String> {
     let mut gen = 0u64;
     let mut p = start(a, Who::P, gen, &tx)?;
     let mut d = start(a, Who::D, gen, &tx)?;
-    println!(
+    outln!(
         "kvrail-demo soak: {:?} mode, P on {}, D on {}; {} requests, {} at once, an instance killed after about every {} outcomes; lease {} s",
         a.mode, p.inst.backend, d.inst.backend, reqs.len(), a.concurrency, a.kill_every, a.lease
     );
-    println!("{}", super::metadata_line(a));
+    outln!("{}", super::metadata_line(a));
     // the most a request may take: a lease (P's blocks of a dead D), the push registration
     // timeout (D's registration with a dead P), and a margin for restarts
     let limit = Duration::from_secs(2 * a.lease + 30);
@@ -300,7 +300,7 @@ pub(crate) fn run(a: &Args) -> Result<(), String> {
         let _ = l.inst.send(json!({"cmd": "quit"}));
         let _ = l.inst.child.wait();
     }
-    println!(
+    outln!(
         "soak: {} requests in {secs:.1} s with {} kills of P and {} of D: {} completed byte-exact ({:.1} MiB), {} failed cleanly, {} lost with a killed instance, {} wrong bytes, {} hung; blocks leaked after the leases ran out: {leaked}, grants not revoked: {grants} (P held {}, settled in {:.1} s)",
         reqs.len(),
         t.kills_p,

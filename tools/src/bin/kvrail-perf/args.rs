@@ -55,7 +55,7 @@ pub(crate) const DEFAULT_PORT: u16 = 18515;
         "Without HOST (and without --loopback or --client) it is the server: it serves one ",
         "client, then exits. SIGINT or SIGTERM stops a run after printing what was measured. ",
         "Exit status: 0 success; 1 the run failed (a wrong byte, a failed transfer, the ",
-        "peer); 2 usage; 130 interrupted."
+        "peer); 2 usage (before anything runs); 130 interrupted; 141 stdout closed."
     )
 )]
 pub(crate) struct Args {
@@ -202,7 +202,14 @@ impl Args {
     /// The message sizes to run.
     pub(crate) fn sizes(&self) -> Vec<u64> {
         if self.all {
-            (1..=23).map(|k| 1u64 << k).collect()
+            // perftest's sweep, 2 B to 8 MiB; a latency run's messages are notifications,
+            // which stop at their limit (4 MiB)
+            let top = if self.op == Op::Lat {
+                kvrail::agent::MAX_NOTIF_LEN as u64
+            } else {
+                1 << 23
+            };
+            (1..=23).map(|k| 1u64 << k).filter(|&s| s <= top).collect()
         } else {
             vec![self.size]
         }
@@ -298,6 +305,26 @@ impl Args {
                     "-D/--duration must be a positive number of seconds, not {d}"
                 ));
             }
+        }
+        for (flag, addr) in [
+            ("--listen", &self.listen),
+            ("--metrics-listen", &self.metrics_listen),
+        ] {
+            if let Some(a) = addr {
+                a.parse::<std::net::SocketAddr>()
+                    .map_err(|_| format!("{flag}: {a:?} is not ADDR:PORT"))?;
+            }
+        }
+        if let Some(h) = &self.side_channel_host {
+            h.parse::<std::net::IpAddr>()
+                .map_err(|_| format!("--side-channel-host: {h:?} is not an IP address"))?;
+        }
+        if self.op == Op::Lat && self.size > kvrail::agent::MAX_NOTIF_LEN as u64 {
+            return Err(format!(
+                "-s {}: a latency run's messages are notifications, at most {} bytes",
+                self.size,
+                kvrail::agent::MAX_NOTIF_LEN
+            ));
         }
         for s in self.sizes() {
             if s > crate::peer::MAX_SERVE_BYTES {

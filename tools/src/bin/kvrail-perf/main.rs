@@ -17,6 +17,9 @@
 //! server compares its memory with the client's pattern; READ — the client compares what
 //! landed with the server's pattern. A wrong byte fails the run.
 
+#[macro_use]
+#[path = "../../out.rs"]
+mod out;
 mod args;
 mod bench;
 #[path = "../../logging.rs"]
@@ -79,15 +82,48 @@ fn main() -> ExitCode {
     let halted = HALT.load(Ordering::Relaxed);
     match res {
         Ok(()) if halted => {
-            println!("# interrupted: the numbers above are what was measured until then");
+            outln!("# interrupted: the numbers above are what was measured until then");
             ExitCode::from(INTERRUPTED)
         }
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        Err(Failed::Usage(e)) => {
+            eprintln!("kvrail-perf: {e}");
+            ExitCode::from(2)
+        }
+        Err(Failed::Run(e)) => {
             eprintln!("kvrail-perf: {e}");
             ExitCode::from(if halted { INTERRUPTED } else { 1 })
         }
     }
+}
+
+/// Why a run did not happen or did not finish.
+enum Failed {
+    /// The options cannot work here (exit 2, before anything ran): an address that does not
+    /// parse, devices that are not usable rails, a transport this host has not got.
+    Usage(String),
+    /// The run failed (exit 1).
+    Run(String),
+}
+
+impl From<String> for Failed {
+    fn from(e: String) -> Self {
+        Self::Run(e)
+    }
+}
+
+/// An agent for this run: one of the options' mistakes is a usage error (devices named
+/// that are not usable rails, a transport this host has not got).
+fn agent(args: &Args, name: &str, devices: &[String], listen: &str) -> Result<Agent, Failed> {
+    let c = config(args, devices, listen).map_err(Failed::Usage)?;
+    Agent::new(name, c).map_err(|e| {
+        let named = !devices.is_empty() || args.transport != Transport::Auto;
+        if named && e.fault() == kvrail::agent::Fault::Unavailable {
+            Failed::Usage(e.to_string())
+        } else {
+            Failed::Run(e.to_string())
+        }
+    })
 }
 
 fn config(args: &Args, devices: &[String], listen: &str) -> Result<AgentConfig, String> {
@@ -123,34 +159,38 @@ fn config(args: &Args, devices: &[String], listen: &str) -> Result<AgentConfig, 
     Ok(c)
 }
 
-fn run(args: &Args) -> Result<(), String> {
+fn run(args: &Args) -> Result<(), Failed> {
     if args.is_server() {
         let listen = args
             .listen
             .clone()
             .unwrap_or_else(|| format!("0.0.0.0:{}", args.port));
-        let a = Agent::new("kvrail-perf-server", config(args, &args.devices, &listen)?)
-            .map_err(|e| e.to_string())?;
-        println!(
+        let a = agent(args, "kvrail-perf-server", &args.devices, &listen)?;
+        outln!(
             "kvrail-perf server: side channel on {}",
             a.side_channel_addr()
         );
         let _ = std::io::stdout().flush();
-        return peer::serve(&a, Duration::from_secs(600));
+        return Ok(peer::serve(&a, Duration::from_secs(600))?);
     }
     if args.loopback {
-        let server = Agent::new(
+        // both agents first: a bad option fails before the server waits for a client
+        let server = agent(
+            args,
             "kvrail-perf-server",
-            config(args, &args.peer_devices, "127.0.0.1:0")?,
-        )
-        .map_err(|e| e.to_string())?;
+            &args.peer_devices,
+            "127.0.0.1:0",
+        )?;
+        let listen = args.listen.as_deref().unwrap_or("127.0.0.1:0");
+        let a = agent(args, "kvrail-perf-client", &args.devices, listen)?;
         let addr = server.side_channel_addr();
         let t = std::thread::spawn(move || peer::serve(&server, Duration::from_secs(600)));
-        let res = client(args, addr);
+        let res = client(args, &a, addr);
+        drop(a);
         let served = t
             .join()
             .map_err(|_| "the server thread panicked".to_string())?;
-        return res.and(served);
+        return Ok(res.and(served)?);
     }
     let to = args.server_addr().unwrap_or_default();
     let what = if args.host.is_some() {
@@ -166,28 +206,23 @@ fn run(args: &Args) -> Result<(), String> {
                 .and_then(|mut a| a.next())
                 .ok_or(())
         })
-        .map_err(|()| format!("{what}: cannot resolve {to:?} (HOST:PORT)"))?;
-    client(args, addr)
+        // (a name that does not resolve may be the network's fault: a failed run, 1)
+        .map_err(|()| Failed::Run(format!("{what}: cannot resolve {to:?} (HOST:PORT)")))?;
+    let listen = args.listen.as_deref().unwrap_or("0.0.0.0:0");
+    let a = agent(args, "kvrail-perf-client", &args.devices, listen)?;
+    Ok(client(args, &a, addr)?)
 }
 
-fn client(args: &Args, server: SocketAddr) -> Result<(), String> {
-    // both agents of a loopback run stay on loopback
-    let any = if args.loopback {
-        "127.0.0.1:0"
-    } else {
-        "0.0.0.0:0"
-    };
-    let listen = args.listen.as_deref().unwrap_or(any);
-    let a = Agent::new("kvrail-perf-client", config(args, &args.devices, listen)?)
-        .map_err(|e| e.to_string())?;
-    let res = drive(args, &a, server);
+fn client(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
+    let res = drive(args, a, server);
     // tell the server we are done whatever happened, so it exits too; its answer means it
-    // read that (dropping the agent closes the connection, and what is still queued on it)
-    if let Ok(peer) = a.load_remote(server) {
+    // read that (dropping the agent closes the connection, and what is still queued on it).
+    // A server never reached is not tried again (a silent one took its timeout once).
+    if let Some(peer) = a.peers().into_iter().next() {
         if a.send_notif(&peer, format!("{CTL}bye").into_bytes())
             .is_ok()
         {
-            let _ = expect(&a, &peer, "done", Duration::from_secs(10));
+            let _ = expect(a, &peer, "done", Duration::from_secs(10));
         }
     }
     res
@@ -227,9 +262,9 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
     let remote = RegionId(id);
     let human = !args.json;
     if human {
-        print!("{}", report::header(args, a, &peer));
+        out!("{}", report::header(args, a, &peer));
         if args.mem == args::Mem::Npu {
-            println!(
+            outln!(
                 "# memory: NPU (runtime {}), {}",
                 mem::runtime_path().unwrap_or_default(),
                 if a.bounce_stats().is_some() {
@@ -239,7 +274,7 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
                 }
             );
         }
-        println!(
+        outln!(
             "{}",
             if args.op == Op::Lat {
                 report::lat_titles().to_owned()
@@ -276,7 +311,7 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
                     }
                     let l = bench::latency(a, &peer, size, stop)?;
                     if human {
-                        println!("{}", report::lat_line(&l));
+                        outln!("{}", report::lat_line(&l));
                     }
                     lats.push(l);
                 } else {
@@ -287,10 +322,10 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
                     let verify = !args.no_verify;
                     let (bw, wrong) = bw_run(args, a, &peer, regions, (len, size), (stop, verify))?;
                     if human {
-                        println!("{}", report::bw_line(&bw, args.report_gbits));
+                        outln!("{}", report::bw_line(&bw, args.report_gbits));
                         if !args.all && !args.run_infinitely {
                             if let Some(c) = bw.ctx_switches_per_xfer {
-                                println!("# context switches per transfer (this process): {c:.1}");
+                                outln!("# context switches per transfer (this process): {c:.1}");
                             }
                         }
                     }
@@ -317,16 +352,16 @@ fn drive(args: &Args, a: &Agent, server: SocketAddr) -> Result<(), String> {
         std::fs::write(&args.out_json_file, text + "\n")
             .map_err(|e| format!("--out_json_file {}: {e}", args.out_json_file))?;
         if human {
-            println!(
+            outln!(
                 "# results written to {} (perftest's keys)",
                 args.out_json_file
             );
         }
     }
     if args.json {
-        println!("{}", report::json(args, a, &peer, &bws, &lats));
+        outln!("{}", report::json(args, a, &peer, &bws, &lats));
     } else if res.is_ok() && !halted() && !args.no_verify && args.op != Op::Lat {
-        println!("# data check: every byte of every size verified");
+        outln!("# data check: every byte of every size verified");
     }
     res
 }

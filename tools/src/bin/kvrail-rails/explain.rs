@@ -34,7 +34,7 @@ pub(crate) fn run(host: &HostArgs, target: &str, json: bool) -> Result<ExitCode,
             })
             .collect();
         let s = serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?;
-        println!("{s}");
+        outln!("{s}");
         return Ok(status);
     }
     let node = if numa < 0 {
@@ -55,25 +55,25 @@ pub(crate) fn run(host: &HostArgs, target: &str, json: bool) -> Result<ExitCode,
                     .active_mtu
                     .map(|m| format!(", active MTU {m}"))
                     .unwrap_or_default();
-                println!("  link: port {}, physical {ph}{mtu}", p.state);
+                outln!("  link: port {}, physical {ph}{mtu}", p.state);
             }
         };
         if v.usable() {
-            println!("{}{nd}: USABLE as a data-plane rail for {node}", p.name());
+            outln!("{}{nd}: USABLE as a data-plane rail for {node}", p.name());
             link(p);
             if let Some(g) = &v.gid {
-                println!("  queue pairs use {}", g.reason);
+                outln!("  queue pairs use {}", g.reason);
             }
         } else {
-            println!("{}{nd}: NOT USABLE for {node}:", p.name());
+            outln!("{}{nd}: NOT USABLE for {node}:", p.name());
             link(p);
             for r in &v.reasons {
-                println!("  - {r}");
-                println!("    check: {}", r.check_command(p));
+                outln!("  - {r}");
+                outln!("    check: {}", r.check_command(p));
             }
         }
         for n in &v.notes {
-            println!("  note: {n}");
+            outln!("  note: {n}");
         }
     }
     Ok(status)

@@ -79,7 +79,7 @@ pub(crate) fn run(host: &HostArgs, target: Option<&str>, json: bool) -> Result<E
     let status = usable(rows.iter().any(|r| r.chosen));
     if json {
         let s = serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?;
-        println!("{s}");
+        outln!("{s}");
         return Ok(status);
     }
     let mut t = String::new();
@@ -108,6 +108,6 @@ pub(crate) fn run(host: &HostArgs, target: Option<&str>, json: bool) -> Result<E
         "n_gids_found={} (* = the entry kvrail's queue pairs use)",
         rows.len()
     ));
-    print!("{t}");
+    out!("{t}");
     Ok(status)
 }

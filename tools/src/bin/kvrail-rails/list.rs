@@ -37,20 +37,20 @@ pub(crate) fn run(host: &HostArgs, json: bool) -> Result<ExitCode, Fail> {
                 })
                 .collect(),
         };
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&l).map_err(|e| e.to_string())?
         );
         return Ok(status);
     }
-    print!("{}", table(numa, &verdicts));
+    out!("{}", table(numa, &verdicts));
     if !verdicts.iter().any(|v| v.usable()) {
         let e = RailError::NoUsableNic {
             numa,
             verdicts: verdicts.clone(),
             searched,
         };
-        println!("# {}", e.to_string().replace('\n', "\n#"));
+        outln!("# {}", e.to_string().replace('\n', "\n#"));
     }
     Ok(status)
 }

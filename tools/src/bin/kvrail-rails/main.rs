@@ -11,6 +11,9 @@
 //! Every subcommand takes `--sysfs-root DIR` (default `/`) so it runs on fixture trees.
 //! Exit statuses: see [`fail`].
 
+#[macro_use]
+#[path = "../../out.rs"]
+mod out;
 mod explain;
 mod fail;
 mod gids;
@@ -40,7 +43,7 @@ use kvrail::rails::{discover, judge_all, pci_numa_node, AddrSource, SysfsRoot, V
         "  kvrail-rails probe --peer hostB:18515       # move bytes over every rail pair\n\n",
         "Exit status: 0 success; 1 nothing usable (no usable port among those asked about; ",
         "probe: a pair failed); 2 usage; 3 runtime error (discovery, sysfs, the network, the ",
-        "peer); 4 no such device or port."
+        "peer); 4 no such device or port; 141 stdout closed."
     )
 )]
 struct Cli {

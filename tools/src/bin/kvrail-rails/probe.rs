@@ -85,7 +85,7 @@ pub(crate) fn run(
             peer,
             pairs: &results,
         };
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?
         );
@@ -331,14 +331,21 @@ fn mib_s(bytes: usize, d: Duration) -> f64 {
 }
 
 fn print_table(peer: &str, rs: &[PairResult]) {
-    println!("# probe of {peer}: {} pair(s)", rs.len());
-    println!(
+    outln!("# probe of {peer}: {} pair(s)", rs.len());
+    outln!(
         "{:<12} {:<12} {:<10} {:<17} {:>13} {:>15} {:>14} {:>9}  DETAIL",
-        "LOCAL", "PEER", "RESULT", "STEP", "WRITE64 us", "WRITE1M MiB/s", "READ1M MiB/s", "TIME ms"
+        "LOCAL",
+        "PEER",
+        "RESULT",
+        "STEP",
+        "WRITE64 us",
+        "WRITE1M MiB/s",
+        "READ1M MiB/s",
+        "TIME ms"
     );
     let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
     for r in rs {
-        println!(
+        outln!(
             "{:<12} {:<12} {:<10} {:<17} {:>13} {:>15} {:>14} {:>9.0}  {}",
             r.local,
             r.peer,
@@ -352,6 +359,6 @@ fn print_table(peer: &str, rs: &[PairResult]) {
         );
     }
     if rs.is_empty() {
-        println!("# no pairs: no local and peer rails share an IPv4 subnet (use --all-pairs to try every pair)");
+        outln!("# no pairs: no local and peer rails share an IPv4 subnet (use --all-pairs to try every pair)");
     }
 }

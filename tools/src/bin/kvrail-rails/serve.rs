@@ -24,7 +24,7 @@ pub(crate) fn port_descs(v: &[Verdict]) -> Vec<PortDesc> {
 pub(crate) fn run(host: &HostArgs, listen: &str) -> Result<ExitCode, super::fail::Fail> {
     host.verdicts()?; // fail early on a bad root or device list
     let l = TcpListener::bind(listen).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-    println!(
+    outln!(
         "kvrail-rails serve: listening on {}",
         l.local_addr().map_err(|e| e.to_string())?
     );
