@@ -23,8 +23,8 @@ use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::tp::rank_agent_name;
 use kvrail::connector::{
-    agent_config, ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams,
-    Scheduler, Worker,
+    agent_config, BlockOrder, ConnectorMetadata, EngineRequest, Finished, KvLayout,
+    KvTransferParams, Scheduler, Worker,
 };
 use lab::cache::{self, Cache, EngineCache};
 
@@ -56,6 +56,8 @@ fn layout(tp: u32, num_blocks: u64, window: Option<u64>) -> KvLayout {
             .into_iter()
             .collect(),
         physical_per_logical: 1,
+        block_stride: 0,
+        inner: BlockOrder::Hnd,
     }
 }
 

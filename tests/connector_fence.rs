@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use kvrail::agent::{Agent, Desc, Grant, RemoteAccess, XferOp, XferStatus};
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::{
-    agent_config, ConnectorMetadata, KvCaches, KvLayout, KvTransferParams, RecvReq, SendReq, Worker,
+    agent_config, BlockOrder, ConnectorMetadata, KvCaches, KvLayout, KvTransferParams, RecvReq,
+    SendReq, Worker,
 };
 use kvrail::proto::kvmsg::{GrantReq, KvMsg};
 
@@ -36,6 +37,8 @@ fn layout() -> KvLayout {
         kv_heads: 1,
         sliding_windows: Default::default(),
         physical_per_logical: 1,
+        block_stride: 0,
+        inner: BlockOrder::Hnd,
     }
 }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
-use kvrail::connector::{agent_config, KvLayout, Worker};
+use kvrail::connector::{agent_config, BlockOrder, KvLayout, Worker};
 use kvrail::rails::SysfsRoot;
 
 fn producer(exit_s: u64) -> Worker {
@@ -29,6 +29,8 @@ fn producer(exit_s: u64) -> Worker {
         kv_heads: 1,
         sliding_windows: Default::default(),
         physical_per_logical: 1,
+        block_stride: 0,
+        inner: BlockOrder::Hnd,
     };
     let ac = agent_config(&cfg, &l, lab::agent_config(true));
     let agent = Arc::new(Agent::new("prefill-links", ac).unwrap());

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use kvrail::agent::{Agent, AgentError};
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::{
-    agent_config, ConnectorMetadata, EngineRequest, Finished, KvLayout, KvTransferParams,
-    Scheduler, Worker,
+    agent_config, BlockOrder, ConnectorMetadata, EngineRequest, Finished, KvLayout,
+    KvTransferParams, Scheduler, Worker,
 };
 use kvrail::proto::handshake::Direction;
 use lab::cache::{self, Cache, EngineCache};
@@ -37,6 +37,8 @@ fn layout() -> KvLayout {
         kv_heads: 2,
         sliding_windows: Default::default(),
         physical_per_logical: 1,
+        block_stride: 0,
+        inner: BlockOrder::Hnd,
     }
 }
 
@@ -755,6 +757,8 @@ fn unmatched_push_registration_expires_after_the_configured_timeout() {
 fn logical_blocks_expand_by_each_sides_ratio() {
     let ratio = |r: u64| KvLayout {
         physical_per_logical: r,
+        block_stride: 0,
+        inner: BlockOrder::Hnd,
         num_blocks: 200,
         ..layout()
     };

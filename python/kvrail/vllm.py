@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _kvrail
-from ._memory import buffer_span
+from ._kv_layout import describe
 
 logger = logging.getLogger("kvrail.vllm")
 
@@ -259,8 +259,14 @@ class KvrailConnector(_Base):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
-        """kvrail moves blocks laid out ``[head][token][head bytes]``."""
-        return "HND"
+        """The layout kvrail asks vLLM for: each layer's blocks dense and back to back, a
+        block's bytes ``[head][token][K and V]`` — LBHNC in vLLM 0.32's names (HND before),
+        so a block is one descriptor and a share of its heads (another TP size) is one run.
+        None for MLA, where no layout matters (one head). vLLM falls back, with a warning,
+        when its backend cannot do it; kvrail then moves whatever layout it got."""
+        if _attr(vllm_config, "model_config.use_mla"):
+            return None
+        return _LAYOUT_NAME
 
     # ==== scheduler side ================================================================
 
@@ -379,51 +385,35 @@ class KvrailConnector(_Base):
     # ==== worker side ===================================================================
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-        """The engine's own KV caches, registered in place (no copy); layers back to back in
-        one allocation become one pooled region."""
-        if not kv_caches:
-            raise _kvrail.MisuseError("kv_caches: empty")
-        names = list(kv_caches)
-        first = kv_caches[names[0]]
-        shape = tuple(int(x) for x in first.shape)
-        if len(shape) < 3 or shape[0] != 2:
-            raise _kvrail.MisuseError(f"kv_caches[{names[0]!r}]: shape {shape}; expected [2, num_blocks, kv_heads, block_size, head_size] (HND)")
-        spans = {n: buffer_span(kv_caches[n]) for n in names}
-        layer_len = spans[names[0]][1]
-        for n in names:
-            if tuple(int(x) for x in kv_caches[n].shape) != shape or spans[n][1] != layer_len:
-                raise _kvrail.MisuseError(f"kv_caches[{n!r}]: every layer must have the shape {shape}")
-        elem = layer_len // _prod(shape)
-        block_size = int(shape[3]) if len(shape) >= 5 else int(_attr(self._vllm_config, "cache_config.block_size", 16))
-        layout = {
-            "layers": names,
-            "num_blocks": shape[1],
-            "block_bytes": _prod(shape[2:]) * elem,
-            "planes": 2,
-            "block_size": block_size,
-            "kv_heads": int(shape[2]) if len(shape) >= 5 else 1,
-        }
-        caches = []
-        order = sorted(names, key=lambda n: spans[n][0])
-        run: List[str] = []
-        for n in order + [None]:
-            if n is not None and run and spans[n][0] == spans[run[-1]][0] + layer_len and spans[n][2] == spans[run[0]][2]:
-                run.append(n)
-                continue
-            if run:
-                a, _, kind, dev = spans[run[0]]
-                if len(run) == 1:
-                    caches.append((a, layer_len, kind, dev, run, None, layer_len))
-                else:
-                    caches.append((a, layer_len * len(run), kind, dev, run, [i * layer_len for i in range(len(run))], layer_len))
-            run = [n] if n is not None else []
+        """The engine's own KV caches, registered in place (no copy). The layout comes from
+        the tensors vLLM made (their shapes and strides: see :mod:`kvrail._kv_layout`);
+        layers of one allocation become one pooled registration."""
+        hints = {}
+        heads = _kv_heads_per_rank(self._vllm_config)
+        if heads:
+            hints["kv_heads"] = heads
+        bs = _attr(self._vllm_config, "cache_config.block_size")
+        if bs:
+            hints["block_size"] = int(bs)
+        layout, caches = describe(kv_caches, hints)
+        logical = _attr(self._kv_cache_config, "num_blocks")
+        if logical and layout["num_blocks"] % int(logical) == 0 and layout["num_blocks"] > int(logical):
+            # kernel blocks subdivide the scheduler's: its block l is ours l*r .. l*r + r
+            layout["physical_per_logical"] = layout["num_blocks"] // int(logical)
+        self._layout = layout
         self._kv_caches = dict(kv_caches)  # the engine's tensors stay referenced while registered
         agent = dict(self._agent_cfg)
         agent.setdefault("listen", "0.0.0.0:0")
         self._worker = _kvrail.Worker(
             self._engine_id, json.dumps(agent), self._cfg_json, json.dumps(layout), self._tp_rank, self._tp_size, caches
         )
-        logger.info("kvrail worker %s: %d layers in %d registrations on %s", self._worker.name, len(names), len(caches), self._worker.backend)
+        logger.info(
+            "kvrail worker %s: %d layers in %d registrations on %s; %d blocks of %d bytes, "
+            "%d apart, %d plane(s), %s, %d tokens, %d heads",
+            self._worker.name, len(kv_caches), len(caches), self._worker.backend, layout["num_blocks"],
+            layout["block_bytes"], layout["block_stride"] or layout["block_bytes"], layout["planes"],
+            layout["inner"], layout["block_size"], layout["kv_heads"],
+        )
 
     def get_handshake_metadata(self) -> Optional[KvrailHandshakeMetadata]:
         if self._worker is None:
@@ -485,11 +475,22 @@ class KvrailConnector(_Base):
         self._kv_caches = {}
 
 
-def _prod(xs: Sequence[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
+def _kv_heads_per_rank(vllm_config: Any) -> Optional[int]:
+    """KV heads a TP rank holds, when vLLM's config says (a hint for legacy shapes)."""
+    mc = getattr(vllm_config, "model_config", None)
+    pc = getattr(vllm_config, "parallel_config", None)
+    try:
+        return int(mc.get_num_kv_heads(pc))  # type: ignore[union-attr]
+    except Exception:
+        return None
+
+
+try:  # vLLM 0.32 names layouts by their axis order; earlier ones HND / NHD
+    from vllm.v1.kv_cache_layout import KVCacheLayout as _VllmLayouts  # type: ignore
+
+    _LAYOUT_NAME = _VllmLayouts.LBHNC.name
+except Exception:  # pragma: no cover - vLLM absent or older
+    _LAYOUT_NAME = "HND"
 
 
 class KvrailPullConnector(KvrailConnector):

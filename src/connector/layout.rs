@@ -1,7 +1,16 @@
-//! The paged KV cache as the connector sees it: one registered region per layer, each
-//! `planes` planes (K and V) of `num_blocks` blocks of `block_bytes` bytes, a block in the
-//! HND layout `[head][token][head bytes]`; and which descriptors move a request between two
-//! workers whose caches may differ in block count and in their share of the heads.
+//! The paged KV cache as the connector sees it: per layer, `planes` planes of `num_blocks`
+//! blocks of `block_bytes` bytes each, `block_stride` apart (blocks back to back, or with
+//! other layers' blocks between them), a block's bytes ordered HND `[head][token][bytes]`,
+//! NHD `[token][head][bytes]` or packed (whole blocks only); and which descriptors move a
+//! request between two workers whose caches may differ in block count and in their share
+//! of the heads.
+//!
+//! How an engine's layouts map onto it (vLLM 0.32's per-layer views are `[B, H, N, C]`
+//! with K and V in C, laid out by its `KVCacheLayout`): LBHNC is one plane, HND; LBNHC one
+//! plane, NHD; BLHNC / BLNHC the same with `block_stride` = the layers' pages per block;
+//! LHBNC has the heads outside the blocks: a plane per head. Older vLLMs' FlashAttention
+//! `[2, B, N, H, D]` is two planes (K, V), NHD (HND when permuted); FlashInfer's
+//! `[B, 2, N, H, D]` one packed plane; MLA `[B, N, C]` one plane of one head.
 
 use std::collections::BTreeMap;
 
@@ -34,6 +43,30 @@ pub struct KvLayout {
     /// (what the engine's scheduler names): logical id `l` is physical `l*r .. l*r + r`.
     #[serde(default = "one")]
     pub physical_per_logical: u64,
+    /// Bytes from a block's first byte to the next block's in a plane (0: `block_bytes`,
+    /// blocks back to back). Larger where other layers' blocks lie between (a block-outer
+    /// layout); then planes lie `num_blocks × block_stride` apart.
+    #[serde(default)]
+    pub block_stride: u64,
+    /// How a block's bytes are ordered.
+    #[serde(default)]
+    pub inner: BlockOrder,
+}
+
+/// The order of a block's bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum BlockOrder {
+    /// `[head][token][head bytes]`: a head's tokens are contiguous.
+    #[default]
+    #[serde(rename = "HND")]
+    Hnd,
+    /// `[token][head][head bytes]`: a token's heads are contiguous.
+    #[serde(rename = "NHD")]
+    Nhd,
+    /// Neither (K and V interleaved inside the block, say): only whole blocks of every head
+    /// move.
+    #[serde(rename = "packed")]
+    Packed,
 }
 
 /// Logical block ids as physical ones, `r` per logical block.
@@ -83,10 +116,16 @@ impl KvLayout {
                 self.block_bytes, self.kv_heads, self.block_size
             ));
         }
+        if self.block_stride != 0 && self.block_stride < self.block_bytes {
+            return Err(format!(
+                "block_stride: {} is less than a block ({} bytes): blocks would overlap",
+                self.block_stride, self.block_bytes
+            ));
+        }
         let bytes = self
             .planes
             .checked_mul(self.num_blocks)
-            .and_then(|n| n.checked_mul(self.block_bytes))
+            .and_then(|n| n.checked_mul(self.stride()))
             .filter(|b| *b <= isize::MAX as u64);
         if bytes.is_none() {
             return Err(format!(
@@ -97,14 +136,29 @@ impl KvLayout {
         Ok(())
     }
 
-    /// Bytes of one layer's region.
-    pub fn layer_bytes(&self) -> u64 {
-        self.planes * self.num_blocks * self.block_bytes
+    /// Bytes from a block to the next one in a plane.
+    pub fn stride(&self) -> u64 {
+        if self.block_stride == 0 {
+            self.block_bytes
+        } else {
+            self.block_stride
+        }
     }
 
-    /// Offset of block `b` in plane `p` of a layer region.
+    /// Bytes of one layer's span: from its first block's first byte to its last block's
+    /// last byte (with blocks back to back, the whole of its planes).
+    pub fn layer_bytes(&self) -> u64 {
+        (self.planes * self.num_blocks - 1) * self.stride() + self.block_bytes
+    }
+
+    /// Offset of block `b` in plane `p` from the layer's first byte.
     pub fn offset(&self, plane: u64, block: u64) -> u64 {
-        (plane * self.num_blocks + block) * self.block_bytes
+        (plane * self.num_blocks + block) * self.stride()
+    }
+
+    /// True when blocks lie back to back (no other layer's bytes between them).
+    pub fn dense(&self) -> bool {
+        self.stride() == self.block_bytes
     }
 }
 
@@ -124,12 +178,14 @@ impl LayerAt {
 }
 
 /// Where a peer worker keeps our layers: its regions (in our layer order, found by layer
-/// name), its blocks per plane and its KV heads per block (it may hold another share of the
-/// heads, and another number of blocks, than we do).
+/// name), its blocks per plane, its KV heads per block (it may hold another share of the
+/// heads, and another number of blocks, than we do) and the bytes from one of its blocks to
+/// the next.
 pub(crate) struct PeerKv {
     pub(crate) regions: Vec<LayerAt>,
     pub(crate) num_blocks: u64,
     pub(crate) heads: u64,
+    pub(crate) stride: u64,
 }
 
 /// `peer`'s KV for our layers, from the metadata loaded from it (pipeline-parallel routing:
@@ -145,6 +201,20 @@ pub(crate) fn peer_kv(
         .ok_or_else(|| format!("no metadata for {peer}"))?;
     let g = layout.geom();
     let block_bytes = heads * g.block_size * g.head_bytes;
+    // blocks back to back stay so at any share of the heads; with other layers' blocks
+    // between them, the peer's pages are ours (the same share: checked by the caller)
+    let stride = if layout.dense() {
+        block_bytes
+    } else if heads == layout.kv_heads.max(1) {
+        layout.stride()
+    } else {
+        return Err(format!(
+            "{peer} holds {heads} heads a block where this worker holds {}: a block-outer \
+             layout (block_stride {}) moves whole pages only",
+            layout.kv_heads,
+            layout.stride()
+        ));
+    };
     let mut regions = Vec::new();
     let mut num_blocks = None;
     for l in &layout.layers {
@@ -153,15 +223,20 @@ pub(crate) fn peer_kv(
             .iter()
             .find_map(|r| r.layer_span(l).map(|s| (r, s)))
             .ok_or_else(|| format!("{peer} has no region for layer {l:?}"))?;
-        let per_plane = layout.planes.max(1) * block_bytes;
-        if block_bytes == 0 || len % per_plane != 0 {
+        // a span is (planes × blocks − 1) strides and a block
+        let spans = len
+            .checked_sub(block_bytes)
+            .filter(|n| block_bytes > 0 && n % stride == 0)
+            .map(|n| n / stride + 1)
+            .filter(|n| n % layout.planes.max(1) == 0);
+        let Some(spans) = spans else {
             return Err(format!(
                 "{peer}'s cache of layer {l:?} is {len} bytes: not whole blocks of {heads} \
-                 heads × {} tokens × {} bytes in {} planes",
+                 heads × {} tokens × {} bytes, {stride} bytes apart, in {} planes",
                 g.block_size, g.head_bytes, layout.planes
             ));
-        }
-        let n = len / per_plane;
+        };
+        let n = spans / layout.planes.max(1);
         if num_blocks.is_some_and(|m| m != n) {
             return Err(format!("{peer}'s layer regions differ in size"));
         }
@@ -175,6 +250,7 @@ pub(crate) fn peer_kv(
         regions,
         num_blocks: num_blocks.unwrap_or(0),
         heads,
+        stride,
     })
 }
 
@@ -247,7 +323,6 @@ impl KvLayout {
     ) -> Result<(Vec<Desc>, Vec<Desc>), String> {
         let g = self.geom();
         let (bs, hb) = (g.block_size, g.head_bytes);
-        let peer_block = peer.heads * bs * hb;
         let m = local.len().min(remote.len()) as u64;
         let nblocks = if sel.tokens == 0 {
             sel.first.unwrap_or(0) + m
@@ -285,29 +360,14 @@ impl KvLayout {
                         ));
                     }
                     let lbase = lr.base + self.offset(p, lj);
-                    let rbase = rr.base + (p * peer.num_blocks + rj) * peer_block;
+                    let rbase = rr.base + (p * peer.num_blocks + rj) * peer.stride;
                     for &(from, to) in rs {
-                        // a whole block: the slice's heads in one span; else a span per head
-                        let (heads, per) = if from == 0 && to == bs {
-                            (1, slice.count)
-                        } else {
-                            (slice.count, 1)
-                        };
-                        for h in 0..heads {
-                            let at = |first: u64| ((first + h) * bs + from) * hb;
+                        for (at_l, at_r, len) in self.spans(slice, (peer.heads, from, to))? {
                             push_coalesced(
                                 &mut l,
                                 &mut r,
-                                Desc::new(
-                                    lr.region,
-                                    lbase + at(slice.local),
-                                    per * (to - from) * hb,
-                                ),
-                                Desc::new(
-                                    rr.region,
-                                    rbase + at(slice.remote),
-                                    per * (to - from) * hb,
-                                ),
+                                Desc::new(lr.region, lbase + at_l, len),
+                                Desc::new(rr.region, rbase + at_r, len),
                             );
                         }
                     }
@@ -315,6 +375,61 @@ impl KvLayout {
             }
         }
         Ok((l, r))
+    }
+}
+
+impl KvLayout {
+    /// The byte spans (offset here, offset at the peer, length) inside one block that hold
+    /// tokens `from..to` of `slice`'s heads, where the peer's blocks hold `peer_heads` heads.
+    fn spans(
+        &self,
+        slice: &HeadSlice,
+        (peer_heads, from, to): (u64, u64, u64),
+    ) -> Result<Vec<(u64, u64, u64)>, String> {
+        let g = self.geom();
+        let (bs, hb, heads) = (g.block_size, g.head_bytes, g.kv_heads);
+        let whole_tokens = from == 0 && to == bs;
+        let all_heads = slice.count == heads && peer_heads == heads;
+        Ok(match self.inner {
+            // a whole block: the slice's heads in one span; else a span per head
+            BlockOrder::Hnd if whole_tokens => vec![(
+                slice.local * bs * hb,
+                slice.remote * bs * hb,
+                slice.count * bs * hb,
+            )],
+            BlockOrder::Hnd => (0..slice.count)
+                .map(|h| {
+                    let at = |first: u64| ((first + h) * bs + from) * hb;
+                    (at(slice.local), at(slice.remote), (to - from) * hb)
+                })
+                .collect(),
+            // every head: the tokens in one span; else a span per token
+            BlockOrder::Nhd if all_heads => {
+                vec![(
+                    from * heads * hb,
+                    from * heads * hb,
+                    (to - from) * heads * hb,
+                )]
+            }
+            BlockOrder::Nhd => (from..to)
+                .map(|t| {
+                    (
+                        (t * heads + slice.local) * hb,
+                        (t * peer_heads + slice.remote) * hb,
+                        slice.count * hb,
+                    )
+                })
+                .collect(),
+            BlockOrder::Packed if whole_tokens && all_heads => vec![(0, 0, self.block_bytes)],
+            BlockOrder::Packed => {
+                return Err(format!(
+                    "a packed block layout moves whole blocks of every head: not tokens \
+                     {from}..{to} of {} of {heads} heads (chunk_mode, swa_window_mode and \
+                     a TP size that differs from the peer's need HND or NHD blocks)",
+                    slice.count
+                ))
+            }
+        })
     }
 }
 
@@ -350,6 +465,8 @@ mod tests {
             kv_heads: heads,
             sliding_windows: [("swa1".to_owned(), 4)].into(),
             physical_per_logical: 1,
+            block_stride: 0,
+            inner: BlockOrder::Hnd,
         }
     }
 
@@ -399,6 +516,7 @@ mod tests {
             regions: at(&[5, 6]),
             num_blocks: 20,
             heads: 1,
+            stride: 16 * 4,
         };
         let sel = Select::default();
         let (a, b) = l
@@ -419,6 +537,16 @@ mod tests {
         ((layer as u64 * 31 + plane * 17 + head * 13 + tok * 7 + i) % 251) as u8 | 1
     }
 
+    /// Where byte `i` of head `h`'s token `t` lies in block `b` of plane `p`.
+    fn pos(l: &KvLayout, (p, b, h, t, i): (u64, u64, u64, u64, u64)) -> u64 {
+        let g = l.geom();
+        let inside = match l.inner {
+            BlockOrder::Nhd => (t * g.kv_heads + h) * g.head_bytes + i,
+            _ => (h * g.block_size + t) * g.head_bytes + i,
+        };
+        l.offset(p, b) + inside
+    }
+
     /// A rank's cache (one Vec per layer) holding `toks` tokens in `blocks`.
     fn cache(l: &KvLayout, rank: u64, blocks: &[u64], toks: u64) -> Vec<Vec<u8>> {
         let g = l.geom();
@@ -434,8 +562,7 @@ mod tests {
                                     continue;
                                 }
                                 for i in 0..g.head_bytes {
-                                    let at =
-                                        l.offset(p, b) + (h * g.block_size + t) * g.head_bytes + i;
+                                    let at = pos(l, (p, b, h, t, i));
                                     v[at as usize] = val(li, p, rank * g.kv_heads + h, tok, i);
                                 }
                             }
@@ -450,10 +577,29 @@ mod tests {
     /// D (TP `dtp`) READs from P (TP `ptp`) with the selection; returns the bytes moved, and
     /// checks every byte D attends to: all tokens of full layers, the window's of `swa1`.
     fn pull(dtp: u32, ptp: u32, toks: u64, sel: Select) -> u64 {
+        pull_as((BlockOrder::Hnd, 1), (dtp, ptp), toks, sel)
+    }
+
+    /// [`pull`] with blocks ordered `inner`, `pages` blocks (of this layer and others) per
+    /// block stride.
+    fn pull_as(
+        (inner, pages): (BlockOrder, u64),
+        (dtp, ptp): (u32, u32),
+        toks: u64,
+        sel: Select,
+    ) -> u64 {
         let total = 8;
+        let shaped = |heads: u64, n: u64| {
+            let l = layout(heads, n);
+            KvLayout {
+                inner,
+                block_stride: l.block_bytes * pages,
+                ..l
+            }
+        };
         let (pl, dl) = (
-            layout(total / u64::from(ptp), 40),
-            layout(total / u64::from(dtp), 12),
+            shaped(total / u64::from(ptp), 40),
+            shaped(total / u64::from(dtp), 12),
         );
         let pblocks: Vec<u64> = (0..toks.div_ceil(16)).map(|i| 30 - 3 * i).collect();
         let dblocks: Vec<u64> = (0..toks.div_ceil(16)).map(|i| 2 + i).collect();
@@ -469,6 +615,7 @@ mod tests {
                     regions: at(&[0, 1]),
                     num_blocks: 40,
                     heads: ph,
+                    stride: pl.stride(),
                 };
                 let (a, b) = dl
                     .transfer_descs(&at(&[0, 1]), &dblocks, &peer, &pblocks, s, sel)
@@ -491,7 +638,7 @@ mod tests {
                         let b = dblocks[(tok / 16) as usize];
                         for h in 0..g.kv_heads {
                             for i in 0..g.head_bytes {
-                                let at = dl.offset(p, b) + (h * 16 + tok % 16) * g.head_bytes + i;
+                                let at = pos(&dl, (p, b, h, tok % 16, i));
                                 let want = val(li, p, u64::from(d) * g.kv_heads + h, tok, i);
                                 assert_eq!(
                                     dc[li][at as usize], want,
@@ -514,6 +661,7 @@ mod tests {
             regions: at(&[5, 6]),
             num_blocks: 20,
             heads: 1,
+            stride: 16 * 4,
         };
         let r = at(&[0, 1]);
         let sel = Select::default();
@@ -562,6 +710,82 @@ mod tests {
         }
     }
 
+    /// vLLM's NHD block interiors (LBNHC; older FlashAttention) and block-outer layouts
+    /// (other layers' pages between a layer's blocks: BLHNC) give D every byte of its
+    /// heads, for whole blocks, chunks and windows, at every TP pairing they allow.
+    #[test]
+    fn nhd_blocks_and_block_outer_layouts_give_d_every_byte() {
+        let base = Select {
+            tokens: 70,
+            ..Select::default()
+        };
+        let full = pull(1, 1, 70, base);
+        for sel in [
+            base,
+            Select {
+                chunk: Some(4),
+                swa: true,
+                ..base
+            },
+        ] {
+            let want = pull(1, 1, 70, sel);
+            for (dtp, ptp) in [(1, 1), (2, 1), (1, 2), (4, 2), (2, 8)] {
+                let got = pull_as((BlockOrder::Nhd, 1), (dtp, ptp), 70, sel);
+                assert_eq!(got, want, "NHD, D tp {dtp}, P tp {ptp}");
+            }
+            // three layers' pages a block stride: same TP on both sides
+            assert_eq!(pull_as((BlockOrder::Hnd, 3), (1, 1), 70, sel), want);
+            assert_eq!(pull_as((BlockOrder::Nhd, 3), (2, 2), 70, sel), want);
+        }
+        assert!(full > 0);
+    }
+
+    /// A packed block (K and V interleaved inside it, FlashInfer's) moves whole blocks of
+    /// every head only; a chunk or another TP size is refused, naming why.
+    #[test]
+    fn packed_blocks_move_whole_and_refuse_parts() {
+        let base = Select {
+            tokens: 70,
+            ..Select::default()
+        };
+        assert_eq!(
+            pull_as(
+                (BlockOrder::Packed, 1),
+                (1, 1),
+                70,
+                Select { tokens: 0, ..base }
+            ),
+            pull(1, 1, 70, Select { tokens: 0, ..base })
+        );
+        let l = KvLayout {
+            inner: BlockOrder::Packed,
+            ..layout(2, 10)
+        };
+        let peer = PeerKv {
+            regions: at(&[5, 6]),
+            num_blocks: 20,
+            heads: 2,
+            stride: 2 * 16 * 4,
+        };
+        let chunk = Select {
+            chunk: Some(4),
+            ..base
+        };
+        let ids: Vec<u64> = (0..5).collect();
+        let e = l
+            .transfer_descs(&at(&[0, 1]), &ids, &peer, &ids, &whole(2), chunk)
+            .unwrap_err();
+        assert!(e.contains("packed block layout moves whole blocks"), "{e}");
+        let half = HeadSlice {
+            count: 1,
+            ..whole(2)
+        };
+        let e = l
+            .transfer_descs(&at(&[0, 1]), &ids, &peer, &ids, &half, base)
+            .unwrap_err();
+        assert!(e.contains("1 of 2 heads"), "{e}");
+    }
+
     #[test]
     fn chunk_and_window_modes_move_less_and_keep_the_bytes_d_uses() {
         let base = Select {
@@ -603,6 +827,7 @@ mod tests {
             regions: at(&[0, 1]),
             num_blocks: 4,
             heads: 1,
+            stride: 16 * 4,
         };
         let e = bad
             .transfer_descs(

@@ -26,7 +26,7 @@ mod worker_stats;
 mod writer;
 
 pub use caches::KvCaches;
-pub use layout::KvLayout;
+pub use layout::{BlockOrder, KvLayout};
 
 use crate::agent::AgentConfig;
 

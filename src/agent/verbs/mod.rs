@@ -947,6 +947,14 @@ impl Verbs {
             // A request fault would fail on any rail: the transfers fail. A path fault moves
             // the work to other rails (see WcError::is_request_fault).
             if err.is_request_fault() {
+                let why = if err.is_remote_access() {
+                    format!(
+                        "{why}: the peer's NIC refused the key (it deregistered the region, \
+                         revoked the grant, or does not allow this access)"
+                    )
+                } else {
+                    why
+                };
                 self.kill_pair_as(shared, e, &key, &why, err.is_remote_access());
             } else {
                 self.fail_over(shared, e, &key, &why);

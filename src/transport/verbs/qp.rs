@@ -100,8 +100,11 @@ pub struct ConnectOptions {
     /// Local ACK timeout exponent: 4.096 µs × 2^timeout. 18 (≈1 s) and up; lower values gave
     /// spurious retry-exceeded errors on Soft-RoCE under load.
     pub timeout: u8,
-    /// Transport retries (0–7). At 7 Soft-RoCE retried a peer that had closed its queue pair
-    /// for as long as the lab test waited (a minute); at 6 it gave up after ~7 s.
+    /// Transport retries (0–7; default 6). At 7 Soft-RoCE retried a peer that had closed its
+    /// queue pair for as long as the lab test waited (a minute), and a READ whose region the
+    /// peer deregistered in the middle of its response for as long (120 s, issue 46); at 6
+    /// it gives up after ~7 s (`IBV_WC_RETRY_EXC_ERR`), the agent moves the work to another
+    /// rail, and there a fresh request meets the peer's refusal of the key at once.
     pub retry_cnt: u8,
     /// RNR retries (7 = infinite).
     pub rnr_retry: u8,
@@ -117,7 +120,7 @@ impl Default for ConnectOptions {
     fn default() -> Self {
         Self {
             timeout: 18,
-            retry_cnt: 7,
+            retry_cnt: 6,
             rnr_retry: 7,
             min_rnr_timer: 12,
             hop_limit: 64,

@@ -2,7 +2,7 @@
 //! written into (and checked in) a real paged KV cache in the HND block layout:
 //! block = [head][token in block][dim] of fp16, one plane for K and one for V per layer.
 
-use kvrail::connector::KvLayout;
+use kvrail::connector::{BlockOrder, KvLayout};
 
 /// The model's shape.
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +37,8 @@ impl Shape {
                 })
                 .unwrap_or_default(),
             physical_per_logical: 1,
+            block_stride: 0,
+            inner: BlockOrder::Hnd,
         }
     }
 
