@@ -322,7 +322,7 @@ impl KvLayout {
         sel: Select,
     ) -> Result<(Vec<Desc>, Vec<Desc>), String> {
         let g = self.geom();
-        let (bs, hb) = (g.block_size, g.head_bytes);
+        let bs = g.block_size;
         let m = local.len().min(remote.len()) as u64;
         let nblocks = if sel.tokens == 0 {
             sel.first.unwrap_or(0) + m
