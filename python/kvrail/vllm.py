@@ -131,9 +131,27 @@ class KvrailHandshakeMetadata(_HandshakeBase):
     port: int = 0
 
 
+try:  # vLLM's stats base class (serialized from the worker to the logger by ``to_dict``)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore
+        KVConnectorStats as _StatsBase,
+    )
+except Exception:  # pragma: no cover - vLLM absent
+
+    @dataclass
+    class _StatsBase:  # type: ignore[no-redef]
+        """vLLM's ``KVConnectorStats`` (when vLLM is absent)."""
+
+        data: Dict[str, Any] = field(default_factory=dict)
+
+        def to_dict(self) -> Dict[str, Any]:
+            return self.data
+
+
 @dataclass
-class KvrailConnectorStats:
-    """Counters since the last call (vLLM's ``KVConnectorStats`` shape: ``data``)."""
+class KvrailConnectorStats(_StatsBase):
+    """Counters since the last call (vLLM's ``KVConnectorStats``): bytes posted, push work
+    dropped, malformed notifications, blocks leased; vLLM logs them as "KV Transfer
+    metrics"."""
 
     data: Dict[str, Any] = field(default_factory=dict)
 
@@ -460,6 +478,11 @@ class KvrailConnector(_Base):
     def get_block_ids_with_load_errors(self) -> Set[int]:
         e, self._load_errors = self._load_errors, set()
         return e
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Optional[KvrailConnectorStats]:
+        """The stats object for ``data`` (what workers' ``to_dict`` sent the logger)."""
+        return KvrailConnectorStats(dict(data or {}))
 
     def get_kv_connector_stats(self) -> Optional[KvrailConnectorStats]:
         if self._worker is None:

@@ -189,8 +189,27 @@ type CacheSpec = (u64, u64, String, i32, Vec<String>, Option<Vec<u64>>, u64);
 /// The connector's worker side (one per TP rank), over the engine's own KV cache.
 #[pyclass(module = "kvrail._kvrail", frozen)]
 pub(crate) struct Worker {
-    w: Mutex<CoreWorker>,
+    w: Arc<Mutex<CoreWorker>>,
     agent: Arc<Core>,
+}
+
+/// How long the service thread sleeps at most between two looks (leases, grant
+/// timeouts and withdrawals come due without a notification).
+const SERVE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Serve `w` while the engine idles (no steps call `get_finished`): woken by every
+/// notification, and every [`SERVE_EVERY`]; ends when the worker is dropped.
+fn serve_while_idle(w: std::sync::Weak<Mutex<CoreWorker>>, agent: Arc<Core>) {
+    let spawned = std::thread::Builder::new()
+        .name(format!("kvrail-serve-{}", agent.name()))
+        .spawn(move || loop {
+            agent.wait_for_notifs(SERVE_EVERY);
+            let Some(w) = w.upgrade() else { return };
+            lock(&w).serve(Instant::now());
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no service thread: the worker is served by engine steps only");
+    }
 }
 
 impl Worker {
@@ -275,10 +294,9 @@ impl Worker {
                 Ok((w, agent))
             })
             .map_err(errors::agent)?;
-        Ok(Self {
-            w: Mutex::new(w),
-            agent,
-        })
+        let w = Arc::new(Mutex::new(w));
+        serve_while_idle(Arc::downgrade(&w), agent.clone());
+        Ok(Self { w, agent })
     }
 
     /// "ip:port" of this rank's side channel (P's rank 0 goes in the transfer parameters).

@@ -927,6 +927,14 @@ impl Agent {
         route::drain_waiting(&self.shared.notifs, &self.shared.notif_cv, left)
     }
 
+    /// Sleep until a notification is queued for [`Agent::get_new_notifs`] (true) or
+    /// `timeout` passed (false); takes none. For a thread that serves notifications under a
+    /// lock of its own: it takes that lock, then the notifications, so that they are handled
+    /// in arrival order whoever takes them.
+    pub fn wait_for_notifs(&self, timeout: std::time::Duration) -> bool {
+        route::wait_nonempty(&self.shared.notifs, &self.shared.notif_cv, timeout)
+    }
+
     /// The host memory behind a local region (for layers above the agent that copy device
     /// memory straight into or out of registered staging buffers).
     pub(crate) fn region_buffer(

@@ -58,6 +58,20 @@ pub(crate) fn drain_waiting<T>(q: &Mutex<VecDeque<T>>, cv: &Wake, timeout: Durat
     q.drain(..).collect()
 }
 
+/// Wait until `q` holds something or `timeout` passed; take nothing. True when it does.
+pub(crate) fn wait_nonempty<T>(q: &Mutex<VecDeque<T>>, cv: &Wake, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    let mut q = lock(q);
+    while q.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        q = cv.wait_timeout(q, left);
+    }
+    true
+}
+
 impl Drop for NotifRoute {
     fn drop(&mut self) {
         lock(&self.agent.shared.routes).retain(|r| !Arc::ptr_eq(r, &self.queue));

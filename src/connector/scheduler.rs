@@ -126,7 +126,15 @@ impl Scheduler {
     /// Whether push work is under way (seed 000): P holds finished requests for D or has
     /// blocks to announce, D waits for registrations to complete. While it is, the engine
     /// keeps stepping so the workers (and P's writer) get their turn each step.
+    ///
+    /// Pull too, while sends or receives wait to be shipped to the workers: an engine that
+    /// just finished its last request (P after a prefill) takes one more step, so its
+    /// workers learn which blocks D will read (and answer D's grant question) without
+    /// waiting for another request.
     pub fn has_pending_push_work(&self) -> bool {
+        if !self.pending_send.is_empty() || !self.pending_recv.is_empty() {
+            return true;
+        }
         self.cfg.direction == Direction::Push
             && (!self.sending.is_empty()
                 || !self.pending_send.is_empty()

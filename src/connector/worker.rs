@@ -757,8 +757,29 @@ impl Worker {
         }
     }
 
-    /// What finished since the last call (call once per step).
+    /// What finished since the last call (call once per step): [`Worker::serve`], then what
+    /// it gathered.
     pub fn get_finished(&mut self, now: Instant) -> Finished {
+        self.serve(now);
+        let step = super::worker_stats::Step {
+            finished: &self.done,
+            leases: self.leases.len(),
+            grants: self.fence.live(),
+            bytes_posted: self.bytes_posted(),
+            push_dropped: self.push_dropped(),
+            malformed: self.malformed,
+        };
+        self.stats.step(&step);
+        std::mem::take(&mut self.done)
+    }
+
+    /// Everything a step does but report: take peers' notifications (grant questions,
+    /// heartbeats, completions), start what waited, look at transfers, leases and
+    /// withdrawals; what finished waits for the next [`Worker::get_finished`]. An engine
+    /// that idles between requests (no steps) has it called while idle — P answers a D's
+    /// grant question, frees blocks on D's completion, ends leases — by its own thread
+    /// (the Python package does, woken by [`Agent::wait_for_notifs`](crate::agent::Agent::wait_for_notifs)).
+    pub fn serve(&mut self, now: Instant) {
         // the agent routes PUSH_REG to the writer; everything else is the worker's
         for (from, m) in self.agent.get_new_notifs() {
             self.handle_msg(&from, &m, now);
@@ -881,16 +902,6 @@ impl Worker {
         let d = &self.done;
         let back = d.sending.iter().chain(&d.recving).chain(&d.failed_recving);
         self.fence.release(&self.agent, back);
-        let step = super::worker_stats::Step {
-            finished: &self.done,
-            leases: self.leases.len(),
-            grants: self.fence.live(),
-            bytes_posted: self.bytes_posted(),
-            push_dropped: self.push_dropped(),
-            malformed: self.malformed,
-        };
-        self.stats.step(&step);
-        std::mem::take(&mut self.done)
     }
 
     /// Grants over this worker's blocks not revoked yet (`fence_blocks`).

@@ -83,8 +83,17 @@ fn pending_push_work_keeps_the_engine_stepping() {
         ..Finished::default()
     });
     assert!(!d.has_pending_push_work());
-    // pull has no push work
+    // pull: one more step ships the lease to the workers (an engine that idles after its
+    // last request would otherwise never tell them which blocks D reads), then none
     let mut pull = sched("Pull", "kv_producer");
     pull.request_finished(&req, &[1]);
-    assert!(!pull.has_pending_push_work());
+    assert!(
+        pull.has_pending_push_work(),
+        "the lease waits to be shipped"
+    );
+    let _ = pull.build_connector_meta(t0);
+    assert!(
+        !pull.has_pending_push_work(),
+        "held for D by the workers, not the loop"
+    );
 }

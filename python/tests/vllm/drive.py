@@ -1,0 +1,62 @@
+"""Start engines (python/tests/vllm/engine.py) as processes and talk to them."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Engine:
+    """One engine process; ``call`` sends a command and returns its reply."""
+
+    def __init__(self, python, model, role, connector="kvrail", mode="pull", engine_id=None, env=None, extra=None, log=None):
+        cmd = [python, os.path.join(HERE, "engine.py"), "--model", model, "--role", role, "--connector", connector, "--mode", mode]
+        if engine_id:
+            cmd += ["--engine-id", engine_id]
+        if extra:
+            cmd += ["--extra", json.dumps(extra)]
+        e = dict(os.environ)
+        e.update(env or {})
+        self.name = engine_id or role
+        self.log = open(log or os.devnull, "w")
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=e)
+
+    def ready(self, timeout=300):
+        return self._read(timeout)
+
+    def _read(self, timeout):
+        box = {}
+
+        def rd():
+            box["line"] = self.p.stdout.readline()
+
+        t = threading.Thread(target=rd, daemon=True)
+        t.start()
+        t.join(timeout)
+        line = box.get("line")
+        if not line:
+            raise RuntimeError(f"{self.name}: no answer within {timeout} s (exit {self.p.poll()})")
+        return json.loads(line)
+
+    def call(self, timeout=300, **cmd):
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self._read(timeout)
+
+    def close(self):
+        try:
+            self.p.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self.p.stdin.flush()
+            self.p.wait(30)
+        except Exception:
+            self.p.kill()
+            self.p.wait()
+        self.log.close()
+
+
+def prompt(n, seed):
+    return [(i * 37 + seed * 101 + 5) % 500 + 3 for i in range(n)]

@@ -1,0 +1,192 @@
+"""One real vLLM engine (the CPU build, offline ``LLM`` API, in-process) that a test drives
+over stdin/stdout, one JSON object a line:
+
+    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "params": [dict|null]}
+      -> {"tokens": [[...]], "kv_params": [dict|null], "secs": s, "ttft": [s...]}
+    {"op": "kv", "blocks": [[ids...]], "tokens": [n...]}
+      -> {"sums": [[[layer][block] hex]]}     (checksums of the prompt tokens' KV bytes)
+    {"op": "damage", "block": id}                 (flip a byte of every layer of block id)
+    {"op": "metrics"} -> {"metrics": {name: value}}
+    {"op": "blocks", "ids": [request ids]} -> {"blocks": [[ids]]} (kvrail: where KV landed)
+    {"op": "exit"}
+
+    python engine.py --model DIR --role plain|producer|consumer --connector kvrail|nixl
+                     [--mode pull|push|push_stream] [--engine-id ID]
+
+Lines that are not JSON (vLLM's logs go to stderr) never reach stdout.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+# replies go to the original stdout; everything else anything prints (vLLM, C libraries)
+# goes to stderr
+REPLIES = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+
+def kv_config(args):
+    if args.role == "plain":
+        return None
+    if args.connector == "nixl":
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+            "engine_id": args.engine_id,
+        }
+    name = {"pull": "KvrailPullConnector", "push": "KvrailPushConnector", "push_stream": "KvrailPushConnector"}
+    extra = {"kvrail_agent_config": {"listen": "127.0.0.1:0", "backend": os.environ.get("KVRAIL_BACKEND", "tcp")}}
+    if args.mode == "push_stream":
+        extra["push_stream"] = True
+    extra.update(json.loads(args.extra or "{}"))
+    return {
+        "kv_connector": name[args.mode],
+        "kv_connector_module_path": "kvrail.vllm",
+        "kv_role": "kv_producer" if args.role == "producer" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "engine_id": args.engine_id,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def runner_of(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    return core, core.model_executor.driver_worker.worker.model_runner
+
+
+def prompt_sums(runner, blocks, tokens):
+    """sha256 of each layer's bytes of the prompt's tokens, block by block."""
+    import torch
+
+    caches = runner.kv_caches
+    out = []
+    for li, t in enumerate(caches):
+        per = []
+        bs = t.shape[2]
+        for k, b in enumerate(blocks):
+            n = max(0, min(bs, tokens - k * bs))
+            if n == 0:
+                break
+            view = t[b, :, :n, :].contiguous().view(torch.uint8)
+            per.append(hashlib.sha256(view.numpy().tobytes()).hexdigest()[:16])
+        out.append(per)
+    return out
+
+
+def settle(llm, core, limit=50):
+    """Step while the scheduler has work, as ``vllm serve``'s engine loop does (the offline
+    API's ``generate`` stops stepping when its requests end: a connector that asked to step
+    once more, to tell its workers about the blocks it holds for D, would wait for the next
+    request)."""
+    for _ in range(limit):
+        if not core.scheduler.has_requests():
+            return
+        llm.llm_engine.step()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--role", choices=["plain", "producer", "consumer"], required=True)
+    ap.add_argument("--connector", choices=["kvrail", "nixl"], default="kvrail")
+    ap.add_argument("--mode", choices=["pull", "push", "push_stream"], default="pull")
+    ap.add_argument("--engine-id", default=None)
+    ap.add_argument("--extra", default=None, help="kv_connector_extra_config additions (JSON)")
+    args = ap.parse_args()
+    args.engine_id = args.engine_id or f"{args.role}-engine"
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        seed=0,
+        disable_log_stats=False,
+    )
+    cfg = kv_config(args)
+    if cfg is not None:
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**cfg)
+    llm = LLM(**kw)
+    core, runner = runner_of(llm)
+    out = REPLIES
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "exit":
+            break
+        if op == "generate":
+            params = cmd.get("params") or [None] * len(cmd["prompts"])
+            sps = []
+            for p in params:
+                extra = {"kv_transfer_params": p} if p is not None else None
+                sps.append(
+                    SamplingParams(
+                        max_tokens=cmd["max_tokens"], temperature=0, detokenize=False, extra_args=extra
+                    )
+                )
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
+            t0 = time.perf_counter()
+            res = llm.generate(prompts, sps, use_tqdm=False)
+            secs = time.perf_counter() - t0
+            settle(llm, core)
+            ttft = []
+            for r in res:
+                m = getattr(r, "metrics", None)
+                f = getattr(m, "first_token_latency", None) if m is not None else None
+                ttft.append(f)
+            reply = {
+                "tokens": [list(r.outputs[0].token_ids) for r in res],
+                "kv_params": [getattr(r, "kv_transfer_params", None) for r in res],
+                "secs": secs,
+                "ttft": ttft,
+            }
+        elif op == "kv":
+            reply = {
+                "sums": [prompt_sums(runner, b, n) for b, n in zip(cmd["blocks"], cmd["tokens"])]
+            }
+        elif op == "damage":
+            import torch
+
+            for t in runner.kv_caches:
+                v = t[cmd["block"]].view(torch.uint8)
+                flat = v.reshape(-1)
+                flat[7] ^= 0x5A
+            reply = {"damaged": cmd["block"]}
+        elif op == "metrics":
+            m = {}
+            for x in llm.get_metrics():
+                v = getattr(x, "value", None)
+                if v is None:
+                    v = getattr(x, "count", None)
+                m[x.name] = m.get(x.name, 0) + (v or 0)
+            reply = {"metrics": m}
+        elif op == "blocks":
+            conn = core.scheduler.connector
+            reply = {"blocks": [conn.received_block_ids(r) for r in cmd["ids"]]}
+        else:
+            reply = {"error": f"unknown op {op}"}
+        print(json.dumps(reply), file=out, flush=True)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+
+
+if __name__ == "__main__":
+    main()
