@@ -157,11 +157,16 @@ def layer_geometry(name: str, t: Any, hints: Optional[Dict[str, int]] = None) ->
 
 
 def describe(
-    kv_caches: Dict[str, Any], hints: Optional[Dict[str, int]] = None
+    kv_caches: Dict[str, Any], hints: Optional[Dict[str, int]] = None, tokens_in_order: bool = True
 ) -> Tuple[Dict[str, Any], List[Tuple[int, int, str, int, List[str], Optional[List[int]], int]]]:
     """kvrail's layout (JSON-ready) for every layer of ``kv_caches``, and the registrations
     covering them: each run of layers whose memory touches or overlaps (one allocation:
-    back to back, or interleaved block by block) is one pooled registration."""
+    back to back, or interleaved block by block) is one pooled registration.
+
+    ``tokens_in_order`` False: the attention kernel keeps a block's tokens in an order of its
+    own behind the logical view (vLLM's CPU backend: a head's keys, then its values, in
+    rows its ISA chooses), so heads can be told apart but tokens cannot: whole blocks (or
+    whole heads of them) move, and chunk_mode / swa_window_mode are refused."""
     if not kv_caches:
         raise MisuseError("kv_caches: empty")
     names = list(kv_caches)
@@ -183,6 +188,8 @@ def describe(
         "block_stride": 0 if first.block_stride == first.block_bytes else first.block_stride,
         "inner": first.inner,
     }
+    if not tokens_in_order:
+        layout["inner"] = "heads" if first.inner == "HND" else "packed"
     # runs of layers whose spans touch or overlap: one registration each
     order = sorted(names, key=lambda n: geo[n].addr)
     caches = []

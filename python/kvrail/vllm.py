@@ -264,6 +264,7 @@ class KvrailConnector(_Base):
         self._reqs: Dict[str, Tuple[int, Optional[str], List[int], int]] = {}
         self._recv_blocks: Dict[str, List[int]] = {}
         self._load_errors: Set[int] = set()
+        self._landed: Dict[str, List[int]] = {}
         self._stats_prev: Dict[str, int] = {}
         self._tp_rank = int(getattr(vllm_config, "tp_rank", -1))
         if self._tp_rank < 0:
@@ -326,10 +327,27 @@ class KvrailConnector(_Base):
         s = self._scheduler()
         rid, n, p = request.request_id, _prompt_tokens(request), _params(request)
         ids = _block_list(blocks)
+        if num_external_tokens and ids:
+            self._landed[rid] = ids
+            while len(self._landed) > _LANDED_KEPT:
+                self._landed.pop(next(iter(self._landed)))
         old = self._reqs.get(rid, (n, p, [], 0))
         self._reqs[rid] = (n, p, old[2] + [b for b in ids if b not in old[2]], old[3])
         if s is not None:
             s.update_state_after_alloc(rid, n, p, ids, int(num_external_tokens))
+
+    def received_block_ids(self, request_id: str) -> List[int]:
+        """(kvrail, D) The blocks a remote-prefill request's KV was loaded into (of the last
+        4096 such requests; empty for others): where to look for what D attends to.
+        ``request_id`` is the engine's (vLLM's, with its random suffix) or the one the caller
+        gave (``RequestOutput.request_id``)."""
+        if request_id in self._landed:
+            return list(self._landed[request_id])
+        for rid in reversed(list(self._landed)):
+            base, _, suffix = rid.rpartition("-")
+            if base == request_id and len(suffix) == 8:
+                return list(self._landed[rid])
+        return []
 
     def build_connector_meta(self, scheduler_output: Any = None) -> KvrailConnectorMetadata:
         s = self._scheduler()
@@ -413,7 +431,7 @@ class KvrailConnector(_Base):
         bs = _attr(self._vllm_config, "cache_config.block_size")
         if bs:
             hints["block_size"] = int(bs)
-        layout, caches = describe(kv_caches, hints)
+        layout, caches = describe(kv_caches, hints, _tokens_in_order())
         logical = _attr(self._kv_cache_config, "num_blocks")
         if logical and layout["num_blocks"] % int(logical) == 0 and layout["num_blocks"] > int(logical):
             # kernel blocks subdivide the scheduler's: its block l is ours l*r .. l*r + r
@@ -496,6 +514,23 @@ class KvrailConnector(_Base):
     def shutdown(self) -> None:
         self._worker = None
         self._kv_caches = {}
+
+
+# D: requests whose loaded blocks ``received_block_ids`` remembers
+_LANDED_KEPT = 4096
+
+
+def _tokens_in_order() -> bool:
+    """Whether the attention kernels keep a block's tokens where its logical view says:
+    not vLLM's CPU backend, which views its ``[B, H, N, C]`` block as ``[H, 2N, C/2]`` (a
+    head's keys, then its values: ``cpu_attn.py``'s ``do_kv_cache_update``) and writes them
+    through its ISA's kernels."""
+    try:
+        from vllm.platforms import current_platform  # type: ignore
+
+        return not current_platform.is_cpu()
+    except Exception:
+        return True
 
 
 def _kv_heads_per_rank(vllm_config: Any) -> Optional[int]:

@@ -312,12 +312,11 @@ impl KvTransferConfig {
                  replaced from outside)",
             ));
         }
+        // (push_stream moves whole blocks as prefill closes them, from and into the
+        // engine's own cache registered in place: host memory as well as an NPU's; the
+        // partial modes stay on the device path they were specified for)
         let d2d = buffer_device == KvBufferDevice::Rbln;
-        for (on, key) in [
-            (chunk_mode, "chunk_mode"),
-            (swa, "swa_window_mode"),
-            (push_stream, "push_stream"),
-        ] {
+        for (on, key) in [(chunk_mode, "chunk_mode"), (swa, "swa_window_mode")] {
             if on && !d2d {
                 return Err(err(
                     &x(key),

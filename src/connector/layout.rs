@@ -63,6 +63,11 @@ pub enum BlockOrder {
     /// `[token][head][head bytes]`: a token's heads are contiguous.
     #[serde(rename = "NHD")]
     Nhd,
+    /// Heads outermost, each head's bytes whole but in an order of the kernel's own (vLLM's
+    /// CPU backend keeps a head's keys, then its values, in an ISA-specific arrangement):
+    /// a share of the heads moves, a share of the tokens does not.
+    #[serde(rename = "heads")]
+    Heads,
     /// Neither (K and V interleaved inside the block, say): only whole blocks of every head
     /// move.
     #[serde(rename = "packed")]
@@ -392,7 +397,7 @@ impl KvLayout {
         let all_heads = slice.count == heads && peer_heads == heads;
         Ok(match self.inner {
             // a whole block: the slice's heads in one span; else a span per head
-            BlockOrder::Hnd if whole_tokens => vec![(
+            BlockOrder::Hnd | BlockOrder::Heads if whole_tokens => vec![(
                 slice.local * bs * hb,
                 slice.remote * bs * hb,
                 slice.count * bs * hb,
@@ -427,6 +432,13 @@ impl KvLayout {
                      {from}..{to} of {} of {heads} heads (chunk_mode, swa_window_mode and \
                      a TP size that differs from the peer's need HND or NHD blocks)",
                     slice.count
+                ))
+            }
+            BlockOrder::Heads => {
+                return Err(format!(
+                    "this backend keeps a head's tokens in an order of its own: whole blocks \
+                     move, not tokens {from}..{to} (chunk_mode and swa_window_mode need HND or \
+                     NHD blocks)"
                 ))
             }
         })
@@ -784,6 +796,19 @@ mod tests {
             .transfer_descs(&at(&[0, 1]), &ids, &peer, &ids, &half, base)
             .unwrap_err();
         assert!(e.contains("1 of 2 heads"), "{e}");
+        // heads outermost, tokens in the kernel's order: a share of the heads moves whole
+        let heads = KvLayout {
+            inner: BlockOrder::Heads,
+            ..layout(2, 10)
+        };
+        let (a, b) = heads
+            .transfer_descs(&at(&[0, 1]), &ids, &peer, &ids, &half, Select { tokens: 0, ..base })
+            .unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| x.len == 16 * 4 && y.len == 16 * 4), "{a:?}");
+        let e = heads
+            .transfer_descs(&at(&[0, 1]), &ids, &peer, &ids, &whole(2), chunk)
+            .unwrap_err();
+        assert!(e.contains("order of its own"), "{e}");
     }
 
     #[test]

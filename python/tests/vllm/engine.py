@@ -64,21 +64,15 @@ def runner_of(llm):
 
 
 def prompt_sums(runner, blocks, tokens):
-    """sha256 of each layer's bytes of the prompt's tokens, block by block."""
+    """sha256 of every byte of each block that holds prompt tokens, layer by layer (whole
+    blocks: the backend's own arrangement inside a block does not matter)."""
     import torch
 
-    caches = runner.kv_caches
     out = []
-    for li, t in enumerate(caches):
-        per = []
+    for t in runner.kv_caches:
         bs = t.shape[2]
-        for k, b in enumerate(blocks):
-            n = max(0, min(bs, tokens - k * bs))
-            if n == 0:
-                break
-            view = t[b, :, :n, :].contiguous().view(torch.uint8)
-            per.append(hashlib.sha256(view.numpy().tobytes()).hexdigest()[:16])
-        out.append(per)
+        used = blocks[: (tokens + bs - 1) // bs]
+        out.append([hashlib.sha256(t[b].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16] for b in used])
     return out
 
 
@@ -115,6 +109,9 @@ def main():
         max_model_len=2048,
         seed=0,
         disable_log_stats=False,
+        # each request's prompt KV comes from P or from its own compute, never from an
+        # earlier request's blocks (the tests send a prompt more than once)
+        enable_prefix_caching=False,
     )
     cfg = kv_config(args)
     if cfg is not None:
@@ -151,6 +148,7 @@ def main():
                 f = getattr(m, "first_token_latency", None) if m is not None else None
                 ttft.append(f)
             reply = {
+                "ids": [r.request_id for r in res],
                 "tokens": [list(r.outputs[0].token_ids) for r in res],
                 "kv_params": [getattr(r, "kv_transfer_params", None) for r in res],
                 "secs": secs,
@@ -160,6 +158,11 @@ def main():
             reply = {
                 "sums": [prompt_sums(runner, b, n) for b, n in zip(cmd["blocks"], cmd["tokens"])]
             }
+        elif op == "raw":
+            import torch
+
+            t = runner.kv_caches[cmd.get("layer", 0)]
+            reply = {"hex": t[cmd["block"]].contiguous().view(torch.uint8).numpy().tobytes().hex()}
         elif op == "damage":
             import torch
 

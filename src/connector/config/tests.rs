@@ -118,4 +118,9 @@ fn every_rejection_names_its_key() {
         let e = parse(&json).expect_err(&json);
         assert!(e.starts_with(want), "{json}\n  gave: {e}\n  want: {want}");
     }
+    // push_stream moves whole blocks of the engine's own cache: host memory too (vLLM's CPU
+    // backend; issue 41)
+    let host_stream = r#"{"kv_connector":"KvrailPushConnector","kv_role":"kv_producer",
+        "kv_buffer_device":"cpu","kv_connector_extra_config":{"push_stream":true}}"#;
+    assert!(parse(host_stream).is_ok_and(|c| c.push_stream));
 }
