@@ -1,6 +1,7 @@
 #!/bin/bash
 # python/run-tests.sh — the Python package's tests, the way CI runs them:
-#   1. `pip install ./python` into a venv (target/py; maturin builds the native module),
+#   1. the package's wheel (target/wheels; maturin builds the native module) into a venv
+#      (target/py),
 #      then pytest python/tests (the agent, kvrail.nixl, the NIXL-API program on kvrail,
 #      kvrail.vllm through the engine harness in every mode, the fake model against
 #      kvrail-demo's);
@@ -35,9 +36,13 @@ if [ "${LAB:-0}" = 1 ]; then
     exit 0
 fi
 
-echo "=== python: pip install ./python into $VENV"
+echo "=== python: the wheel (target/wheels; maturin builds the native module), installed into $VENV"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q --disable-pip-version-check ./python pytest numpy
+"$VENV/bin/pip" install -q --disable-pip-version-check pytest numpy
+# one build for every venv that needs the package (python/tests/vllm/run.sh takes it too)
+rm -f target/wheels/kvrail-*.whl
+"$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps -w target/wheels ./python
+"$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/kvrail-*.whl
 echo "=== python: pytest python/tests"
 "$VENV/bin/python" -m pytest -q python/tests
 

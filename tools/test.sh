@@ -1,7 +1,8 @@
 #!/bin/bash
 # tools/test.sh — every test kvrail has, the way CI runs them:
 #   1. tier 1 on this host: `cargo test --workspace` (lab suites print SKIPPED here; the
-#      kvrail-demo crash soak runs 600 requests a mode), the Python package, and the fuzz
+#      kvrail-demo crash soak runs 600 requests a mode), the Python package, kvrail.vllm in
+#      real vLLM (python/tests/vllm/run.sh), and the fuzz
 #      targets under AFL++ for KVRAIL_FUZZ_SECS (15) s each;
 #   2. tier 2 in the lab: the verbs suite on real queue pairs (Soft-RoCE, two rails, host A
 #      and host B in separate processes), the agent's shared suite (the same one tier 1 runs
@@ -95,6 +96,8 @@ step "tier 1: the agent API example (examples/agent_pair.rs)"
 "${CARGO_TARGET_DIR:-target}/debug/examples/agent_pair"
 step "tier 1: the Python package (pip install, pytest, the NIXL-API program on NIXL and on kvrail)"
 bash python/run-tests.sh
+step "tier 1: kvrail.vllm inside real vLLM 0.32 (CPU build): P and D engines in pull, push, push_stream (python/tests/vllm/run.sh)"
+bash python/tests/vllm/run.sh
 step "tier 1: the fuzz targets under AFL++, ${KVRAIL_FUZZ_SECS:-15} s each (fuzz/run.sh; fails on any crash or hang)"
 bash fuzz/run.sh --secs "${KVRAIL_FUZZ_SECS:-15}"
 

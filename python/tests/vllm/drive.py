@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -46,6 +47,14 @@ class Engine:
         self.p.stdin.write(json.dumps(cmd) + "\n")
         self.p.stdin.flush()
         return self._read(timeout)
+
+    def pause(self):
+        """Stop the process (SIGSTOP): an idle engine of the other pair takes no CPU while
+        this pair is measured (NIXL's UCX progress threads spin a core each when idle)."""
+        os.kill(self.p.pid, signal.SIGSTOP)
+
+    def resume(self):
+        os.kill(self.p.pid, signal.SIGCONT)
 
     def close(self):
         try:
