@@ -877,7 +877,15 @@ impl Worker {
             request_id, reason, ..
         }) = self.leases.poll_event()
         {
-            tracing::debug!(request = %request_id, ?reason, "lease over");
+            match reason {
+                crate::proto::lease::FreeReason::Expired => tracing::info!(
+                    request = %request_id,
+                    "lease expired: blocks freed (no completion or heartbeat from D in time)"
+                ),
+                crate::proto::lease::FreeReason::Completed => {
+                    tracing::debug!(request = %request_id, "lease over: D has the blocks");
+                }
+            }
             match &self.writer {
                 Some(w) => {
                     w.evict(&request_id);
