@@ -802,9 +802,21 @@ mod tests {
             ..layout(2, 10)
         };
         let (a, b) = heads
-            .transfer_descs(&at(&[0, 1]), &ids, &peer, &ids, &half, Select { tokens: 0, ..base })
+            .transfer_descs(
+                &at(&[0, 1]),
+                &ids,
+                &peer,
+                &ids,
+                &half,
+                Select { tokens: 0, ..base },
+            )
             .unwrap();
-        assert!(a.iter().zip(&b).all(|(x, y)| x.len == 16 * 4 && y.len == 16 * 4), "{a:?}");
+        assert!(
+            a.iter()
+                .zip(&b)
+                .all(|(x, y)| x.len == 16 * 4 && y.len == 16 * 4),
+            "{a:?}"
+        );
         let e = heads
             .transfer_descs(&at(&[0, 1]), &ids, &peer, &ids, &whole(2), chunk)
             .unwrap_err();
