@@ -43,6 +43,7 @@ pub mod metrics;
 pub mod proto;
 pub mod rails;
 pub mod store;
+pub mod threads;
 pub mod transport;
 
 #[cfg(feature = "fuzzing")]

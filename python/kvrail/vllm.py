@@ -63,6 +63,25 @@ from ._kv_layout import describe
 
 logger = logging.getLogger("kvrail.vllm")
 
+
+def _follow_vllm_logging() -> None:
+    """Inside vLLM, kvrail's records (``kvrail.*``, from the Rust side too) go where vLLM's
+    go, at vLLM's level (``VLLM_LOGGING_LEVEL``, INFO by default), formatted like vLLM's
+    own: an operator sees a lease that expired or a grant that was refused in the engine's
+    log. A ``kvrail`` logger the application configured itself is left alone."""
+    root = logging.getLogger("kvrail")
+    if root.level != logging.NOTSET or root.handlers:
+        return
+    v = logging.getLogger("vllm")
+    root.setLevel(v.getEffectiveLevel())
+    if v.handlers:
+        for h in v.handlers:
+            root.addHandler(h)
+        root.propagate = False
+    from ._logging import set_log_level
+
+    set_log_level()
+
 try:  # vLLM's base classes when vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
         KVConnectorBase_V1 as _Base,
@@ -72,6 +91,7 @@ try:  # vLLM's base classes when vLLM is installed
     )
 
     HAVE_VLLM = True
+    _follow_vllm_logging()
 except Exception:  # pragma: no cover - exercised where vLLM is absent
     HAVE_VLLM = False
 
@@ -335,6 +355,11 @@ class KvrailConnector(_Base):
         self._reqs[rid] = (n, p, old[2] + [b for b in ids if b not in old[2]], old[3])
         if s is not None:
             s.update_state_after_alloc(rid, n, p, ids, int(num_external_tokens))
+        params = getattr(request, "kv_transfer_params", None)
+        if num_external_tokens and isinstance(params, dict) and params.get("do_remote_prefill"):
+            # loaded from P once: vLLM asks again only to recompute after that load failed
+            # (kv_load_failure_policy recompute), and the request then prefills here
+            params["do_remote_prefill"] = False
 
     def received_block_ids(self, request_id: str) -> List[int]:
         """(kvrail, D) The blocks a remote-prefill request's KV was loaded into (of the last

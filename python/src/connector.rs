@@ -200,13 +200,11 @@ const SERVE_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 /// Serve `w` while the engine idles (no steps call `get_finished`): woken by every
 /// notification, and every [`SERVE_EVERY`]; ends when the worker is dropped.
 fn serve_while_idle(w: std::sync::Weak<Mutex<CoreWorker>>, agent: Arc<Core>) {
-    let spawned = std::thread::Builder::new()
-        .name(format!("kvrail-serve-{}", agent.name()))
-        .spawn(move || loop {
-            agent.wait_for_notifs(SERVE_EVERY);
-            let Some(w) = w.upgrade() else { return };
-            lock(&w).serve(Instant::now());
-        });
+    let spawned = kvrail::threads::spawn(format!("kvrail-serve-{}", agent.name()), move || loop {
+        agent.wait_for_notifs(SERVE_EVERY);
+        let Some(w) = w.upgrade() else { return };
+        lock(&w).serve(Instant::now());
+    });
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "no service thread: the worker is served by engine steps only");
     }

@@ -44,20 +44,18 @@ pub(crate) fn serve(at: SocketAddr, registry: Weak<Registry>) -> std::io::Result
     let addr = l.local_addr()?;
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
-    std::thread::Builder::new()
-        .name("kvrail-metrics".into())
-        .spawn(move || {
-            for c in l.incoming() {
-                if s.load(Ordering::Acquire) {
-                    return;
-                }
-                let Ok(c) = c else { continue };
-                let Some(r) = registry.upgrade() else { return };
-                if let Err(e) = answer(c, &r) {
-                    tracing::debug!(error = %e, "metrics request not answered");
-                }
+    crate::threads::spawn("kvrail-metrics", move || {
+        for c in l.incoming() {
+            if s.load(Ordering::Acquire) {
+                return;
             }
-        })?;
+            let Ok(c) = c else { continue };
+            let Some(r) = registry.upgrade() else { return };
+            if let Err(e) = answer(c, &r) {
+                tracing::debug!(error = %e, "metrics request not answered");
+            }
+        }
+    })?;
     Ok(Endpoint { addr, stop })
 }
 

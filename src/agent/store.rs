@@ -138,15 +138,13 @@ impl Agent {
         let (tx, rx) = std::sync::mpsc::channel();
         s.etcd.watch(tx)?;
         let weak = self.downgrade();
-        std::thread::Builder::new()
-            .name(format!("kvrail-store-{}", self.shared.name))
-            .spawn(move || {
-                for ev in rx {
-                    let Some(a) = weak.upgrade() else { return };
-                    a.on_store_event(ev);
-                }
-            })
-            .map_err(|e| AgentError::Unsupported(format!("no thread for the store watch: {e}")))?;
+        crate::threads::spawn(format!("kvrail-store-{}", self.shared.name), move || {
+            for ev in rx {
+                let Some(a) = weak.upgrade() else { return };
+                a.on_store_event(ev);
+            }
+        })
+        .map_err(|e| AgentError::Unsupported(format!("no thread for the store watch: {e}")))?;
         tracing::info!(agent = %self.shared.name, key = %s.etcd.config().key(&self.shared.name),
             "metadata published in the store");
         Ok(())

@@ -134,9 +134,7 @@ impl Engine {
             released: Mutex::new(Vec::new()),
         });
         let c = core.clone();
-        std::thread::Builder::new()
-            .name("kvrail-bounce".into())
-            .spawn(move || driver::run(&c))
+        crate::threads::spawn("kvrail-bounce", move || driver::run(&c))
             .map_err(|e| AgentError::Unsupported(format!("spawning the bounce driver: {e}")))?;
         Ok(Self { core })
     }

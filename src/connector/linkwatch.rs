@@ -53,38 +53,36 @@ impl LinkMonitor {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let fired = Arc::new(AtomicBool::new(false));
         let (s, f) = (stop.clone(), fired.clone());
-        let thread = std::thread::Builder::new()
-            .name("kvrail-link-watch".into())
-            .spawn(move || {
-                let mut w = LinkWatch::new(exit_after);
-                let mut action = Some(action);
-                loop {
-                    let up = links.iter().filter(|(d, p)| active(&root, d, *p)).count();
-                    w.handle_links(up, links.len(), Instant::now());
-                    if w.poll_exit() {
-                        f.store(true, Ordering::Release);
-                        let names: Vec<String> =
-                            links.iter().map(|(d, p)| format!("{d}:{p}")).collect();
-                        let why = format!(
-                            "every local link ({}) has been down for {} s",
-                            names.join(", "),
-                            exit_after.as_secs_f64()
-                        );
-                        if let Some(a) = action.take() {
-                            a(&why);
-                        }
-                    }
-                    let (m, c) = &*s;
-                    let g = m.lock().unwrap_or_else(|p| p.into_inner());
-                    let (g, _) = c
-                        .wait_timeout_while(g, poll, |stop| !*stop)
-                        .unwrap_or_else(|p| p.into_inner());
-                    if *g {
-                        return;
+        let thread = crate::threads::spawn("kvrail-link-watch", move || {
+            let mut w = LinkWatch::new(exit_after);
+            let mut action = Some(action);
+            loop {
+                let up = links.iter().filter(|(d, p)| active(&root, d, *p)).count();
+                w.handle_links(up, links.len(), Instant::now());
+                if w.poll_exit() {
+                    f.store(true, Ordering::Release);
+                    let names: Vec<String> =
+                        links.iter().map(|(d, p)| format!("{d}:{p}")).collect();
+                    let why = format!(
+                        "every local link ({}) has been down for {} s",
+                        names.join(", "),
+                        exit_after.as_secs_f64()
+                    );
+                    if let Some(a) = action.take() {
+                        a(&why);
                     }
                 }
-            })
-            .ok();
+                let (m, c) = &*s;
+                let g = m.lock().unwrap_or_else(|p| p.into_inner());
+                let (g, _) = c
+                    .wait_timeout_while(g, poll, |stop| !*stop)
+                    .unwrap_or_else(|p| p.into_inner());
+                if *g {
+                    return;
+                }
+            }
+        })
+        .ok();
         Self {
             stop,
             fired,

@@ -341,15 +341,20 @@ impl Worker {
             return;
         }
         self.conns.insert(peer.to_owned(), Conn::Connecting);
-        let (agent, tx, peer) = (
+        let (agent, tx, name) = (
             self.agent.clone(),
             self.handshakes.0.clone(),
             peer.to_owned(),
         );
-        std::thread::spawn(move || {
-            let r = agent.load_peer(&peer, &addr);
-            let _ = tx.send((peer, r));
+        let spawned = crate::threads::spawn(format!("kvrail-load-{peer}"), move || {
+            let r = agent.load_peer(&name, &addr);
+            let _ = tx.send((name, r));
         });
+        if let Err(e) = spawned {
+            // asked again at the next step
+            self.conns.remove(peer);
+            tracing::warn!(%peer, error = %e, "no thread to connect to the peer");
+        }
     }
 
     /// This step's work from the scheduler (call once per step).

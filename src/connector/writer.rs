@@ -107,13 +107,11 @@ impl Writer {
             sel,
         });
         let s = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("kvrail-push-writer".into())
-            .spawn(move || {
-                let _span = tracing::info_span!("agent", name = %s.agent.name()).entered();
-                Loop::new(s, reg_ttl).run();
-            })
-            .map_err(|e| AgentError::Unsupported(format!("spawning the push writer: {e}")))?;
+        let thread = crate::threads::spawn("kvrail-push-writer", move || {
+            let _span = tracing::info_span!("agent", name = %s.agent.name()).entered();
+            Loop::new(s, reg_ttl).run();
+        })
+        .map_err(|e| AgentError::Unsupported(format!("spawning the push writer: {e}")))?;
         Ok(Self {
             shared,
             thread: Some(thread),
@@ -311,14 +309,19 @@ impl Loop {
             return;
         }
         self.conns.insert(engine.to_owned(), Conn::Connecting);
-        let (sh, engine) = (self.sh.clone(), engine.to_owned());
-        std::thread::spawn(move || {
-            let r = sh.agent.load_peer(&engine, &addr);
+        let (sh, peer) = (self.sh.clone(), engine.to_owned());
+        let spawned = crate::threads::spawn(format!("kvrail-load-{engine}"), move || {
+            let r = sh.agent.load_peer(&peer, &addr);
             let mut i = lock(&sh.inbox);
-            i.handshakes.push_back((engine, r));
+            i.handshakes.push_back((peer, r));
             i.woken = true;
             sh.wake.notify_one();
         });
+        if let Err(e) = spawned {
+            // tried again when it is next needed
+            self.conns.remove(engine);
+            tracing::warn!(peer = %engine, error = %e, "no thread to connect to the peer");
+        }
     }
 
     fn run(mut self) {

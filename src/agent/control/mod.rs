@@ -356,14 +356,12 @@ fn spawn_for(
     run: impl FnOnce(&str) + Send + 'static,
 ) -> Result<(), AgentError> {
     let (agent, name) = (shared.name.clone(), peer.to_owned());
-    std::thread::Builder::new()
-        .name(format!("kvrail-{kind}-{name}"))
-        .spawn(move || {
-            let _span = tracing::info_span!("peer", agent = %agent, peer = %name).entered();
-            run(&name);
-        })
-        .map(drop)
-        .map_err(|e| conn_err("thread for", addr, e))
+    crate::threads::spawn(format!("kvrail-{kind}-{name}"), move || {
+        let _span = tracing::info_span!("peer", agent = %agent, peer = %name).entered();
+        run(&name);
+    })
+    .map(drop)
+    .map_err(|e| conn_err("thread for", addr, e))
 }
 
 /// The peer's answer to one step of the attach handshake: `want` takes the expected
@@ -486,36 +484,32 @@ pub(crate) fn serve(
     {
         let shared = shared.clone();
         let conns = conns.clone();
-        std::thread::Builder::new()
-            .name(format!("kvrail-listen-{}", shared.name))
-            .spawn(move || {
-                let _span = tracing::info_span!("agent", name = %shared.name).entered();
-                let mut serial = 0u64;
-                let res = accept::run(&shared, listener, |shared, s, first| {
-                    serial += 1;
-                    let key = serial;
-                    if let Ok(k) = s.try_clone() {
-                        lock(&conns).insert(key, k);
-                    }
-                    let mine = conns.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name("kvrail-serve".into())
-                        .spawn(move || {
-                            let _span = tracing::info_span!("agent", name = %shared.name).entered();
-                            if let Err(e) = target(&shared, s, first) {
-                                tracing::warn!(agent = %shared.name, error = %e, "data connection");
-                            }
-                            lock(&mine).remove(&key);
-                        });
-                    if spawned.is_err() {
-                        lock(&conns).remove(&key);
-                    }
-                });
-                if let Err(e) = res {
-                    tracing::error!(agent = %shared.name, error = %e, "side channel listener stopped");
+        crate::threads::spawn(format!("kvrail-listen-{}", shared.name), move || {
+            let _span = tracing::info_span!("agent", name = %shared.name).entered();
+            let mut serial = 0u64;
+            let res = accept::run(&shared, listener, |shared, s, first| {
+                serial += 1;
+                let key = serial;
+                if let Ok(k) = s.try_clone() {
+                    lock(&conns).insert(key, k);
                 }
-            })
-            .map_err(|e| conn_err("cannot start the listener thread for", local, e))?;
+                let mine = conns.clone();
+                let spawned = crate::threads::spawn("kvrail-serve", move || {
+                    let _span = tracing::info_span!("agent", name = %shared.name).entered();
+                    if let Err(e) = target(&shared, s, first) {
+                        tracing::warn!(agent = %shared.name, error = %e, "data connection");
+                    }
+                    lock(&mine).remove(&key);
+                });
+                if spawned.is_err() {
+                    lock(&conns).remove(&key);
+                }
+            });
+            if let Err(e) = res {
+                tracing::error!(agent = %shared.name, error = %e, "side channel listener stopped");
+            }
+        })
+        .map_err(|e| conn_err("cannot start the listener thread for", local, e))?;
     }
     Ok(Shutdown {
         shared,

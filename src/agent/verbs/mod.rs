@@ -1013,56 +1013,52 @@ impl Verbs {
             .ok_or_else(|| verr("progress thread already started"))?;
         self.spawn_posters(&shared)?;
         let me = self.clone();
-        std::thread::Builder::new()
-            .name(format!("kvrail-progress-{}", shared.name))
-            .spawn(move || {
-                let _span = tracing::info_span!("agent", name = %shared.name).entered();
-                let mut events = Events::with_capacity(16);
-                let mut checked = std::time::Instant::now();
-                loop {
-                    // While transfers are in flight, look at the ports every 200 ms (not at
-                    // every wake-up: that was two port queries per completion event): a
-                    // port that went DOWN is retired and its work moved, without waiting
-                    // for the transport's retries to run out.
-                    // A dead pair is looked at too, to be rebuilt when its port is back.
-                    // The engine lock busy means work is under way: watch then, rather than
-                    // wait for it (the port look never queues behind a caller that posts or
-                    // dispatches, nor makes that caller wake this thread).
-                    let watch = match me.engine.try_lock() {
-                        Ok(e) => e.needs_watching(),
-                        Err(std::sync::TryLockError::Poisoned(p)) => {
-                            p.into_inner().needs_watching()
-                        }
-                        Err(std::sync::TryLockError::WouldBlock) => true,
-                    };
-                    let mut timeout = watch.then(|| PORT_CHECK.saturating_sub(checked.elapsed()));
-                    if let Some(t) = me.rearm_after() {
-                        timeout = Some(timeout.map_or(t, |w| w.min(t)));
-                    }
-                    if let Err(e) = poll.poll(&mut events, timeout) {
-                        if e.kind() == std::io::ErrorKind::Interrupted {
-                            continue;
-                        }
-                        tracing::error!(error = %e, "kvrail progress thread: poll failed");
-                        return;
-                    }
-                    if shared.shutdown.load(std::sync::atomic::Ordering::Acquire) {
-                        return;
-                    }
-                    if watch && checked.elapsed() >= PORT_CHECK {
-                        me.check_ports(&shared);
-                        checked = std::time::Instant::now();
-                    }
-                    for ev in events.iter() {
-                        let Token(rail) = ev.token();
-                        if rail < me.rails.len() {
-                            me.on_cq_event(&shared, rail);
-                        }
-                    }
-                    me.rearm_if_quiet(&shared);
+        crate::threads::spawn(format!("kvrail-progress-{}", shared.name), move || {
+            let _span = tracing::info_span!("agent", name = %shared.name).entered();
+            let mut events = Events::with_capacity(16);
+            let mut checked = std::time::Instant::now();
+            loop {
+                // While transfers are in flight, look at the ports every 200 ms (not at
+                // every wake-up: that was two port queries per completion event): a
+                // port that went DOWN is retired and its work moved, without waiting
+                // for the transport's retries to run out.
+                // A dead pair is looked at too, to be rebuilt when its port is back.
+                // The engine lock busy means work is under way: watch then, rather than
+                // wait for it (the port look never queues behind a caller that posts or
+                // dispatches, nor makes that caller wake this thread).
+                let watch = match me.engine.try_lock() {
+                    Ok(e) => e.needs_watching(),
+                    Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().needs_watching(),
+                    Err(std::sync::TryLockError::WouldBlock) => true,
+                };
+                let mut timeout = watch.then(|| PORT_CHECK.saturating_sub(checked.elapsed()));
+                if let Some(t) = me.rearm_after() {
+                    timeout = Some(timeout.map_or(t, |w| w.min(t)));
                 }
-            })
-            .map_err(verr)?;
+                if let Err(e) = poll.poll(&mut events, timeout) {
+                    if e.kind() == std::io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    tracing::error!(error = %e, "kvrail progress thread: poll failed");
+                    return;
+                }
+                if shared.shutdown.load(std::sync::atomic::Ordering::Acquire) {
+                    return;
+                }
+                if watch && checked.elapsed() >= PORT_CHECK {
+                    me.check_ports(&shared);
+                    checked = std::time::Instant::now();
+                }
+                for ev in events.iter() {
+                    let Token(rail) = ev.token();
+                    if rail < me.rails.len() {
+                        me.on_cq_event(&shared, rail);
+                    }
+                }
+                me.rearm_if_quiet(&shared);
+            }
+        })
+        .map_err(verr)?;
         Ok(())
     }
 

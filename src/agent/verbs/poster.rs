@@ -78,13 +78,14 @@ impl Verbs {
         for (rail, rx) in rxs.into_iter().enumerate() {
             let me = self.clone();
             let shared = shared.clone();
-            std::thread::Builder::new()
-                .name(format!("kvrail-post-{}", self.rails[rail].name))
-                .spawn(move || {
+            crate::threads::spawn(
+                format!("kvrail-post-{}", self.rails[rail].name),
+                move || {
                     let _span = tracing::info_span!("agent", name = %shared.name).entered();
                     me.poster(&shared, rail, &rx);
-                })
-                .map_err(|e| AgentError::Unsupported(format!("verbs: poster thread: {e}")))?;
+                },
+            )
+            .map_err(|e| AgentError::Unsupported(format!("verbs: poster thread: {e}")))?;
         }
         Ok(())
     }
