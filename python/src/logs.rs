@@ -37,7 +37,9 @@ fn logger() -> &'static Logger {
 
 impl log::Log for Logger {
     fn enabled(&self, m: &log::Metadata<'_>) -> bool {
-        m.level() <= log::max_level()
+        // `tracing` turns each span's creation and end into a record of its own
+        // ("agent; name=…", target `tracing::span`): context, not events; left out
+        m.level() <= log::max_level() && !m.target().starts_with("tracing::span")
     }
 
     fn log(&self, r: &log::Record<'_>) {
