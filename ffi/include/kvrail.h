@@ -663,7 +663,9 @@ kvrail_result kvrail_scheduler_on_new_request(const kvrail_scheduler *s,
 
 /**
  * Whether push work is under way (`*out_pending`): while it is, the engine keeps stepping
- * so the workers and P's writer get their turn.
+ * so the workers and P's writer get their turn. In pull too while finished requests or
+ * receives wait to be shipped to the workers: P, just after its last request finished,
+ * takes one more step so its workers learn which blocks D will read.
  *
  * # Safety
  * `s` from [`kvrail_scheduler_new`]; `out_pending` writable.
