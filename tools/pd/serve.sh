@@ -32,6 +32,10 @@ PIDS=()
 stop() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap stop EXIT
 serve() { # port role engine_id
+    # vLLM's CPU worker pins itself to cores it picks alone: two engines on a small host
+    # can share one and starve each other's steps (first requests seconds late); give each
+    # engine its own cores (VLLM_CPU_OMP_THREADS_BIND=0-3 / 4-7) or none, as here
+    VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind} \
     VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$PY" -m vllm.entrypoints.openai.api_server \
         --model "$MODEL" --skip-tokenizer-init --enforce-eager --max-model-len 2048 \
         --port "$1" --kv-transfer-config "$(kv "$2" "$3")" > "$LOGS/$3.log" 2>&1 &
