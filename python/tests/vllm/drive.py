@@ -23,6 +23,8 @@ class Engine:
         e = dict(os.environ)
         e.update(env or {})
         self.name = engine_id or role
+        if log:
+            os.makedirs(os.path.dirname(log), exist_ok=True)
         self.log = open(log or os.devnull, "w")
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=e)
 
