@@ -20,54 +20,38 @@ import json
 import logging
 import os
 import pickle
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _kvrail
 from ._kvrail import KvrailError, MisuseError, PeerConnectionError, PeerError
-from ._memory import buffer_span
+from ._nixl_bindings import (
+    _dlist,
+    _op,
+    DEFAULT_COMM_PORT,
+    NIXL_INIT_AGENT,
+    nixl_thread_sync_t,
+    nixlBackendError,
+    nixlCancelledError,
+    nixlInvalidParamError,
+    nixlMismatchError,
+    nixlNoTelemetryError,
+    nixlNotAllowedError,
+    nixlNotFoundError,
+    nixlNotPostedError,
+    nixlNotSupportedError,
+    nixlRegDList,
+    nixlRemoteDisconnectError,
+    nixlRepostActiveError,
+    nixlUnknownError,
+    nixlXferDList,
+    nixlXferTelemetry,
+)
 
 logger = logging.getLogger("kvrail.nixl")
 
-DEFAULT_COMM_PORT = 8888
-NIXL_INIT_AGENT = ""
-
-# NIXL's exception names, each a kvrail error of the matching fault group.
-
-
-class nixlNotFoundError(MisuseError):
-    """An unknown peer, handle or registration (NIXL_ERR_NOT_FOUND)."""
-
-
-class nixlInvalidParamError(MisuseError):
-    """A bad argument (NIXL_ERR_INVALID_PARAM)."""
-
-
-class nixlRepostActiveError(MisuseError):
-    """A transfer posted again while still in progress (NIXL_ERR_REPOST_ACTIVE)."""
-
-
-class nixlNotAllowedError(MisuseError):
-    """A call in the wrong state (NIXL_ERR_NOT_ALLOWED)."""
-
-
-class nixlNotSupportedError(_kvrail.UnavailableError):
-    """Something kvrail does not do (NIXL_ERR_NOT_SUPPORTED)."""
-
-
-class nixlBackendError(KvrailError):
-    """The transport failed (NIXL_ERR_BACKEND)."""
-
-
-class nixlRemoteDisconnectError(PeerConnectionError):
-    """The peer is gone (NIXL_ERR_REMOTE_DISCONNECT)."""
-
-
-class nixlMismatchError(PeerError):
-    """The peer's metadata does not match (NIXL_ERR_MISMATCH)."""
-
-
 _NIXL_BACKENDS = ("UCX", "UCX_MO", "LIBFABRIC", "UCCL", "Mooncake", "MOONCAKE", "GPUNETIO")
-_MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM", "VRAM": "VRAM", "cuda": "VRAM"}
+_TRUE, _FALSE = ("y", "yes", "on", "1", "true"), ("n", "no", "off", "0", "false")
 
 
 def _name(agent: Union[str, bytes]) -> str:
@@ -75,66 +59,14 @@ def _name(agent: Union[str, bytes]) -> str:
     return agent.decode() if isinstance(agent, (bytes, bytearray)) else str(agent)
 
 
-def _mem(mem_type: Optional[str], default: str = "DRAM") -> str:
-    if mem_type is None:
-        return default
-    try:
-        return _MEM_TYPES[mem_type]
-    except KeyError:
-        raise nixlInvalidParamError(
-            f"mem_type: {mem_type!r} (kvrail moves DRAM and VRAM)"
-        ) from None
-
-
-class _DList:
-    """What both descriptor lists answer: their length and entries."""
-
-    descs: list
-
-    def descCount(self) -> int:
-        return len(self.descs)
-
-    def __len__(self) -> int:
-        return len(self.descs)
-
-    def __getitem__(self, i):
-        return self.descs[i]
-
-
-class nixlRegDList(_DList):
-    """A registration descriptor list: ``(address, length, device id, meta)`` entries of one
-    memory type."""
-
-    def __init__(self, mem_type: str, descs: Iterable[Tuple[int, int, int, str]], owners=()):
-        self.mem_type = mem_type
-        self.descs: List[Tuple[int, int, int, str]] = [
-            (int(a), int(n), int(d), str(m)) for a, n, d, m in descs
-        ]
-        self._owners = list(owners)  # objects whose memory this is: kept alive
-
-    def __getstate__(self):
-        return {"mem_type": self.mem_type, "descs": self.descs}
-
-    def __setstate__(self, st):
-        self.mem_type, self.descs, self._owners = st["mem_type"], st["descs"], []
-
-    def trim(self) -> "nixlXferDList":
-        """The same memory as a transfer descriptor list."""
-        return nixlXferDList(self.mem_type, [(a, n, d) for a, n, d, _ in self.descs])
-
-    def __repr__(self) -> str:
-        return f"nixlRegDList({self.mem_type}, {len(self.descs)} descriptors)"
-
-
-class nixlXferDList(_DList):
-    """A transfer descriptor list: ``(address, length, device id)`` entries."""
-
-    def __init__(self, mem_type: str, descs: Iterable[Tuple[int, int, int]]):
-        self.mem_type = mem_type
-        self.descs: List[Tuple[int, int, int]] = [(int(a), int(n), int(d)) for a, n, d in descs]
-
-    def __repr__(self) -> str:
-        return f"nixlXferDList({self.mem_type}, {len(self.descs)} descriptors)"
+def _telemetry_on(conf: "nixl_agent_config") -> bool:
+    """NIXL's rule: ``NIXL_TELEMETRY_ENABLE`` (y/n) when set, else ``capture_telemetry``."""
+    env = os.environ.get("NIXL_TELEMETRY_ENABLE", "").strip().lower()
+    if env in _TRUE:
+        return True
+    if env in _FALSE:
+        return False
+    return bool(conf.capture_telemetry)
 
 
 class nixl_prepped_dlist_handle:
@@ -182,7 +114,9 @@ nixl_backend_handle = int
 class nixl_agent_config:
     """NIXL's agent configuration. ``enable_listen_thread``/``listen_port`` become kvrail's
     side channel (peers fetch metadata there with ``fetch_remote_metadata``);
-    ``kvrail_config`` (a kvrail extension) passes kvrail's own agent keys."""
+    ``kvrail_config`` (a kvrail extension) passes kvrail's own agent keys;
+    ``capture_telemetry`` (or ``NIXL_TELEMETRY_ENABLE``) turns on ``get_xfer_telemetry``;
+    ``sync_mode`` is checked and kept (kvrail's agent is thread safe in every mode)."""
 
     def __init__(
         self,
@@ -192,9 +126,11 @@ class nixl_agent_config:
         capture_telemetry: bool = False,
         num_threads: int = 0,
         backends: Sequence[str] = ("UCX",),
-        sync_mode: Any = None,
+        sync_mode: Optional[nixl_thread_sync_t] = None,
         kvrail_config: Optional[Dict[str, Any]] = None,
     ):
+        if sync_mode is not None and not isinstance(sync_mode, nixl_thread_sync_t):
+            raise TypeError(f"sync_mode must be a nixl_thread_sync_t (got {type(sync_mode).__name__!r})")
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
         self.port = listen_port
@@ -237,7 +173,12 @@ class nixl_agent:
         nixl_conf: Optional[nixl_agent_config] = None,
         instantiate_all: bool = False,
     ):
+        if not agent_name:
+            raise ValueError("agent_name: empty (peers address an agent by its name)")
         conf = nixl_conf or nixl_agent_config()
+        if nixl_conf is not None and instantiate_all:
+            logger.warning("Ignoring instantiate_all based on the provided config in agent creation.")
+            instantiate_all = False
         cfg: Dict[str, Any] = {}
         env = os.environ.get("KVRAIL_AGENT_CONFIG")
         if env:
@@ -270,8 +211,13 @@ class nixl_agent:
         self._regs: Dict[Tuple[int, int], int] = {}
         self._owners: Dict[Tuple[int, int], Any] = {}
         self._xfers: Dict[int, str] = {}  # transfer -> peer
+        self._telemetry_on = _telemetry_on(conf)
+        self._telemetry: Dict[int, nixlXferTelemetry] = {}  # transfer -> what it did
         for b in self.plugin_list if instantiate_all else conf.backends:
-            self.create_backend(b, {})
+            if b in self.plugin_list:
+                self.create_backend(b, {})
+            else:
+                logger.warning("Skipping backend registration %s due to the missing plugin.", b)
         logger.info("Initialized kvrail agent %s (backend %s)", agent_name, self._agent.backend)
 
     # ---- backends ----------------------------------------------------------------------
@@ -280,16 +226,29 @@ class nixl_agent:
         return list(self.plugin_list)
 
     def get_plugin_mem_types(self, backend: str) -> List[str]:
+        """The memory types behind a NIXL backend name; empty (with a warning) for a name
+        kvrail does not stand in for, as in NIXL."""
+        if backend not in self.plugin_list:
+            logger.warning("Plugin %s is not available to get its supported mem types.", backend)
+            return []
         return ["DRAM", "VRAM"]
 
     def get_plugin_params(self, backend: str) -> Dict[str, str]:
+        if backend not in self.plugin_list:
+            logger.warning("Plugin %s is not available to get its parameters.", backend)
         return {}
 
     def get_backend_mem_types(self, backend: str) -> List[str]:
-        return self.backend_mems.get(backend, [])
+        if backend not in self.backend_mems:
+            logger.warning("Backend %s not instantiated to get its supported mem types.", backend)
+            return []
+        return self.backend_mems[backend]
 
     def get_backend_params(self, backend: str) -> Dict[str, str]:
-        return self.backend_options.get(backend, {})
+        if backend not in self.backend_options:
+            logger.warning("Backend %s not instantiated to get its parameters.", backend)
+            return {}
+        return self.backend_options[backend]
 
     def create_backend(self, backend: str, initParams: Optional[Dict[str, str]] = None) -> None:
         """Accept a NIXL backend name; kvrail's transport (verbs or TCP) does the work."""
@@ -311,19 +270,17 @@ class nixl_agent:
     def get_reg_descs(self, descs, mem_type: Optional[str] = None) -> Optional[nixlRegDList]:
         """A registration list from 4-tuples (with ``mem_type``), an Nx3 array, a tensor or
         array or buffer, a list of those, or a nixlRegDList."""
-        return _dlist(descs, mem_type, nixlRegDList, nixlXferDList)
+        return _dlist(descs, mem_type, nixlRegDList, nixlXferDList, strict=False)
 
     def get_xfer_descs(self, descs, mem_type: Optional[str] = None) -> Optional[nixlXferDList]:
         """A transfer list from 3-tuples (with ``mem_type``), an Nx3 array, a tensor or array
         or buffer, a list of those, or a nixlXferDList."""
-        return _dlist(descs, mem_type, nixlXferDList, nixlRegDList)
+        return _dlist(descs, mem_type, nixlXferDList, nixlRegDList, strict=False)
 
     def register_memory(self, reg_list, mem_type: Optional[str] = None, backends: Sequence[str] = ()) -> nixlRegDList:
         """Register memory in place (kvrail never copies it on RDMA); returns the list for
         ``deregister_memory``. The objects given stay referenced until then."""
-        reg = self.get_reg_descs(reg_list, mem_type)
-        if reg is None:
-            raise nixlInvalidParamError("reg_list: not a registration list (see get_reg_descs)")
+        reg = _dlist(reg_list, mem_type, nixlRegDList, nixlXferDList, strict=True)
         done: List[Tuple[int, int]] = []
         try:
             for a, n, d, _ in reg.descs:
@@ -443,6 +400,7 @@ class nixl_agent:
         skip_desc_merge: bool = False,
     ) -> nixl_xfer_handle:
         """A transfer of the chosen entries of two prepared lists."""
+        _op(operation)
         for h, what in ((local_xfer_side, "local_xfer_side"), (remote_xfer_side, "remote_xfer_side")):
             if h._released:
                 raise nixlInvalidParamError(f"{what}: released")
@@ -463,6 +421,7 @@ class nixl_agent:
         backends: Sequence[str] = (),
     ) -> nixl_xfer_handle:
         """A transfer between two descriptor lists (``get_xfer_descs``)."""
+        _op(operation)
         l = self.get_xfer_descs(local_descs)
         r = self.get_xfer_descs(remote_descs)
         if l is None or r is None:
@@ -472,8 +431,7 @@ class nixl_agent:
         )
 
     def _create(self, op, local, peer, remote, notif_msg) -> nixl_xfer_handle:
-        if op not in ("READ", "WRITE"):
-            raise nixlInvalidParamError(f"operation: {op!r} (use 'READ' or 'WRITE')")
+        _op(op)
         if isinstance(notif_msg, str):
             notif_msg = notif_msg.encode()
         try:
@@ -481,12 +439,17 @@ class nixl_agent:
         except KvrailError as e:
             raise _translate(e) from e
         self._xfers[x] = peer
+        tel = nixlXferTelemetry()
+        tel.descCount, tel.totalBytes = len(local), sum(n for _, n in local)
+        tel.backendName = next(iter(self.backends), "UCX")
+        self._telemetry[x] = tel
         return nixl_xfer_handle(self, x)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
         """Post a transfer (again, once done); "PROC", "DONE" or "ERR"."""
         if isinstance(notif_msg, str):
             notif_msg = notif_msg.encode()
+        t0 = time.time_ns()
         try:
             if notif_msg:
                 self._agent.set_notif(handle._handle, bytes(notif_msg))
@@ -496,6 +459,11 @@ class nixl_agent:
         except KvrailError as e:
             logger.error("transfer failed to post: %s", e)
             return "ERR"
+        tel = self._telemetry.get(handle._handle)
+        if tel is not None:
+            tel.startTime = t0 // 1000
+            tel.postDuration = max(1, (time.time_ns() - t0) // 1000)
+            tel.xferDuration = 0
         return self.check_xfer_state(handle)
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
@@ -506,7 +474,30 @@ class nixl_agent:
             raise _translate(e) from e
         if st == "ERR":
             logger.error("transfer 0x%x failed: %s", handle._handle, self._agent.error(handle._handle))
+        elif st == "DONE":
+            tel = self._telemetry.get(handle._handle)
+            if tel is not None and tel.startTime and not tel.xferDuration:
+                tel.xferDuration = max(tel.postDuration, time.time_ns() // 1000 - tel.startTime)
         return "PROC" if st == "NOT_POSTED" else st
+
+    def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlXferTelemetry:
+        """What the transfer did, in NIXL's fields (:class:`nixlXferTelemetry`); needs
+        ``capture_telemetry`` (or ``NIXL_TELEMETRY_ENABLE=y``), else
+        :class:`nixlNoTelemetryError`. ``xferDuration`` is 0 until the completion is seen by
+        ``check_xfer_state``."""
+        if not self._telemetry_on:
+            raise nixlNoTelemetryError(
+                "telemetry is off: nixl_agent_config(capture_telemetry=True) or NIXL_TELEMETRY_ENABLE=y"
+            )
+        tel = self._telemetry.get(handle._handle)
+        if tel is None or handle._released:
+            raise nixlNotFoundError(f"no transfer {handle._handle:#x} (released?)")
+        if not tel.startTime:
+            raise nixlNotPostedError(f"transfer {handle._handle:#x} was not posted")
+        out = nixlXferTelemetry()
+        for k in nixlXferTelemetry.__slots__:
+            setattr(out, k, getattr(tel, k))
+        return out
 
     def get_xfer_error(self, handle: nixl_xfer_handle) -> Optional[Exception]:
         """(kvrail) Why a transfer is in "ERR": its exception, else None."""
@@ -524,6 +515,7 @@ class nixl_agent:
         except KvrailError as e:
             raise _translate(e) from e
         self._xfers.pop(x, None)
+        self._telemetry.pop(x, None)
 
     def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> Tuple[int, int, str]:
         raise nixlNotSupportedError("estimate_xfer_cost: kvrail has no cost model")
@@ -576,58 +568,28 @@ class nixl_agent:
         return pickle.loads(serialized_descs)
 
 
-def _dlist(descs, mem_type, cls, other):
-    """``descs`` as a ``cls`` list (nixlRegDList: 4-tuples, nixlXferDList: 3-tuples), or None
-    with NIXL's log line for what NIXL also refuses that way."""
-    reg = cls is nixlRegDList
-    if isinstance(descs, cls):
-        return descs
-    if isinstance(descs, other):
-        logger.error("%s type detected, please use %s", other.__name__, cls.__name__)
-        return None
-    if _is_nx3(descs):
-        rows = [(int(r[0]), int(r[1]), int(r[2])) for r in descs]
-        return cls(_mem(mem_type), [r + ("",) for r in rows] if reg else rows)
-    if isinstance(descs, (list, tuple)) and descs and isinstance(descs[0], tuple):
-        width = 4 if reg else 3
-        if mem_type is None:
-            logger.error("Please specify a mem type if not using Tensors")
-            return None
-        if len(descs[0]) != width:
-            logger.error("%d-tuple list needed for %s", width, "registration" if reg else "transfer")
-            return None
-        return cls(_mem(mem_type), descs)
-    objs = descs if isinstance(descs, (list, tuple)) else [descs]
-    spans = [buffer_span(o) for o in objs]
-    kinds = {s[2] for s in spans}
-    if len(kinds) != 1:
-        raise nixlInvalidParamError("descs: objects of different memory types")
-    kind = _mem(mem_type, kinds.pop())
-    if reg:
-        return nixlRegDList(kind, [(a, n, d, "") for a, n, _, d in spans], owners=objs)
-    return nixlXferDList(kind, [(a, n, d) for a, n, _, d in spans])
-
-
-def _is_nx3(descs: Any) -> bool:
-    shape = getattr(descs, "shape", None)
-    return shape is not None and len(shape) == 2 and shape[1] == 3 and hasattr(descs, "dtype")
-
-
 __all__ = [
     "DEFAULT_COMM_PORT",
+    "NIXL_INIT_AGENT",
     "nixl_agent",
     "nixl_agent_config",
     "nixl_backend_handle",
     "nixl_prepped_dlist_handle",
+    "nixl_thread_sync_t",
     "nixl_xfer_handle",
     "nixlRegDList",
     "nixlXferDList",
+    "nixlXferTelemetry",
     "nixlNotFoundError",
     "nixlInvalidParamError",
     "nixlRepostActiveError",
     "nixlNotAllowedError",
+    "nixlNotPostedError",
+    "nixlNoTelemetryError",
     "nixlNotSupportedError",
     "nixlBackendError",
+    "nixlCancelledError",
+    "nixlUnknownError",
     "nixlRemoteDisconnectError",
     "nixlMismatchError",
 ]

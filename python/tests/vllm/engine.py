@@ -7,7 +7,7 @@ over stdin/stdout, one JSON object a line:
       -> {"sums": [[[layer][block] hex]]}     (checksums of the prompt tokens' KV bytes)
     {"op": "damage", "block": id}                 (flip a byte of every layer of block id)
     {"op": "metrics"} -> {"metrics": {name: value}}
-    {"op": "blocks", "ids": [request ids]} -> {"blocks": [[ids]]} (kvrail: where KV landed)
+    {"op": "blocks", "ids": [request ids]} -> {"blocks": [[ids]]} (D: where loaded KV landed)
     {"op": "exit"}
 
     python engine.py --model DIR --role plain|producer|consumer --connector kvrail|nixl
@@ -76,6 +76,30 @@ def prompt_sums(runner, blocks, tokens):
     return out
 
 
+def record_loads(core):
+    """D's blocks for each request that loads KV, as the scheduler hands them to the
+    connector (``update_state_after_alloc``): for a connector that does not report where
+    its KV landed (vLLM's NixlConnector)."""
+    conn = core.scheduler.connector
+    got = {}
+    orig = conn.update_state_after_alloc
+
+    def rec(request, blocks, num_external_tokens):
+        if num_external_tokens > 0:
+            got[request.request_id] = list(blocks.get_block_ids()[0])
+        return orig(request, blocks, num_external_tokens)
+
+    conn.update_state_after_alloc = rec
+    return got
+
+
+def loaded_blocks(core, loads, rid):
+    if loads is None:
+        return core.scheduler.connector.received_block_ids(rid)
+    # the engine core's request id is the output's with a suffix
+    return next((v for k, v in loads.items() if k == rid or k.startswith(rid + "-")), None)
+
+
 def settle(llm, core, limit=50):
     """Step while the scheduler has work, as ``vllm serve``'s engine loop does (the offline
     API's ``generate`` stops stepping when its requests end: a connector that asked to step
@@ -120,6 +144,7 @@ def main():
         kw["kv_transfer_config"] = KVTransferConfig(**cfg)
     llm = LLM(**kw)
     core, runner = runner_of(llm)
+    loads = record_loads(core) if cfg is not None and args.connector == "nixl" else None
     out = REPLIES
     print(json.dumps({"ready": True}), file=out, flush=True)
     for line in sys.stdin:
@@ -180,8 +205,7 @@ def main():
                 m[x.name] = m.get(x.name, 0) + (v or 0)
             reply = {"metrics": m}
         elif op == "blocks":
-            conn = core.scheduler.connector
-            reply = {"blocks": [conn.received_block_ids(r) for r in cmd["ids"]]}
+            reply = {"blocks": [loaded_blocks(core, loads, r) for r in cmd["ids"]]}
         else:
             reply = {"error": f"unknown op {op}"}
         print(json.dumps(reply), file=out, flush=True)

@@ -9,6 +9,7 @@ Needs the venv ``python/tests/vllm/run.sh`` makes (vLLM, torch, NIXL); skipped e
 """
 
 import os
+import socket
 import sys
 
 import pytest
@@ -32,6 +33,12 @@ TOKENS = 8
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make(os.environ.get("KVRAIL_VLLM_MODEL") or str(tmp_path_factory.mktemp("tinyllama")))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start(model, role, **kw):
@@ -74,6 +81,8 @@ def kv_sums(p, d, pr, dr, prompts):
     """(P's, D's) checksums of each request's prompt KV, layer by layer, block by block."""
     n = [len(x) for x in prompts]
     pblocks = [kp["remote_block_ids"] for kp in pr["kv_params"]]
+    # NixlConnector names them per KV-cache group ([[ids]]); one group here
+    pblocks = [b[0] if b and isinstance(b[0], list) else b for b in pblocks]
     dblocks = d.call(op="blocks", ids=dr["ids"])["blocks"]
     assert all(dblocks), f"D names no blocks for {dr['ids']}"
     return p.call(op="kv", blocks=pblocks, tokens=n)["sums"], d.call(op="kv", blocks=dblocks, tokens=n)["sums"]
@@ -122,3 +131,44 @@ def test_a_damaged_block_is_seen(model, plain):
     finally:
         p.close()
         d.close()
+
+
+def test_vllms_own_nixl_connector_runs_unchanged_on_kvrail(model, plain):
+    """vLLM's NixlConnector, unchanged, on kvrail's NIXL compat package (``python -m
+    kvrail.nixl_compat install``, which run.sh does in this venv; NIXL itself lives apart in
+    target/vllm-nixl for the bench): pull on TCP, D's tokens equal a plain engine's, nearly
+    every prompt token is external, the KV D attends to is P's, and vLLM's own NIXL
+    telemetry metrics count the transfers."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nixl")
+    assert spec is not None and os.path.isfile(os.path.join(os.path.dirname(spec.origin), "KVRAIL_NIXL_COMPAT")), (
+        f"`nixl` here is not kvrail's compat package ({spec and spec.origin}): run python/tests/vllm/run.sh"
+    )
+    env = {"KVRAIL_AGENT_CONFIG": '{"backend": "tcp", "listen": "127.0.0.1:0"}'}
+    # each engine's NixlConnector binds its own handshake port (5600 unless told)
+    p = start(model, "producer", connector="nixl", engine_id="p-nixl-on-kvrail",
+              env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+    d = start(model, "consumer", connector="nixl", engine_id="d-nixl-on-kvrail",
+              env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+    try:
+        p.ready()
+        d.ready()
+        for group, prompts in GROUPS.items():
+            pr, dr, hits = disaggregate(p, d, prompts, tokens=1)
+            total = sum(len(x) for x in prompts)
+            assert hits >= 0.9 * total, f"NixlConnector on kvrail, {group}: {hits} of {total} prompt tokens external"
+            ps, ds = kv_sums(p, d, pr, dr, prompts)
+            assert ps == ds, f"NixlConnector on kvrail, {group}: the KV D attends to is not the KV P computed"
+            _, dr, hits = disaggregate(p, d, prompts)
+            assert dr["tokens"] == plain[group], f"NixlConnector on kvrail, {group}: D's tokens differ from a plain engine's"
+        m = d.call(op="metrics")["metrics"]
+        nixl_metrics = {k: v for k, v in m.items() if k.startswith("vllm:nixl")}
+        assert m.get("vllm:nixl_num_failed_transfers", 0) == 0, nixl_metrics
+        assert m.get("vllm:nixl_bytes_transferred", 0) > 0, f"vLLM's NIXL telemetry saw no bytes: {nixl_metrics}"
+    finally:
+        p.close()
+        d.close()
+    with open(os.path.join(LOGS, "d-nixl-on-kvrail.log")) as f:
+        log = f.read()
+    assert "NIXL compat package" in log and "not NIXL" in log, "D's log does not say that its nixl is kvrail"
