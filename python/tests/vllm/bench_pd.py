@@ -1,5 +1,11 @@
-"""Side by side: vLLM's own NixlConnector (NIXL, UCX over TCP) and kvrail.vllm (TCP), the same
-P/D program, the same prompts, interleaved rounds (the order alternates each round), medians.
+"""Side by side, the same P/D program and prompts, interleaved rounds (the order rotates
+each round), medians:
+
+* ``nixl``: vLLM's own NixlConnector on the real NIXL 1.5.1 (UCX over TCP; NIXL from
+  target/vllm-nixl, put first on the engines' PYTHONPATH);
+* ``nixl-on-kvrail``: the same NixlConnector, unchanged, on kvrail's NIXL compat package
+  (the venv's own ``nixl``; kvrail's TCP transport);
+* ``kvrail``: kvrail.vllm's connector (TCP).
 
 Only the measured pair runs: the other is stopped (SIGSTOP) for the round — NIXL's idle
 engines spin a core each (UCX progress threads), which on a 2-core machine would slow
@@ -25,6 +31,8 @@ from tiny_model import CONFIG, make  # noqa: E402
 SINGLE = [prompt(n, 50 + i) for i, n in enumerate((64, 512, 1500))]
 BATCH = [prompt(1500, 80 + i) for i in range(16)]
 UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+NIXL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "target", "vllm-nixl")
+ON_KVRAIL = {"KVRAIL_AGENT_CONFIG": '{"backend": "tcp", "listen": "127.0.0.1:0"}'}
 
 
 def kv_bytes_per_token():
@@ -33,15 +41,22 @@ def kv_bytes_per_token():
     return c["num_hidden_layers"] * c["num_key_value_heads"] * head * 2 * 2  # K and V, bf16
 
 
-def engines(py, model, connector, logs):
-    env_p, env_d = {}, {}
-    if connector == "nixl":
-        env_p = {**UCX, "VLLM_NIXL_SIDE_CHANNEL_PORT": "15701"}
-        env_d = {**UCX, "VLLM_NIXL_SIDE_CHANNEL_PORT": "15711"}
-    p = Engine(py, model, "producer", connector=connector, engine_id=f"p-{connector}", env=env_p,
-               log=os.path.join(logs, f"bench-p-{connector}.log"))
-    d = Engine(py, model, "consumer", connector=connector, engine_id=f"d-{connector}", env=env_d,
-               log=os.path.join(logs, f"bench-d-{connector}.log"))
+def engines(py, model, name, logs):
+    env_p, env_d, connector = {}, {}, name
+    if name == "nixl":
+        if not os.path.isdir(NIXL_DIR):
+            sys.exit(f"no real NIXL at {NIXL_DIR}: run python/tests/vllm/run.sh first")
+        path = os.path.abspath(NIXL_DIR)
+        env_p = {**UCX, "PYTHONPATH": path, "VLLM_NIXL_SIDE_CHANNEL_PORT": "15701"}
+        env_d = {**UCX, "PYTHONPATH": path, "VLLM_NIXL_SIDE_CHANNEL_PORT": "15711"}
+    elif name == "nixl-on-kvrail":
+        connector = "nixl"
+        env_p = {**ON_KVRAIL, "VLLM_NIXL_SIDE_CHANNEL_PORT": "15721"}
+        env_d = {**ON_KVRAIL, "VLLM_NIXL_SIDE_CHANNEL_PORT": "15731"}
+    p = Engine(py, model, "producer", connector=connector, engine_id=f"p-{name}", env=env_p,
+               log=os.path.join(logs, f"bench-p-{name}.log"))
+    d = Engine(py, model, "consumer", connector=connector, engine_id=f"d-{name}", env=env_d,
+               log=os.path.join(logs, f"bench-d-{name}.log"))
     p.ready()
     d.ready()
     return p, d
@@ -85,7 +100,7 @@ def main():
     os.makedirs(a.logs, exist_ok=True)
     model = make(a.model or os.path.join(a.logs, "tinyllama"))
     py = sys.executable
-    names = ["nixl", "kvrail"]
+    names = ["nixl", "nixl-on-kvrail", "kvrail"]
     pairs = {c: engines(py, model, c, a.logs) for c in names}
     got = {c: {"ttft": [], "gbps": []} for c in names}
     tokens = {}
@@ -94,17 +109,18 @@ def main():
         for c in names:
             measured(pairs, c)
         for r in range(a.rounds):
-            for c in names if r % 2 == 0 else reversed(names):
+            for c in names[r % len(names):] + names[: r % len(names)]:
                 ttft, gbps, toks = measured(pairs, c)
                 got[c]["ttft"].append(ttft)
                 got[c]["gbps"].append(gbps)
                 tokens.setdefault(c, toks)
-                print(f"round {r} {c:6s} ttft {[f'{x * 1e3:.1f}' for x in ttft]} ms, batch {gbps:.3f} GB/s", flush=True)
+                print(f"round {r} {c:14s} ttft {[f'{x * 1e3:.1f}' for x in ttft]} ms, batch {gbps:.3f} GB/s", flush=True)
     finally:
         for p, d in pairs.values():
             p.close()
             d.close()
-    assert tokens["nixl"] == tokens["kvrail"], "the two connectors' D gave different tokens"
+    for c in names[1:]:
+        assert tokens[c] == tokens["nixl"], f"{c}'s D gave other tokens than NIXL's"
     out = {"rounds": a.rounds, "single_prompt_tokens": [len(x) for x in SINGLE],
            "batch": [len(BATCH), len(BATCH[0])], "kv_bytes_per_token": kv_bytes_per_token()}
     for c in names:
@@ -113,10 +129,11 @@ def main():
             "ttft_ms_median": [round(statistics.median(x) * 1e3, 2) for x in per],
             "batch_gbps_median": round(statistics.median(got[c]["gbps"]), 4),
         }
-    out["ratio_ttft_kvrail_over_nixl"] = [
-        round(k / n, 3) for k, n in zip(out["kvrail"]["ttft_ms_median"], out["nixl"]["ttft_ms_median"])
-    ]
-    out["ratio_gbps_kvrail_over_nixl"] = round(out["kvrail"]["batch_gbps_median"] / out["nixl"]["batch_gbps_median"], 3)
+    for c in names[1:]:
+        out[f"ratio_ttft_{c}_over_nixl"] = [
+            round(k / n, 3) for k, n in zip(out[c]["ttft_ms_median"], out["nixl"]["ttft_ms_median"])
+        ]
+        out[f"ratio_gbps_{c}_over_nixl"] = round(out[c]["batch_gbps_median"] / out["nixl"]["batch_gbps_median"], 3)
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:

