@@ -4,7 +4,8 @@
 //! byte to 64 MiB (8 MiB on verbs, where rxe under emulation is slow), byte-exact both ways;
 //! notifications after data; a 100,000-notification burst in order; validation naming the
 //! descriptor; busy deregistration; handshake refusals; the loopback-advertise error; repost
-//! rules; a peer that dies mid-transfer; two agents in two processes.
+//! rules; a peer that dies mid-transfer; two agents in two processes; protected mode (no
+//! secret: loopback peers only).
 
 #[path = "agent_suite/deregister.rs"]
 mod deregister;
@@ -15,6 +16,8 @@ mod grants;
 mod lab;
 #[path = "agent_suite/metrics.rs"]
 mod metrics;
+#[path = "agent_suite/protected.rs"]
+mod protected;
 #[path = "agent_suite/tcp_conns.rs"]
 mod tcp_conns;
 

@@ -99,9 +99,14 @@ pub struct AgentConfig {
     /// How device memory is staged on verbs (host bounce).
     pub bounce: crate::bounce::BounceConfig,
     /// `cluster_secret`: when set, every side-channel connection must prove it (both ways)
-    /// before it gets metadata or queue pairs; unset, anyone who reaches the side channel
-    /// can (the agent warns at start when it listens beyond loopback).
+    /// before it gets metadata or queue pairs. Unset, only peers on loopback are served
+    /// (their connection comes from 127.0.0.0/8 or ::1), unless [`Self::insecure`].
     pub cluster_secret: Option<super::ClusterSecret>,
+    /// `insecure`: with no `cluster_secret`, serve peers from any address without
+    /// authentication (anyone who reaches the side channel can then load this agent's
+    /// metadata and READ or WRITE its registered memory; the agent warns at start). Also
+    /// set by `KVRAIL_INSECURE=1` ([`super::INSECURE_ENV`]). Default false: protected mode.
+    pub insecure: bool,
     /// `metrics_listen`: serve the agent's counters and gauges (a connector worker's too)
     /// in the Prometheus text format at `http://<addr>/metrics` (None: no endpoint; read
     /// them with [`super::Agent::metrics`]). Port 0 picks one ([`super::Agent::metrics_addr`]).
@@ -148,6 +153,7 @@ impl Default for AgentConfig {
             sysfs_root: None,
             bounce: crate::bounce::BounceConfig::default(),
             cluster_secret: None,
+            insecure: false,
             metrics_listen: None,
             metadata_store: None,
             deregister_wait: super::DEREGISTER_WAIT,

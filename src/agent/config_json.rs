@@ -24,6 +24,7 @@ struct ConfigJson {
     kv_layout: Option<String>,
     block_size: Option<u32>,
     cluster_secret: Option<String>,
+    insecure: Option<bool>,
     metrics_listen: Option<String>,
     gid_index: Option<u32>,
     mtu: Option<u32>,
@@ -50,7 +51,8 @@ impl AgentConfig {
     /// (RDMA devices to use), `numa` (the accelerator's NUMA node, -1 any),
     /// `enforce_handshake_compat`, and what the compatibility hash covers: `model`, `dtype`,
     /// `attn_backend`, `draft_model`, `kv_layout`, `block_size`; `cluster_secret` (at least
-    /// 16 bytes; see [`AgentConfig::cluster_secret`]); `metrics_listen` ("ip:port" of the
+    /// 16 bytes; see [`AgentConfig::cluster_secret`]); `insecure` (see
+    /// [`AgentConfig::insecure`]); `metrics_listen` ("ip:port" of the
     /// Prometheus endpoint, see [`AgentConfig::metrics_listen`]); `gid_index`, `mtu` (see
     /// [`AgentConfig::gid_index`], [`AgentConfig::mtu`]); `qps_per_rail` (1 to 16);
     /// `tcp_conns` (1 to 16, see [`AgentConfig::tcp_conns`]); `progress_spin_us` (see
@@ -167,6 +169,9 @@ impl AgentConfig {
             j.metadata_lease_ttl_s,
         )
         .map_err(|(k, why)| bad(k, why))?;
+        if let Some(b) = j.insecure {
+            c.insecure = b;
+        }
         if let Some(k) = j.cluster_secret {
             c.cluster_secret =
                 Some(super::ClusterSecret::new(k).map_err(|e| bad("cluster_secret", e))?);

@@ -152,6 +152,10 @@ pub(crate) struct Shared {
     ended: std::sync::atomic::AtomicU64,
     /// Side-channel connections refused by authentication.
     auth_refused: std::sync::atomic::AtomicU64,
+    /// Side-channel connections refused by protected mode (no `cluster_secret`, not
+    /// `insecure`, a peer beyond loopback), and the addresses already logged.
+    open_refused: std::sync::atomic::AtomicU64,
+    open_refused_from: Mutex<std::collections::HashSet<std::net::IpAddr>>,
     /// Each peer's first TCP connection, which waiting callers drive (`spin`).
     driven: std::sync::RwLock<Vec<Arc<control::driven::Driven>>>,
     /// The verbs data path, when the agent runs on RDMA.
@@ -223,6 +227,17 @@ impl Agent {
                 let k = ClusterSecret::new(k.into_encoded_bytes())
                     .map_err(|e| AgentError::Unsupported(format!("{SECRET_ENV}: {e}")))?;
                 config.cluster_secret = Some(k);
+            }
+        }
+        if let Some(v) = std::env::var_os(INSECURE_ENV) {
+            match v.to_str().map(str::to_ascii_lowercase).as_deref() {
+                Some("1" | "true" | "yes" | "on") => config.insecure = true,
+                Some("0" | "false" | "no" | "off" | "") => {}
+                _ => {
+                    return Err(AgentError::Unsupported(format!(
+                        "{INSECURE_ENV}: {v:?} (1 or 0)"
+                    )))
+                }
             }
         }
         crate::transport::stripe::StripeMode::from_stripe_width(config.stripe_width)
@@ -324,6 +339,8 @@ impl Agent {
             copied: std::sync::atomic::AtomicU64::new(0),
             ended: std::sync::atomic::AtomicU64::new(0),
             auth_refused: std::sync::atomic::AtomicU64::new(0),
+            open_refused: std::sync::atomic::AtomicU64::new(0),
+            open_refused_from: Mutex::default(),
             driven: std::sync::RwLock::default(),
             #[cfg(feature = "verbs")]
             verbs,
@@ -358,9 +375,15 @@ impl Agent {
         }
         tracing::info!(agent = name, side_channel = %addr, "kvrail agent up");
         if shared.config.cluster_secret.is_none() && !local.ip().is_loopback() {
-            tracing::warn!(agent = name, side_channel = %local,
-                "no cluster_secret: anyone who reaches the side channel can load this agent's \
-                 metadata and READ or WRITE its registered memory");
+            if shared.config.insecure {
+                tracing::warn!(agent = name, side_channel = %local,
+                    "no cluster_secret and insecure: anyone who reaches the side channel can \
+                     load this agent's metadata and READ or WRITE its registered memory");
+            } else {
+                tracing::info!(agent = name, side_channel = %local,
+                    "no cluster_secret: only peers on loopback are served ({})",
+                    control::auth::PROTECTED_ADVICE);
+            }
         }
         let agent = Self {
             shared,
@@ -470,6 +493,14 @@ impl Agent {
     pub fn auth_refusals(&self) -> u64 {
         self.shared
             .auth_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Side-channel connections refused because this agent has no `cluster_secret`, is not
+    /// `insecure`, and the peer was not on loopback (protected mode).
+    pub fn protected_refusals(&self) -> u64 {
+        self.shared
+            .open_refused
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -1063,6 +1094,10 @@ impl Agent {
 /// The environment variable an agent takes its cluster secret from when its configuration
 /// sets none (keeps the secret off command lines).
 pub const SECRET_ENV: &str = "KVRAIL_CLUSTER_SECRET";
+
+/// The environment variable that sets [`AgentConfig::insecure`] ("1") for programs that
+/// cannot pass a configuration (a NIXL program on `kvrail.nixl`).
+pub const INSECURE_ENV: &str = "KVRAIL_INSECURE";
 
 /// The largest notification, in bytes: one fits a control frame with room for its header
 /// (larger ones are refused when handed in, before anything is queued).

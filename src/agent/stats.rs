@@ -163,6 +163,13 @@ impl AgentStats {
             read(|s| s.auth_refused.load(std::sync::atomic::Ordering::Relaxed) as f64),
         );
         r.counter_fn(
+            "kvrail_protected_refusals_total",
+            "Side-channel connections from beyond loopback refused because the agent has no \
+             cluster_secret and is not insecure.",
+            &[("agent", agent)],
+            read(|s| s.open_refused.load(std::sync::atomic::Ordering::Relaxed) as f64),
+        );
+        r.counter_fn(
             "kvrail_payload_bytes_copied_total",
             "Payload bytes the CPU copied (TCP socket copies, device-memory copies).",
             &[("agent", agent)],

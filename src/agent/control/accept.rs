@@ -19,6 +19,7 @@ use mio::{Events, Interest, Poll, Token};
 use super::auth::{self, Verdict};
 use super::msg::Msg;
 use super::Shared;
+use crate::agent::lock;
 use crate::proto::frame::PREFIX;
 
 /// How long a new connection may take to send its first message.
@@ -214,6 +215,10 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
             }
             Err(step) => return step,
         };
+        if let Some(why) = protected(shared, p) {
+            refuse(&mut p.s, why);
+            return Step::Close;
+        }
         let m = match p.auth.take(shared.config.cluster_secret.as_ref(), m) {
             Verdict::NotMine(m) => m,
             Verdict::Passed => continue,
@@ -243,6 +248,25 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
             }
         };
     }
+}
+
+/// Protected mode: an agent with no `cluster_secret` that is not `insecure` serves only
+/// peers on loopback. A peer beyond it is refused (counted, logged once per address, with
+/// the ways out); `None` lets the connection on.
+fn protected(shared: &Shared, p: &Pending) -> Option<&'static str> {
+    if shared.config.cluster_secret.is_some() || shared.config.insecure {
+        return None;
+    }
+    let ip = p.s.peer_addr().ok()?.ip();
+    if auth::is_loopback(ip) {
+        return None;
+    }
+    shared.open_refused.fetch_add(1, Ordering::Relaxed);
+    if lock(&shared.open_refused_from).insert(ip) {
+        tracing::warn!(agent = %shared.name, peer = %ip,
+            "side channel: refused a peer beyond loopback: {}", auth::PROTECTED);
+    }
+    Some(auth::PROTECTED)
 }
 
 /// A peer failed authentication: counted and logged with its address.

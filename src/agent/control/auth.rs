@@ -17,6 +17,9 @@
 //! The secret itself never travels. What follows the handshake on the connection is not
 //! authenticated message by message (no TLS): the handshake keeps strangers out, it does not
 //! stop someone who can rewrite packets on the path.
+//!
+//! Without a secret an agent is in protected mode (Redis's model): it serves only peers on
+//! loopback, unless its configuration says `insecure`.
 
 use std::fmt;
 use std::net::{SocketAddr, TcpStream};
@@ -30,6 +33,35 @@ use crate::agent::AgentError;
 
 /// Bytes of each side's nonce.
 pub(crate) const NONCE: usize = 32;
+
+/// The two ways out of protected mode (a literal, for `concat!`).
+macro_rules! protected_advice {
+    () => {
+        "set cluster_secret on every agent of the cluster, or insecure: true \
+         (KVRAIL_INSECURE=1 where no configuration can be passed) to accept unauthenticated \
+         peers knowingly"
+    };
+}
+
+/// The two ways out of protected mode, for the agent's log.
+pub(crate) const PROTECTED_ADVICE: &str = protected_advice!();
+
+/// What a peer beyond loopback hears from an agent in protected mode.
+pub(crate) const PROTECTED: &str = concat!(
+    "this agent has no cluster_secret and serves only peers on loopback: ",
+    protected_advice!()
+);
+
+/// Whether a connection from `ip` comes from this machine's loopback (127.0.0.0/8, ::1, or
+/// an IPv4-mapped loopback address).
+pub(crate) fn is_loopback(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.is_loopback(),
+        std::net::IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
+}
 /// Shortest secret accepted.
 pub const MIN_SECRET: usize = 16;
 const LABEL_SERVER: &[u8] = b"kvrail-auth-v1 agent";
