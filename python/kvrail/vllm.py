@@ -15,7 +15,7 @@ unknown key raises :class:`kvrail.ConfigError` naming it. ``kv_connector_extra_c
 kvrail's keys (``kv_lease_duration``, ``decoder_kv_blocks_ttl``,
 ``push_registration_timeout``, ``chunk_mode``, ``chunk_tokens``, ``swa_window_mode``,
 ``push_stream``, ``stripe_width``, ``link_down_exit_s``, ``enforce_handshake_compat``,
-``cluster_secret``, ``fence_blocks``) and
+``cluster_secret``, ``insecure``, ``fence_blocks``) and
 ``kvrail_agent_config``: the worker agent's keys (``listen``, ``side_channel_host``,
 ``backend``, ``devices``, …; see :func:`kvrail.Agent`).
 

@@ -60,6 +60,9 @@ pub struct KvTransferConfig {
     /// `cluster_secret`: the side channel's shared secret (see
     /// [`crate::agent::AgentConfig::cluster_secret`]).
     pub cluster_secret: Option<crate::agent::ClusterSecret>,
+    /// `insecure` (default false): with no `cluster_secret`, serve peers beyond loopback
+    /// unauthenticated (see [`crate::agent::AgentConfig::insecure`]).
+    pub insecure: bool,
     /// `metadata_store`, `metadata_namespace`, `metadata_lease_ttl_s`: agent metadata
     /// through etcd (see [`crate::store`]); D then finds P's ranks by P's engine id alone.
     pub metadata_store: Option<crate::store::StoreConfig>,
@@ -97,6 +100,7 @@ const EXTRA: &[&str] = &[
     "link_down_exit_s",
     "enforce_handshake_compat",
     "cluster_secret",
+    "insecure",
     "fence_blocks",
     "metadata_store",
     "metadata_namespace",
@@ -294,6 +298,7 @@ impl KvTransferConfig {
             ),
             Some(_) => return Err(err(&x("cluster_secret"), "not a string")),
         };
+        let insecure = boolean(extra, "insecure", &x("insecure"), false)?;
         let metadata_store = crate::store::StoreConfig::from_keys(
             string(extra, "metadata_store", &x("metadata_store"))?,
             string(extra, "metadata_namespace", &x("metadata_namespace"))?,
@@ -351,6 +356,7 @@ impl KvTransferConfig {
             enforce_handshake_compat: compat,
             fence_blocks,
             cluster_secret,
+            insecure,
             metadata_store,
         })
     }

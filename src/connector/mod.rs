@@ -52,6 +52,7 @@ pub fn agent_config(
     if cfg.cluster_secret.is_some() {
         a.cluster_secret.clone_from(&cfg.cluster_secret);
     }
+    a.insecure |= cfg.insecure;
     if cfg.metadata_store.is_some() {
         a.metadata_store.clone_from(&cfg.metadata_store);
     }

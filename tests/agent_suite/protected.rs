@@ -75,15 +75,26 @@ fn without_a_secret_only_loopback_peers_are_served() {
     let p = Agent::new("protected-p", on(ip, Host::B, None, false)).unwrap();
     let d = Agent::new("protected-d", on(ip, Host::A, None, false)).unwrap();
     for n in 1..=2u64 {
-        let e = d.load_remote(p.side_channel_addr()).unwrap_err().to_string();
+        let e = d
+            .load_remote(p.side_channel_addr())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("serves only peers on loopback"), "{e}");
-        assert!(e.contains("cluster_secret") && e.contains("insecure: true") && e.contains("KVRAIL_INSECURE=1"), "{e}");
+        assert!(
+            e.contains("cluster_secret")
+                && e.contains("insecure: true")
+                && e.contains("KVRAIL_INSECURE=1"),
+            "{e}"
+        );
         assert_eq!(p.protected_refusals(), n);
     }
     assert!(d.peers().is_empty());
     let m = p.metrics();
     assert_eq!(
-        m.value("kvrail_protected_refusals_total", &[("agent", "protected-p")]),
+        m.value(
+            "kvrail_protected_refusals_total",
+            &[("agent", "protected-p")]
+        ),
         Some(2.0),
         "{}",
         m.render_prometheus()

@@ -133,6 +133,13 @@ struct Args {
     /// engine name alone (the proxy passes no host and no port).
     #[arg(long, value_name = "etcd://HOST:PORT")]
     metadata: Option<String>,
+    /// The cluster secret P and D prove to each other (`cluster_secret`, 16 bytes or
+    /// more; handed to the instances in their environment, KVRAIL_CLUSTER_SECRET).
+    #[arg(long, value_name = "SECRET", conflicts_with = "insecure")]
+    cluster_secret: Option<String>,
+    /// P and D serve peers beyond loopback without a secret (`insecure`).
+    #[arg(long)]
+    insecure: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -246,6 +253,9 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
         // a registration with a dead P ends within a lease (not the default 480 s)
         extra["push_registration_timeout"] = json!(a.lease);
     }
+    if a.insecure {
+        extra["insecure"] = json!(true);
+    }
     if let Some(m) = &a.metadata {
         extra["metadata_store"] = json!(m);
         extra["metadata_namespace"] = json!(metadata_namespace());
@@ -285,6 +295,11 @@ fn spawn(a: &Args, name: &str, role: &str, devices: &str) -> Result<Inst, String
             "--devices",
             devices,
         ])
+        .envs(
+            a.cluster_secret
+                .as_ref()
+                .map(|k| (kvrail::agent::SECRET_ENV, k)),
+        )
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("starting {name}: {e}"))?;
@@ -574,6 +589,10 @@ impl Args {
         }
         if let Some(m) = &self.metadata {
             kvrail::store::StoreConfig::from_url(m).map_err(|e| format!("--metadata {e}"))?;
+        }
+        if let Some(k) = &self.cluster_secret {
+            kvrail::agent::ClusterSecret::new(k.as_bytes())
+                .map_err(|e| format!("--cluster-secret: {e}"))?;
         }
         if self.min_tokens > self.max_tokens {
             return Err(format!(

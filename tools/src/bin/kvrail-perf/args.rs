@@ -82,6 +82,15 @@ pub(crate) struct Args {
     /// Address advertised to the peer (`side_channel_host`); needed across hosts.
     #[arg(long, value_name = "IP")]
     pub(crate) side_channel_host: Option<String>,
+    /// The cluster's shared secret (`cluster_secret`, 16 bytes or more), the same on server
+    /// and client; needed across hosts unless --insecure. KVRAIL_CLUSTER_SECRET in the
+    /// environment keeps it off the command line.
+    #[arg(long, value_name = "SECRET", conflicts_with = "insecure")]
+    pub(crate) cluster_secret: Option<String>,
+    /// Serve peers beyond loopback without a cluster secret (`insecure`): anyone who
+    /// reaches the side channel can then READ and WRITE the benchmark's memory.
+    #[arg(long)]
+    pub(crate) insecure: bool,
     /// Operation (perftest's tool name: ib_write_bw, ib_read_bw; lat: notification round
     /// trip).
     #[arg(long, value_enum, default_value = "write")]
@@ -318,6 +327,10 @@ impl Args {
         if let Some(h) = &self.side_channel_host {
             h.parse::<std::net::IpAddr>()
                 .map_err(|_| format!("--side-channel-host: {h:?} is not an IP address"))?;
+        }
+        if let Some(k) = &self.cluster_secret {
+            kvrail::agent::ClusterSecret::new(k.as_bytes())
+                .map_err(|e| format!("--cluster-secret: {e}"))?;
         }
         if self.op == Op::Lat && self.size > kvrail::agent::MAX_NOTIF_LEN as u64 {
             return Err(format!(

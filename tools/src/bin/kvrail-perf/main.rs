@@ -143,8 +143,15 @@ fn config(args: &Args, devices: &[String], listen: &str) -> Result<AgentConfig, 
         qps_per_rail: args.qps,
         tcp_conns: args.tcp_conns,
         progress_spin_us: if args.use_event { 0 } else { args.spin_us },
+        insecure: args.insecure,
         ..AgentConfig::default()
     };
+    if let Some(k) = &args.cluster_secret {
+        c.cluster_secret = Some(
+            kvrail::agent::ClusterSecret::new(k.as_bytes())
+                .map_err(|e| format!("--cluster-secret: {e}"))?,
+        );
+    }
     if let Some(m) = &args.metrics_listen {
         c.metrics_listen = Some(
             m.parse()
