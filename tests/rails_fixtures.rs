@@ -263,3 +263,49 @@ fn gid_tables_only_of_the_named_ports() {
     let all = kvrail::rails::discover_gids_of(&r, &AddrSource::for_root(&r), |_, _| true);
     assert_eq!(all.unwrap(), full);
 }
+
+/// RoCE v2 off on the NIC: the netdev has its address, the GID table offers only RoCE v1.
+/// The verdict says so, not "give the netdev an IPv4 address" (which it has).
+#[test]
+fn a_port_whose_gid_table_offers_only_roce_v1() {
+    let h = host("roce-v1-only");
+    let v = judge_all(&h, 0);
+    assert!(!v[0].usable());
+    assert_eq!(v[0].reasons.len(), 1, "{:?}", v[0].reasons);
+    let s = v[0].summary();
+    assert!(
+        s.starts_with("no RoCE v2 GID (the netdev's address is there; the port's GID table offers only RoCE v1: ")
+            && s.contains("[1] ::ffff:10.0.0.1 RoCE v1")
+            && s.ends_with("); enable RoCE v2 on the NIC"),
+        "{s}"
+    );
+    assert!(!s.contains("give the netdev an IPv4 address"), "{s}");
+    assert!(v[0].reasons[0]
+        .check_command(&v[0].port)
+        .contains("gid_attrs/types"));
+}
+
+/// A port at the netdev's default MTU (1500: active MTU 1024) is usable, and says it is
+/// slow; one at 9000 (4096) says nothing of its MTU.
+#[test]
+fn a_port_below_mtu_4096_is_usable_and_says_so() {
+    let h = host("low-mtu");
+    assert_eq!(h.ports[0].active_mtu, Some(1024));
+    let v = judge_all(&h, 0);
+    assert!(v[0].usable(), "{}", v[0].summary());
+    assert_eq!(v[0].summary(), "usable, low MTU (expect lower bandwidth)");
+    assert!(
+        v[0].notes.iter().any(|n| {
+            n == "low MTU: active MTU 1024, from netdev ens1f0's MTU; RoCE carries 4096 where the \
+                fabric takes jumbo frames (ip link set dev ens1f0 mtu 9000): expect lower bandwidth"
+        }),
+        "{:?}",
+        v[0].notes
+    );
+    let ok = judge_all(&host("one-nic"), 0);
+    assert!(
+        !ok[0].notes.iter().any(|n| n.contains("MTU")),
+        "{:?}",
+        ok[0].notes
+    );
+}

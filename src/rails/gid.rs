@@ -170,6 +170,21 @@ pub fn select_gid(
             Some(ip) if !candidates.is_empty() => {
                 format!("no RoCEv2 GID for {ip} (table: {})", describe(&sorted))
             }
+            _ if !sorted.is_empty() && sorted.iter().all(|e| e.gid_type == GidType::RoceV1) => {
+                if sorted.iter().any(|e| e.gid.ipv4().is_some()) {
+                    format!(
+                        "no RoCE v2 GID (the netdev's address is there; the port's GID table \
+                         offers only RoCE v1: {}); enable RoCE v2 on the NIC",
+                        describe(&sorted)
+                    )
+                } else {
+                    format!(
+                        "no RoCE v2 GID (the port's GID table offers only RoCE v1: {}); enable \
+                         RoCE v2 on the NIC and give the netdev an IPv4 address",
+                        describe(&sorted)
+                    )
+                }
+            }
             _ => format!(
                 "no RoCEv2 GID with an IPv4 address (table: {}); give the netdev an IPv4 address",
                 describe(&sorted)

@@ -135,10 +135,14 @@ impl Verdict {
         self.reasons.is_empty()
     }
 
-    /// One line: `usable` or the reasons joined.
+    /// One line: `usable` (`usable, low MTU` below 4096) or the reasons joined.
     pub fn summary(&self) -> String {
         if self.usable() {
-            "usable".into()
+            if self.notes.iter().any(|n| n.starts_with("low MTU")) {
+                "usable, low MTU (expect lower bandwidth)".into()
+            } else {
+                "usable".into()
+            }
         } else {
             self.reasons
                 .iter()
@@ -148,6 +152,10 @@ impl Verdict {
         }
     }
 }
+
+/// The RoCE MTU a port should reach (4096, RoCE's largest); a port below it is usable with a
+/// note (fewer bytes per packet: lower bandwidth).
+const LOW_MTU_BELOW: u32 = 4096;
 
 /// The verdict on `port` for an accelerator on NUMA node `numa` (-1: unknown, matches any).
 pub fn judge(port: &PortInfo, numa: i32) -> Verdict {
@@ -210,6 +218,15 @@ pub fn judge(port: &PortInfo, numa: i32) -> Verdict {
         match select_gid(link, &port.gids, want).or_else(|_| select_gid(link, &port.gids, None)) {
             Ok(g) => gid = Some(g),
             Err(detail) => reasons.push(Reason::NoGid { detail }),
+        }
+    }
+    // (said of a port that is usable otherwise: a reason to fix comes first)
+    if let (LinkLayer::Ethernet, Some(m), Some(nd)) = (link, port.active_mtu, &port.netdev) {
+        if m < LOW_MTU_BELOW && reasons.is_empty() {
+            notes.push(format!(
+                "low MTU: active MTU {m}, from netdev {nd}'s MTU; RoCE carries {LOW_MTU_BELOW} where \
+                 the fabric takes jumbo frames (ip link set dev {nd} mtu 9000): expect lower bandwidth"
+            ));
         }
     }
     Verdict {
