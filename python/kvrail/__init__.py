@@ -62,7 +62,9 @@ def Agent(name: str, config: Optional[Mapping[str, Any]] = None) -> _NativeAgent
     ``config`` keys: ``listen`` ("ip:port" of the side channel), ``side_channel_host`` (the
     address advertised to peers), ``backend`` ("auto", "verbs", "tcp"), ``stripe_width``
     (None or 0), ``devices`` (RDMA devices), ``numa``, ``enforce_handshake_compat``,
-    ``model``, ``dtype``, ``attn_backend``, ``draft_model``, ``kv_layout``, ``block_size``.
+    ``model``, ``dtype``, ``attn_backend``, ``draft_model``, ``kv_layout``, ``block_size``,
+    ``cluster_secret`` and ``insecure`` (without a secret only loopback peers are served
+    unless ``insecure`` is true), and the rest of the agent's JSON keys.
     An unknown key or bad value raises :class:`ConfigError` naming the key.
     """
     return _NativeAgent(name, json.dumps(dict(config)) if config else None)
