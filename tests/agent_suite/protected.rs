@@ -7,9 +7,9 @@
 
 use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
 
-use kvrail::agent::{Agent, AgentConfig, ClusterSecret, Desc, RemoteAccess, XferOp, XferStatus};
+use kvrail::agent::{Agent, AgentConfig, ClusterSecret, RemoteAccess, XferOp};
 
-use super::{cfg, lab, pattern, wait, Host};
+use super::{cfg, lab, pattern, post_wait_release, Host};
 
 /// A non-loopback address of this machine: the lab's host A rail address, else the one the
 /// kernel would send from. Proven local by binding a listener to it (binding fails with
@@ -49,17 +49,7 @@ fn read_all(p: &Agent, d: &Agent, len: usize, seed: u64) {
     p.write_region(src, 0, &data).unwrap();
     let peer = d.load_remote(p.side_channel_addr()).unwrap();
     let dst = d.register(len, RemoteAccess::NONE, vec![]).unwrap();
-    let x = d
-        .create_xfer(
-            XferOp::Read,
-            vec![Desc::new(dst, 0, len as u64)],
-            &peer,
-            vec![Desc::new(src, 0, len as u64)],
-            None,
-        )
-        .unwrap();
-    d.post(x).unwrap();
-    assert_eq!(wait(d, x), XferStatus::Done);
+    post_wait_release(d, XferOp::Read, (dst, &peer, src), len as u64, None);
     let mut got = vec![0u8; len];
     d.read_region(dst, 0, &mut got).unwrap();
     assert!(got == data, "the bytes differ");

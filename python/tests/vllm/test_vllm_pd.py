@@ -88,22 +88,27 @@ def kv_sums(p, d, pr, dr, prompts):
     return p.call(op="kv", blocks=pblocks, tokens=n)["sums"], d.call(op="kv", blocks=dblocks, tokens=n)["sums"]
 
 
+def check_every_group(p, d, plain, label, external_on_decode=True):
+    """For every prompt group: at D's first token, >= 90 % of prompt tokens are external and
+    every byte of every block D attends to is P's (later decode steps write into the last
+    block, so they are compared first); then a whole decode gives a plain engine's tokens."""
+    for group, prompts in GROUPS.items():
+        pr, dr, hits = disaggregate(p, d, prompts, tokens=1)
+        total = sum(len(x) for x in prompts)
+        assert hits >= 0.9 * total, f"{label} {group}: {hits} of {total} prompt tokens external"
+        ps, ds = kv_sums(p, d, pr, dr, prompts)
+        assert ps == ds, f"{label} {group}: the KV D attends to is not the KV P computed"
+        _, dr, hits = disaggregate(p, d, prompts)
+        assert dr["tokens"] == plain[group], f"{label} {group}: D's tokens differ from a plain engine's"
+        if external_on_decode:
+            assert hits >= 0.9 * total, f"{label} {group}: {hits} of {total} prompt tokens external"
+
+
 @pytest.mark.parametrize("mode", ["pull", "push", "push_stream"])
 def test_p_and_d_give_a_plain_engines_tokens_from_ps_kv(model, plain, mode):
     p, d = pd(model, mode, mode)
     try:
-        for group, prompts in GROUPS.items():
-            # D's first token: every byte of every block it attends to, as P computed it
-            # (later decode steps write into the last block, so they are compared first)
-            pr, dr, hits = disaggregate(p, d, prompts, tokens=1)
-            total = sum(len(x) for x in prompts)
-            assert hits >= 0.9 * total, f"{mode} {group}: {hits} of {total} prompt tokens external"
-            ps, ds = kv_sums(p, d, pr, dr, prompts)
-            assert ps == ds, f"{mode} {group}: the KV D attends to is not the KV P computed"
-            # and a whole decode gives a plain engine's tokens
-            _, dr, hits = disaggregate(p, d, prompts)
-            assert dr["tokens"] == plain[group], f"{mode} {group}: D's tokens differ from a plain engine's"
-            assert hits >= 0.9 * total, f"{mode} {group}: {hits} of {total} prompt tokens external"
+        check_every_group(p, d, plain, mode)
     finally:
         p.close()
         d.close()
@@ -154,14 +159,7 @@ def test_vllms_own_nixl_connector_runs_unchanged_on_kvrail(model, plain):
     try:
         p.ready()
         d.ready()
-        for group, prompts in GROUPS.items():
-            pr, dr, hits = disaggregate(p, d, prompts, tokens=1)
-            total = sum(len(x) for x in prompts)
-            assert hits >= 0.9 * total, f"NixlConnector on kvrail, {group}: {hits} of {total} prompt tokens external"
-            ps, ds = kv_sums(p, d, pr, dr, prompts)
-            assert ps == ds, f"NixlConnector on kvrail, {group}: the KV D attends to is not the KV P computed"
-            _, dr, hits = disaggregate(p, d, prompts)
-            assert dr["tokens"] == plain[group], f"NixlConnector on kvrail, {group}: D's tokens differ from a plain engine's"
+        check_every_group(p, d, plain, "NixlConnector on kvrail", external_on_decode=False)
         m = d.call(op="metrics")["metrics"]
         nixl_metrics = {k: v for k, v in m.items() if k.startswith("vllm:nixl")}
         assert m.get("vllm:nixl_num_failed_transfers", 0) == 0, nixl_metrics
