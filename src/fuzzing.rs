@@ -129,7 +129,7 @@ pub fn json(data: &[u8]) {
             }
         }
         3 => {
-            let _ = serde_json::from_str::<KvTransferParams>(text);
+            let _ = KvTransferParams::from_json(text);
         }
         _ => {
             let _ = serde_json::from_str::<Finished>(text);

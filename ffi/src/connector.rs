@@ -110,7 +110,7 @@ unsafe fn request(
     } else {
         // SAFETY: the caller's promise.
         let j = unsafe { str_arg(params_json, "params_json") }?;
-        Some(serde_json::from_str::<KvTransferParams>(j).map_err(|e| invalid("params_json", e))?)
+        Some(KvTransferParams::from_json(j).map_err(|e| invalid("params_json", e))?)
     };
     Ok(EngineRequest {
         request_id: id.to_owned(),

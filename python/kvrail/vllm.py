@@ -234,9 +234,29 @@ def _prompt_tokens(request: Any) -> int:
     return int(n)
 
 
+_REFUSED: Dict[str, None] = {}  # requests whose kv_transfer_params were said to be unusable
+
+
 def _params(request: Any) -> Optional[str]:
+    """The request's ``kv_transfer_params`` as JSON; None when it has none, or when they are
+    not what a connector can read (a key of the wrong type, not JSON): the request is then
+    served as a plain one, never loaded from or into other bytes, and the engine's log names
+    the key and its value once. One client's request never stops the engine."""
     p = getattr(request, "kv_transfer_params", None)
-    return json.dumps(p) if p else None
+    if not p:
+        return None
+    try:
+        j = json.dumps(p)
+        _kvrail.check_kv_transfer_params(j)
+        return j
+    except (TypeError, ValueError, _kvrail.MisuseError) as e:
+        rid = str(getattr(request, "request_id", ""))
+        if rid not in _REFUSED:
+            _REFUSED[rid] = None
+            while len(_REFUSED) > _LANDED_KEPT:
+                _REFUSED.pop(next(iter(_REFUSED)))
+            logger.error("request %s: %s; served without the KV connector", rid, e)
+        return None
 
 
 def _block_list(blocks: Any) -> List[int]:
@@ -270,6 +290,14 @@ class KvrailConnector(_Base):
             super().__init__(vllm_config, role, kv_cache_config)
         else:
             _Base.__init__(self, vllm_config, role, kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            kinds = ", ".join(type(getattr(g, "kv_cache_spec", g)).__name__ for g in groups)
+            raise _kvrail.ConfigError(
+                f"kv_cache_config.kv_cache_groups: {len(groups)} groups ({kinds}); kvrail moves one "
+                "KV-cache group: vLLM turns its hybrid KV-cache manager off for a connector that does "
+                "not declare SupportsHMA, unless --no-disable-hybrid-kv-cache-manager asks for it"
+            )
         model = _attr(vllm_config, "model_config.model")
         dtype = _attr(vllm_config, "model_config.dtype")
         if model is not None:

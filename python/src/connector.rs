@@ -29,8 +29,7 @@ fn config(json: &str) -> PyResult<KvTransferConfig> {
 fn request(id: &str, prompt_tokens: u64, params: Option<&str>) -> PyResult<EngineRequest> {
     let params = params
         .map(|j| {
-            serde_json::from_str::<KvTransferParams>(j)
-                .map_err(|e| errors::misuse("kv_transfer_params", e))
+            KvTransferParams::from_json(j).map_err(|e| errors::misuse("kv_transfer_params", e))
         })
         .transpose()?;
     Ok(EngineRequest {
@@ -38,6 +37,13 @@ fn request(id: &str, prompt_tokens: u64, params: Option<&str>) -> PyResult<Engin
         prompt_tokens,
         params,
     })
+}
+
+/// Checks a request's `kv_transfer_params` JSON as the connector reads it: MisuseError naming
+/// the key and value of the wrong type (the engine then treats the request as a plain one).
+#[pyfunction]
+pub(crate) fn check_kv_transfer_params(json: &str) -> PyResult<()> {
+    request("check", 0, Some(json)).map(drop)
 }
 
 /// The connector's scheduler side (one per engine).

@@ -22,6 +22,7 @@ fn _kvrail(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(logs::set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(logs::take_logs, m)?)?;
     m.add_function(wrap_pyfunction!(logs::stop_logs, m)?)?;
+    m.add_function(wrap_pyfunction!(connector::check_kv_transfer_params, m)?)?;
     m.add_class::<agent::Agent>()?;
     m.add_class::<connector::Scheduler>()?;
     m.add_class::<connector::Worker>()?;

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -101,3 +102,36 @@ def test_scheduler_protocol_answers():
     s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],)), 32)
     assert s.has_pending_push_work(), "D waits for its registration"
     assert KvrailConnector.get_required_kvcache_layout(None) == "HND"
+
+
+def test_transfer_params_it_cannot_use_load_nothing_and_never_raise(caplog):
+    """A client's kv_transfer_params with a key missing or of the wrong type: the scheduler
+    loads nothing for that request (vLLM computes it), names the key and value in the log,
+    and never raises into the engine's scheduler loop."""
+    s = KvrailConnector(vllm_config(kv_role="kv_consumer"), KVConnectorRole.SCHEDULER)
+    s.set_xfer_handshake_metadata({0: SimpleNamespace(host="127.0.0.1", port=5555)})
+    whole = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "127.0.0.1", "remote_port": 1,
+             "remote_block_ids": [1, 2, 3], "remote_request_id": "pr", "tp_size": 1}
+    ok = SimpleNamespace(request_id="ok", num_prompt_tokens=40, kv_transfer_params=dict(whole))
+    s.on_new_request(ok)
+    assert s.get_num_new_matched_tokens(ok, 0) == (40, True)
+    for i, (key, value, said) in enumerate((("remote_host", None, 'kv_transfer_params.remote_host is ""'),
+                                            ("remote_port", "1", 'remote_port: "1" is not a port'),
+                                            ("remote_block_ids", [1, "x"], "remote_block_ids: [1,\"x\"] is not"),
+                                            ("remote_engine_id", object(), "is not JSON serializable"))):
+        kp = dict(whole)
+        if value is None:
+            del kp[key]
+        else:
+            kp[key] = value
+        r = SimpleNamespace(request_id=f"bad{i}", num_prompt_tokens=40, kv_transfer_params=kp)
+        caplog.clear()
+        s.on_new_request(r)
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False), key
+        s.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],)), 0)
+        assert s.request_finished(r, [4, 5, 6]) == (False, None), key
+        # (the Rust side's records reach Python's logging through the log bridge's thread)
+        deadline = time.monotonic() + 5
+        while said not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert said in caplog.text, (key, caplog.text)

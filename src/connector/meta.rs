@@ -43,6 +43,97 @@ impl KvTransferParams {
             .copied()
             .unwrap_or_else(|| self.remote_port.saturating_add(rank as u16))
     }
+
+    /// From a request's `kv_transfer_params` JSON. A key of the wrong type is refused with
+    /// its name and value (`remote_port: "x" is not a port (0-65535)`); keys kvrail does not
+    /// know are left to the engine (vLLM adds its own).
+    pub fn from_json(json: &str) -> Result<Self, String> {
+        let v: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| format!("not JSON: {e}"))?;
+        let serde_json::Value::Object(map) = v else {
+            return Err(format!("{v} is not a JSON object"));
+        };
+        let mut p = Self::default();
+        for (k, v) in map.iter().filter(|(_, v)| !v.is_null()) {
+            let bad = |want: &str| format!("{k}: {v} is not {want}");
+            match k.as_str() {
+                "do_remote_decode" => {
+                    p.do_remote_decode = v.as_bool().ok_or_else(|| bad("true or false"))?
+                }
+                "do_remote_prefill" => {
+                    p.do_remote_prefill = v.as_bool().ok_or_else(|| bad("true or false"))?
+                }
+                "remote_engine_id" => {
+                    p.remote_engine_id = text(v).ok_or_else(|| bad("a string"))?
+                }
+                "remote_host" => p.remote_host = text(v).ok_or_else(|| bad("a string"))?,
+                "remote_request_id" => {
+                    p.remote_request_id = text(v).ok_or_else(|| bad("a string"))?
+                }
+                "remote_port" => p.remote_port = port(v).ok_or_else(|| bad("a port (0-65535)"))?,
+                "tp_size" => {
+                    p.tp_size = v
+                        .as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| bad("a TP size"))?
+                }
+                "remote_block_ids" => {
+                    p.remote_block_ids = list(v, serde_json::Value::as_u64)
+                        .ok_or_else(|| bad("a list of block ids"))?
+                }
+                "remote_ports" => {
+                    p.remote_ports = list(v, port).ok_or_else(|| bad("a list of ports"))?
+                }
+                _ => {}
+            }
+        }
+        Ok(p)
+    }
+
+    /// Why these parameters cannot load a prompt's KV from P (`pull`: D READs P's blocks,
+    /// so it needs their ids too), naming the first key missing and its value; None when
+    /// they can, or when they ask for no load (`do_remote_prefill` false).
+    pub fn load_problem(&self, pull: bool) -> Option<String> {
+        if !self.do_remote_prefill {
+            return None;
+        }
+        let missing = |key: &str, v: &dyn std::fmt::Debug| {
+            Some(format!(
+                "kv_transfer_params.{key} is {v:?}: a decode leg (do_remote_prefill) needs P's {key}"
+            ))
+        };
+        if self.remote_engine_id.is_empty() {
+            return missing("remote_engine_id", &self.remote_engine_id);
+        }
+        if self.remote_host.is_empty() {
+            return missing("remote_host", &self.remote_host);
+        }
+        if self.remote_port == 0 && self.remote_ports.first().is_none_or(|&p| p == 0) {
+            return missing("remote_port", &self.remote_port);
+        }
+        if self.remote_request_id.is_empty() {
+            return missing("remote_request_id", &self.remote_request_id);
+        }
+        if pull && self.remote_block_ids.is_empty() {
+            return missing("remote_block_ids", &self.remote_block_ids);
+        }
+        None
+    }
+}
+
+fn text(v: &serde_json::Value) -> Option<String> {
+    v.as_str().map(str::to_owned)
+}
+
+fn port(v: &serde_json::Value) -> Option<u16> {
+    v.as_u64().and_then(|n| u16::try_from(n).ok())
+}
+
+fn list<T>(
+    v: &serde_json::Value,
+    item: impl Fn(&serde_json::Value) -> Option<T>,
+) -> Option<Vec<T>> {
+    v.as_array()?.iter().map(item).collect()
 }
 
 /// A request as the connector sees it.

@@ -39,6 +39,8 @@ pub struct Scheduler {
     /// for every P rank's confirmation), and those to tell the workers about.
     cancelling: HashSet<String>,
     cancels: Vec<String>,
+    /// D: requests whose parameters cannot load from P (said once each, computed here).
+    refused: HashSet<String>,
 }
 
 impl Scheduler {
@@ -66,6 +68,7 @@ impl Scheduler {
             sending: HashSet::new(),
             cancelling: HashSet::new(),
             cancels: Vec::new(),
+            refused: HashSet::new(),
         }
     }
 
@@ -94,6 +97,14 @@ impl Scheduler {
         else {
             return false;
         };
+        if let Some(why) = p.load_problem(self.cfg.direction == Direction::Pull) {
+            // nothing is loaded from (or for) an engine the parameters do not name whole: the
+            // request's prompt is computed here
+            if self.refused.insert(req.request_id.clone()) {
+                tracing::error!(request = %req.request_id, "{why}; the prompt is computed here instead");
+            }
+            return false;
+        }
         let ports = (0..p.p_tp()).map(|k| p.rank_port(k)).collect();
         self.engines.insert(
             p.remote_engine_id.clone(),
@@ -270,6 +281,7 @@ impl Scheduler {
         self.hb.untrack(&req.request_id);
         self.watchdog.remove(&req.request_id);
         self.streamed.remove(&req.request_id);
+        self.refused.remove(&req.request_id);
         let remote_decode = req.params.as_ref().is_some_and(|p| p.do_remote_decode);
         if !remote_decode || !self.produces() {
             return (false, None);

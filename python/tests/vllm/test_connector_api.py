@@ -180,3 +180,51 @@ def test_vllm_honours_the_layout_kvrail_asks_for():
     # MLA: no preference (one head: every layout is the same bytes)
     cfg.model_config.use_mla = True
     assert KvrailConnector.get_required_kvcache_layout(cfg) is None
+
+
+def test_a_hybrid_model_reaches_kvrail_as_one_kv_cache_group():
+    """Several KV-cache groups (sliding-window beside full attention, hybrid models): kvrail
+    does not declare vLLM's SupportsHMA, so vLLM turns its hybrid KV-cache manager off and
+    makes one group of every layer (vLLM's own grouping, below); a kv_cache_config of
+    several groups, forced on, is refused when the connector is made, naming the key."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
+
+    from kvrail import ConfigError
+    from kvrail.vllm import KVConnectorRole
+
+    ktc = KVTransferConfig(
+        kv_connector="KvrailConnector",
+        kv_connector_module_path="kvrail.vllm",
+        kv_role="kv_consumer",
+        kv_buffer_device="cpu",
+    )
+    assert not KVConnectorFactory.supports_hma_config(ktc), "vLLM would keep HMA on for kvrail"
+
+    def specs():
+        full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+        swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=128)
+        return {"model.layers.0.attn": swa, "model.layers.1.attn": full, "model.layers.2.attn": swa}
+
+    def groups(hma_off):
+        cfg = SimpleNamespace(
+            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=hma_off),
+            attention_config=SimpleNamespace(hisparse_config=None),
+            speculative_config=None,
+            cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC),
+        )
+        return get_kv_cache_groups(cfg, specs())
+
+    assert len(groups(True)) == 1, "vLLM's grouping with HMA off"
+    several = groups(False)
+    assert len(several) >= 2, "the same model with HMA on has groups per attention type"
+    cfg = SimpleNamespace(kv_transfer_config=ktc)
+    hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=several)
+    with pytest.raises(ConfigError, match=r"^kv_cache_config\.kv_cache_groups: \d+ groups \(.*SlidingWindowSpec.*FullAttentionSpec"):
+        KvrailConnector(cfg, KVConnectorRole.WORKER, hybrid)
+    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups(True))
+    KvrailConnector(cfg, KVConnectorRole.WORKER, one)

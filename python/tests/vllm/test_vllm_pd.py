@@ -170,3 +170,32 @@ def test_vllms_own_nixl_connector_runs_unchanged_on_kvrail(model, plain):
     with open(os.path.join(LOGS, "d-nixl-on-kvrail.log")) as f:
         log = f.read()
     assert "NIXL compat package" in log and "not NIXL" in log, "D's log does not say that its nixl is kvrail"
+
+
+def test_transfer_params_kvrail_cannot_use_are_named_and_computed_by_d(model, plain):
+    """Bad input from the proxy or a client: D is given P's parameters with a key missing
+    or of the wrong type. D loads nothing for that request (no external token, nothing read
+    from or into other bytes), computes the prompt itself and answers a plain engine's
+    tokens; its log names the key and the value; the next whole request loads from P."""
+    p, d = pd(model, "pull", "badparams")
+    try:
+        prompts = GROUPS["many_blocks"]
+        for key, value in (("remote_host", None), ("remote_block_ids", []), ("remote_port", "7001")):
+            pr = p.call(op="generate", prompts=prompts, max_tokens=1, params=[{"do_remote_decode": True}])
+            kp = dict(pr["kv_params"][0])
+            if value is None:
+                del kp[key]
+            else:
+                kp[key] = value
+            before = external_hits(d)
+            dr = d.call(op="generate", prompts=prompts, max_tokens=TOKENS, params=[kp])
+            assert external_hits(d) == before, f"{key}: D loaded tokens from parameters it cannot use"
+            assert dr["tokens"] == plain["many_blocks"], f"{key}: D's tokens differ from a plain engine's"
+            with open(d.log.name) as f:
+                log = f.read()
+            assert f"kv_transfer_params.{key} is " in log or f"{key}: " in log, f"D's log does not name {key}"
+        _, dr, hits = disaggregate(p, d, prompts)
+        assert dr["tokens"] == plain["many_blocks"] and hits >= 0.9 * len(prompts[0])
+    finally:
+        p.close()
+        d.close()

@@ -97,3 +97,84 @@ fn pending_push_work_keeps_the_engine_stepping() {
         "held for D by the workers, not the loop"
     );
 }
+
+/// Parameters that do not name P whole load nothing: each missing key is named with its
+/// value, the request is not tracked (no heartbeats to nowhere) and its prompt is computed
+/// by D itself; push needs no block ids of P, pull does.
+#[test]
+fn a_decode_leg_missing_a_key_loads_nothing_and_says_which() {
+    let t0 = Instant::now();
+    type Cut = fn(&mut KvTransferParams);
+    let cases: [(&str, Cut); 5] = [
+        ("remote_engine_id", |p| p.remote_engine_id.clear()),
+        ("remote_host", |p| p.remote_host.clear()),
+        ("remote_port", |p| p.remote_port = 0),
+        ("remote_request_id", |p| p.remote_request_id.clear()),
+        ("remote_block_ids", |p| p.remote_block_ids.clear()),
+    ];
+    for (key, cut) in cases {
+        let mut req = remote_prefill("r1");
+        cut(req.params.as_mut().unwrap());
+        let why = req.params.as_ref().unwrap().load_problem(true).unwrap();
+        assert!(
+            why.starts_with(&format!("kv_transfer_params.{key} is ")),
+            "{why}"
+        );
+        let mut d = sched("Pull", "kv_consumer");
+        assert_eq!(
+            d.get_num_new_matched_tokens(&req, 0, t0),
+            (0, false),
+            "{key}"
+        );
+        assert_eq!(d.heartbeating(), 0, "{key}");
+        d.update_state_after_alloc(&req, vec![4, 5], 0, t0);
+        assert!(d.build_connector_meta(t0).reqs_to_recv.is_empty(), "{key}");
+    }
+    // push: D's blocks are written by P, which knows its own
+    let mut req = remote_prefill("r1");
+    req.params.as_mut().unwrap().remote_block_ids.clear();
+    let mut d = sched("Push", "kv_consumer");
+    assert_eq!(d.get_num_new_matched_tokens(&req, 0, t0), (100, true));
+    // the whole parameters load
+    assert_eq!(
+        remote_prefill("r2").params.unwrap().load_problem(true),
+        None
+    );
+}
+
+/// A key of the wrong type is refused naming the key and its value; null is absent; keys
+/// kvrail does not know are the engine's.
+#[test]
+fn transfer_params_from_json_name_the_bad_key() {
+    let p = KvTransferParams::from_json(
+        r#"{"do_remote_prefill": true, "remote_host": "10.0.0.1", "remote_port": 7001,
+            "remote_block_ids": [1, 2], "remote_ports": null, "vllm_own": {"x": 1}}"#,
+    )
+    .unwrap();
+    assert!(p.do_remote_prefill && p.remote_port == 7001 && p.remote_ports.is_empty());
+    assert_eq!(p.remote_block_ids, [1, 2]);
+    for (json, want) in [
+        (
+            r#"{"remote_port": "7001"}"#,
+            r#"remote_port: "7001" is not a port"#,
+        ),
+        (
+            r#"{"remote_port": 70000}"#,
+            "remote_port: 70000 is not a port",
+        ),
+        (
+            r#"{"remote_block_ids": [1, -2]}"#,
+            "remote_block_ids: [1,-2] is not a list of block ids",
+        ),
+        (
+            r#"{"do_remote_prefill": "yes"}"#,
+            r#"do_remote_prefill: "yes" is not true or false"#,
+        ),
+        (r#"{"remote_host": 5}"#, "remote_host: 5 is not a string"),
+        ("[1]", "[1] is not a JSON object"),
+        ("{", "not JSON"),
+    ] {
+        let e = KvTransferParams::from_json(json).unwrap_err();
+        assert!(e.starts_with(want), "{json}: {e}");
+    }
+}
