@@ -38,10 +38,12 @@ fi
 
 echo "=== python: the wheel (target/wheels; maturin builds the native module), installed into $VENV"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q --disable-pip-version-check pytest numpy
-# one build for every venv that needs the package (python/tests/vllm/run.sh takes it too)
-rm -f target/wheels/kvrail-*.whl
-"$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps -w target/wheels ./python
+"$VENV/bin/pip" install -q --disable-pip-version-check pytest numpy 'maturin>=1.5,<2' twine
+# one build for every venv that needs the package (python/tests/vllm/run.sh takes it too):
+# the abi3 manylinux wheel and the sdist, as a release would publish them
+rm -f target/wheels/kvrail-*
+"$VENV/bin/maturin" build --quiet --release --sdist -m python/Cargo.toml -o target/wheels
+"$VENV/bin/twine" check --strict target/wheels/kvrail-*
 "$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/kvrail-*.whl
 echo "=== python: pytest python/tests (python/tests/vllm runs in its own venv: python/tests/vllm/run.sh)"
 # ignored, not skipped: with python/tests on sys.path its directory `vllm` would pass for vLLM
@@ -54,5 +56,10 @@ echo "=== python: the NIXL-API program against the real NIXL (nixl-cu12, UCX ove
 out=$(UCX_TLS=tcp UCX_NET_DEVICES=lo "$NIXL_VENV/bin/python" "$PROGRAM" --impl nixl 2>&1) || {
     echo "$out"; echo "NIXL-API program on NIXL: FAILED"; exit 1; }
 echo "$out" | grep '^\[.*\] [0-9]* ok'
+echo "=== python: the README's example against the real NIXL (its import swapped back)"
+sed 's/^from kvrail.nixl import nixl_agent, nixl_agent_config.*/from nixl_cu12._api import nixl_agent, nixl_agent_config/' \
+    python/tests/readme_example.py > target/readme_example_nixl.py
+UCX_TLS=tcp UCX_NET_DEVICES=lo "$NIXL_VENV/bin/python" target/readme_example_nixl.py 2>&1 | grep '^README example' \
+    || { echo "the README's example on NIXL: FAILED"; exit 1; }
 echo "=== python: the same program on kvrail.nixl (TCP)"
 "$VENV/bin/python" "$PROGRAM" --impl kvrail 2>&1 | grep -v '^ok'

@@ -5,7 +5,7 @@
 //! notifications after data; a 100,000-notification burst in order; validation naming the
 //! descriptor; busy deregistration; handshake refusals; the loopback-advertise error; repost
 //! rules; a peer that dies mid-transfer; two agents in two processes; protected mode (no
-//! secret: loopback peers only).
+//! secret: loopback peers only). In the lab every agent of the suite proves a cluster secret.
 
 #[path = "agent_suite/deregister.rs"]
 mod deregister;
@@ -56,8 +56,23 @@ fn cfg(host: Host) -> AgentConfig {
             Host::A => t.a_devs,
             Host::B => t.b_devs,
         };
+        // the lab's two hosts run as a cluster should: every handshake proves the secret
+        // (protected.rs shows the refusal without one)
+        c.cluster_secret = Some(kvrail::agent::ClusterSecret::new(LAB_SECRET).unwrap());
     }
     c
+}
+
+/// The cluster secret of the lab's agents (on TCP outside the lab: none, loopback only).
+const LAB_SECRET: &str = "the kvrail lab's cluster secret";
+
+/// [`cfg`] without a cluster secret on either backend: for an agent facing a fake peer that
+/// speaks the wire without authentication, or a peer that has none (on loopback: served).
+fn cfg_no_secret(host: Host) -> AgentConfig {
+    AgentConfig {
+        cluster_secret: None,
+        ..cfg(host)
+    }
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -853,7 +868,7 @@ impl SilentPeer {
 
 #[test]
 fn busy_deregistration_repost_rules_and_a_dying_peer() {
-    let a = Agent::new("initiator", cfg(Host::A)).unwrap();
+    let a = Agent::new("initiator", cfg_no_secret(Host::A)).unwrap();
     let silent = SilentPeer::start();
     let peer = a
         .load_remote_metadata(&silent.metadata(), Some(silent.addr))
@@ -1136,7 +1151,7 @@ fn two_processes() {
 
 #[test]
 fn invalidate_forgets_the_peer_and_fails_its_transfers() {
-    let a = Agent::new("initiator", cfg(Host::A)).unwrap();
+    let a = Agent::new("initiator", cfg_no_secret(Host::A)).unwrap();
     let silent = SilentPeer::start();
     let peer = a
         .load_remote_metadata(&silent.metadata(), Some(silent.addr))

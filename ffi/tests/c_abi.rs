@@ -316,3 +316,63 @@ fn installed_with_a_versioned_soname_and_pkg_config() {
     let out = run_env(&bin, &[&a, &b], &[("LD_LIBRARY_PATH", &lib)]);
     assert!(out.contains("all bytes match"), "{out}");
 }
+
+/// CMake's `find_package(kvrail 0.1)` finds the installed copy (ffi/install.sh's
+/// kvrailConfig.cmake): the README's C example builds against `kvrail::kvrail`, records the
+/// soname and moves its bytes; a version of another ABI (0.2) is not found.
+#[test]
+fn cmake_finds_the_installed_package_and_builds_the_readme_example() {
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let prefix = tmp.join("cmake-prefix");
+    let _ = std::fs::remove_dir_all(&prefix);
+    let st = Command::new("bash")
+        .arg(crate_dir().join("install.sh"))
+        .arg(&prefix)
+        .arg(lib_dir())
+        .status()
+        .expect("install.sh");
+    assert!(st.success(), "install.sh failed");
+    let configure = |want: &str, build: &Path| {
+        let _ = std::fs::remove_dir_all(build);
+        Command::new("cmake")
+            .arg("-S")
+            .arg(crate_dir().join("examples/cmake"))
+            .arg("-B")
+            .arg(build)
+            .arg(format!("-DCMAKE_PREFIX_PATH={}", prefix.display()))
+            .arg(format!("-DKVRAIL_WANT={want}"))
+            .output()
+            .expect("cmake (tools/lab/setup.sh installs it)")
+    };
+    let build = tmp.join("cmake-build");
+    let o = configure("0.1", &build);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new("cmake")
+        .arg("--build")
+        .arg(&build)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    let bin = build.join("readme");
+    let needed = Command::new("readelf")
+        .arg("-d")
+        .arg(&bin)
+        .output()
+        .unwrap();
+    let needed = String::from_utf8_lossy(&needed.stdout);
+    let soname = env!("KVRAIL_SONAME");
+    assert!(
+        needed.contains(&format!("Shared library: [{soname}]")),
+        "{needed}"
+    );
+    let out = run_env(&bin, &[], &[("LD_LIBRARY_PATH", &prefix.join("lib"))]);
+    assert!(
+        out.contains("README example: 1048576 bytes written"),
+        "{out}"
+    );
+    let o = configure("0.2", &tmp.join("cmake-build-0.2"));
+    assert!(
+        !o.status.success(),
+        "find_package(kvrail 0.2) accepted a 0.1 library"
+    );
+}

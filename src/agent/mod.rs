@@ -8,10 +8,11 @@
 //! (real sockets, the same semantics). `Auto` takes verbs when a usable rail exists and TCP
 //! otherwise, and logs which and why.
 //!
-//! ```no_run
+//! ```
 //! use kvrail::agent::{Agent, AgentConfig, Desc, RemoteAccess, XferOp, XferStatus};
-//! let p = Agent::new("prefill-0", AgentConfig::default())?;
-//! let d = Agent::new("decode-0", AgentConfig::default())?;
+//! let cfg = || AgentConfig { listen: "127.0.0.1:0".parse().unwrap(), ..AgentConfig::default() };
+//! let p = Agent::new("prefill-0", cfg())?;
+//! let d = Agent::new("decode-0", cfg())?;
 //! let src = p.register(1 << 20, RemoteAccess::READ, vec![])?;
 //! p.write_region(src, 0, b"kv blocks")?;
 //! let dst = d.register(1 << 20, RemoteAccess::NONE, vec![])?;
@@ -19,6 +20,10 @@
 //! let x = d.create_xfer(XferOp::Read, vec![Desc::new(dst, 0, 9)], &peer, vec![Desc::new(src, 0, 9)], Some(b"done".to_vec()))?;
 //! d.post(x)?;
 //! while d.status(x)? == XferStatus::InProgress { std::thread::yield_now() }
+//! assert_eq!(d.status(x)?, XferStatus::Done);
+//! let mut got = [0u8; 9];
+//! d.read_region(dst, 0, &mut got)?;
+//! assert_eq!(&got, b"kv blocks");
 //! # Ok::<(), kvrail::agent::AgentError>(())
 //! ```
 
@@ -897,6 +902,22 @@ impl Agent {
     }
 
     /// Send a notification to a peer; peers receive them in the order they were sent.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kvrail::agent::{Agent, AgentConfig};
+    /// let cfg = || AgentConfig { listen: "127.0.0.1:0".parse().unwrap(), ..AgentConfig::default() };
+    /// let (p, d) = (Agent::new("prefill-0", cfg())?, Agent::new("decode-0", cfg())?);
+    /// let peer = d.load_remote(p.side_channel_addr())?;
+    /// d.send_notif(&peer, b"req-7:1".to_vec())?;
+    /// d.send_notif(&peer, b"req-8:1".to_vec())?;
+    /// let mut got = Vec::new();
+    /// while got.len() < 2 && p.wait_for_notifs(Duration::from_secs(10)) {
+    ///     got.extend(p.get_new_notifs());
+    /// }
+    /// assert_eq!(got, [("decode-0".to_string(), b"req-7:1".to_vec()), ("decode-0".to_string(), b"req-8:1".to_vec())]);
+    /// # Ok::<(), kvrail::agent::AgentError>(())
+    /// ```
     ///
     /// # Errors
     /// [`AgentError::UnknownPeer`], [`AgentError::NotifTooLarge`].

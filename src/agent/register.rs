@@ -14,9 +14,9 @@ use crate::mem::{DeviceMemory, HostBuffer, HostOwner, KvBufferDevice};
 /// Memory to register, built from the caller's memory (or kvrail's), then
 /// [`Agent::register_memory`].
 ///
-/// ```no_run
+/// ```
 /// # use kvrail::agent::{Agent, AgentConfig, MemRegion, RemoteAccess};
-/// let agent = Agent::new("prefill-0", AgentConfig::default())?;
+/// let agent = Agent::new("prefill-0", AgentConfig { listen: "127.0.0.1:0".parse().unwrap(), ..AgentConfig::default() })?;
 /// let kv: Vec<u8> = vec![0; 1 << 20]; // the engine's cache
 /// let id = agent.register_memory(
 ///     MemRegion::vec(kv)?.access(RemoteAccess::READ).layers(vec!["model.layers.0".into()]),

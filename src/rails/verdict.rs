@@ -283,6 +283,20 @@ fn no_usable_text(numa: i32, verdicts: &[Verdict], searched: &str) -> String {
 /// The usable rails for an accelerator on NUMA node `numa` (-1: any), ordered by device
 /// (natural order) and port.
 ///
+/// A two-socket host with eight RoCE NICs (a sysfs fixture of the tests): the NPU at
+/// `0000:b1:00.0` sits on node 1, whose four NICs are its rails.
+///
+/// ```
+/// use kvrail::rails::{discover, pci_numa_node, select, AddrSource, SysfsRoot};
+/// let root = SysfsRoot::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/sysfs/two-socket-8nic"));
+/// let host = discover(&root, &AddrSource::for_root(&root))?;
+/// let numa = pci_numa_node(&root, "0000:b1:00.0")?;
+/// let rails = select(&host, numa)?;
+/// let names: Vec<String> = rails.iter().map(|r| format!("{}/{}", r.port.device, r.port.port)).collect();
+/// assert_eq!(names, ["mlx5_4/1", "mlx5_5/1", "mlx5_6/1", "mlx5_7/1"]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
 /// # Errors
 /// [`RailError::NoUsableNic`] naming the node and every port checked with its reasons.
 pub fn select(host: &HostView, numa: i32) -> Result<Vec<Rail>, RailError> {

@@ -9,7 +9,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
 
 use kvrail::agent::{Agent, AgentConfig, ClusterSecret, RemoteAccess, XferOp};
 
-use super::{cfg, lab, pattern, post_wait_release, Host};
+use super::{cfg, cfg_no_secret, lab, pattern, post_wait_release, Host};
 
 /// A non-loopback address of this machine: the lab's host A rail address, else the one the
 /// kernel would send from. Proven local by binding a listener to it (binding fails with
@@ -94,7 +94,7 @@ fn without_a_secret_only_loopback_peers_are_served() {
     c.listen = SocketAddr::new([0, 0, 0, 0].into(), 0);
     c.side_channel_host = [127, 0, 0, 1].into();
     let lp = Agent::new("protected-lo", c).unwrap();
-    let ld = Agent::new("protected-lo-d", cfg(Host::A)).unwrap();
+    let ld = Agent::new("protected-lo-d", cfg_no_secret(Host::A)).unwrap();
     read_all(&lp, &ld, 1 << 20, 31);
     assert_eq!(lp.protected_refusals(), 0);
     // insecure: served as before, the operator's choice

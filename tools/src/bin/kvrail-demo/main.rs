@@ -6,6 +6,8 @@
 //! the totals. `--kill d` kills D mid-run and shows P reclaiming every block by lease
 //! expiry; `--kill p` kills P and shows D failing those requests cleanly.
 
+#[path = "../../cli.rs"]
+mod cli;
 #[macro_use]
 #[path = "../../out.rs"]
 mod out;
@@ -45,6 +47,7 @@ enum Backend {
 
 #[derive(Parser, Debug)]
 #[command(
+    version = cli::VERSION,
     about = "P/D disaggregation end to end over kvrail: a proxy, a prefill and a decode process",
     after_help = concat!(
         "Examples:\n",
@@ -604,7 +607,10 @@ impl Args {
     }
 }
 
-fn main() {
+fn main() -> std::process::ExitCode {
+    if let Some(code) = cli::generate_if_asked(<Args as clap::CommandFactory>::command()) {
+        return code;
+    }
     let a = Args::parse();
     logging::init(&a.log);
     if let Err(e) = a.validate() {
@@ -627,7 +633,7 @@ fn main() {
             eprintln!("{}: {e}", out.display());
             std::process::exit(1);
         }
-        return;
+        return std::process::ExitCode::SUCCESS;
     }
     if let Some(Sub::Instance {
         name,
@@ -651,14 +657,14 @@ fn main() {
             eprintln!("{name}: {e}");
             std::process::exit(1);
         }
-        return;
+        return std::process::ExitCode::SUCCESS;
     }
     if a.soak {
         if let Err(e) = soak::run(&a) {
             eprintln!("kvrail-demo: FAILED: {e}");
             std::process::exit(1);
         }
-        return;
+        return std::process::ExitCode::SUCCESS;
     }
     let res = (|| {
         let mut p = spawn(&a, "prefill-0", "kv_producer", a.devices_of(true))?;
@@ -684,4 +690,5 @@ fn main() {
         eprintln!("kvrail-demo: FAILED: {e}");
         std::process::exit(1);
     }
+    std::process::ExitCode::SUCCESS
 }

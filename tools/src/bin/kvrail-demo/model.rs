@@ -1,6 +1,6 @@
 //! The fake model: deterministic KV from token ids, layer, plane (K/V), head and dimension,
 //! written into (and checked in) a real paged KV cache in the HND block layout:
-//! block = [head][token in block][dim] of fp16, one plane for K and one for V per layer.
+//! block = `[head][token in block][dim]` of fp16, one plane for K and one for V per layer.
 
 use kvrail::connector::{BlockOrder, KvLayout};
 

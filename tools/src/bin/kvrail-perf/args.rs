@@ -42,7 +42,7 @@ pub(crate) const DEFAULT_PORT: u16 = 18515;
 /// columns.
 #[derive(Parser, Debug, Clone)]
 #[command(
-    version,
+    version = crate::cli::VERSION,
     about,
     after_help = concat!(
         "Examples (perftest's command lines work as they are):\n",

@@ -17,6 +17,8 @@
 //! server compares its memory with the client's pattern; READ — the client compares what
 //! landed with the server's pattern. A wrong byte fails the run.
 
+#[path = "../../cli.rs"]
+mod cli;
 #[macro_use]
 #[path = "../../out.rs"]
 mod out;
@@ -56,6 +58,9 @@ pub(crate) static HALT: std::sync::LazyLock<Arc<AtomicBool>> =
 const INTERRUPTED: u8 = 130;
 
 fn main() -> ExitCode {
+    if let Some(code) = cli::generate_if_asked(<Args as clap::CommandFactory>::command()) {
+        return code;
+    }
     let args = Args::parse();
     logging::init(&(&args.log).into());
     if let Err(e) = args.validate() {

@@ -11,6 +11,8 @@
 //! Every subcommand takes `--sysfs-root DIR` (default `/`) so it runs on fixture trees.
 //! Exit statuses: see [`fail`].
 
+#[path = "../../cli.rs"]
+mod cli;
 #[macro_use]
 #[path = "../../out.rs"]
 mod out;
@@ -32,7 +34,7 @@ use kvrail::rails::{discover, judge_all, pci_numa_node, AddrSource, SysfsRoot, V
 
 #[derive(Parser, Debug)]
 #[command(
-    version,
+    version = cli::VERSION,
     about = "kvrail's rail diagnostics: list, explain, gids, serve, probe",
     after_help = concat!(
         "Examples:\n",
@@ -164,6 +166,9 @@ impl HostArgs {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = cli::generate_if_asked(<Cli as clap::CommandFactory>::command()) {
+        return code;
+    }
     let cli = Cli::parse();
     logging::init(&cli.log);
     let res = match cli.cmd {

@@ -1,0 +1,64 @@
+#!/bin/bash
+# tools/check-front-door.sh — keeps the project's front door true (CI runs it after the
+# tests; ~6 min here, most of it the dry-run builds):
+#   1. README.md at most 200 lines, every relative link in the Markdown resolves, and each
+#      README example is in the program that runs it (tools/check_front_door.py);
+#   2. the README's Rust example runs (examples/readme.rs);
+#   3. the API docs build with warnings as errors, and the doc tests pass;
+#   4. `cargo publish --dry-run` for rbln-sys, kvrail, kvrail-ffi and kvrail-tools (each packaged
+#      and built from its package alone);
+#   5. the Python wheel (built by python/run-tests.sh with its sdist, `twine check` passed there)
+#      installs into a clean venv and imports and moves bytes with libibverbs hidden;
+#   6. each tool's man page and completions generate, and --version names the build.
+# The C library's install (pkg-config, CMake) is tested in ffi/tests/c_abi.rs.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+step() { echo "=== front door: $*"; }
+
+step "README, links, examples in the README"
+python3 tools/check_front_door.py
+
+step "the README's Rust example"
+cargo run -q --example readme
+
+step "cargo doc (warnings are errors) and the doc tests"
+RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps --workspace --exclude kvrail-py
+cargo test -q --doc --workspace --exclude kvrail-py 2>&1 | grep -E "^test result|FAILED|panicked" || true
+cargo test -q --doc --workspace --exclude kvrail-py >/dev/null 2>&1 \
+    || { cargo test --doc --workspace --exclude kvrail-py; exit 1; }
+
+step "cargo publish --dry-run (rbln-sys, kvrail, kvrail-ffi, kvrail-tools)"
+cargo publish --dry-run --workspace --allow-dirty 2>&1 | grep -E "^\s*(Packaged|Verifying|error)" || true
+cargo publish --dry-run --workspace --allow-dirty -q >/dev/null 2>&1 \
+    || { cargo publish --dry-run --workspace --allow-dirty; exit 1; }
+
+step "the wheel in a clean venv, libibverbs hidden"
+WHEEL=$(ls target/wheels/kvrail-*-abi3-manylinux*.whl 2>/dev/null | head -1)
+[ -n "$WHEEL" ] || { echo "no manylinux abi3 wheel in target/wheels: run python/run-tests.sh first"; exit 1; }
+rm -rf target/clean-venv && python3 -m venv target/clean-venv
+target/clean-venv/bin/pip install -q --disable-pip-version-check "$WHEEL" numpy
+unshare --mount --propagation private sh -c '
+    for f in $(ls /usr/lib/*/libibverbs.so* /lib/*/libibverbs.so* 2>/dev/null); do mount --bind /dev/null "$f"; done
+    target/clean-venv/bin/python -c "import ctypes; ctypes.CDLL(\"libibverbs.so.1\")" 2>/dev/null \
+        && { echo "libibverbs is still loadable"; exit 1; }
+    KVRAIL_AGENT_CONFIG="{\"backend\": \"auto\"}" target/clean-venv/bin/python -c "
+import kvrail
+a = kvrail.Agent(\"clean\", \"{\\\"listen\\\": \\\"127.0.0.1:0\\\"}\")
+assert a.backend() == \"tcp\", a.backend()
+print(\"kvrail\", kvrail.__version__, \"imported without libibverbs; backend\", a.backend())"
+    target/clean-venv/bin/python python/tests/readme_example.py'
+
+step "man pages, completions, --version"
+for t in kvrail-perf kvrail-rails kvrail-demo; do
+    cargo build -q -p kvrail-tools --bin "$t"
+    bin=target/debug/$t
+    "$bin" --generate man | grep -q '^\.TH' || { echo "$t: no man page"; exit 1; }
+    for sh in bash zsh fish; do
+        "$bin" --generate "$sh" | grep -q "$t" || { echo "$t: no $sh completions"; exit 1; }
+    done
+    v=$("$bin" --version)
+    echo "$v" | grep -Eq "^$t [0-9]+\.[0-9]+\.[0-9]+ \((commit [0-9a-f]{12}|not from git)" \
+        || { echo "$t --version: $v"; exit 1; }
+    echo "$v; man page and bash/zsh/fish completions generate"
+done
+step "all true"
