@@ -1,12 +1,13 @@
 #!/bin/bash
 # tools/check-front-door.sh — keeps the project's front door true (CI runs it after the
-# tests; ~6 min here, most of it the dry-run builds):
+# tests; ~5 min on a warm target/, most of it the dry-run and MSRV builds):
 #   1. README.md at most 200 lines, every relative link in the Markdown resolves, and each
 #      README example is in the program that runs it (tools/check_front_door.py);
 #   2. the README's Rust example runs (examples/readme.rs);
 #   3. the API docs build with warnings as errors, and the doc tests pass;
 #   4. `cargo publish --dry-run` for rbln-sys, kvrail, kvrail-ffi and kvrail-tools (each packaged
-#      and built from its package alone);
+#      and built from its package alone), and the workspace checked with the minimum Rust
+#      version the manifests declare (rust-version; rustup installs it when missing);
 #   5. the Python wheel (built by python/run-tests.sh with its sdist, `twine check` passed there)
 #      installs into a clean venv and imports and moves bytes with libibverbs hidden;
 #   6. each tool's man page and completions generate, and --version names the build.
@@ -23,14 +24,21 @@ cargo run -q --example readme
 
 step "cargo doc (warnings are errors) and the doc tests"
 RUSTDOCFLAGS="-D warnings" cargo doc -q --no-deps --workspace --exclude kvrail-py
-cargo test -q --doc --workspace --exclude kvrail-py 2>&1 | grep -E "^test result|FAILED|panicked" || true
-cargo test -q --doc --workspace --exclude kvrail-py >/dev/null 2>&1 \
-    || { cargo test --doc --workspace --exclude kvrail-py; exit 1; }
+LOG=target/front-door.log
+run_logged() {  # run "$@" with its output in $LOG; print the lines matching $1 (or all on failure)
+    local pat=$1; shift
+    if "$@" >"$LOG" 2>&1; then grep -E "$pat" "$LOG" || true; else cat "$LOG"; echo "FAILED: $*"; exit 1; fi
+}
+run_logged "^test result" cargo test -q --doc --workspace --exclude kvrail-py
 
 step "cargo publish --dry-run (rbln-sys, kvrail, kvrail-ffi, kvrail-tools)"
-cargo publish --dry-run --workspace --allow-dirty 2>&1 | grep -E "^\s*(Packaged|Verifying|error)" || true
-cargo publish --dry-run --workspace --allow-dirty -q >/dev/null 2>&1 \
-    || { cargo publish --dry-run --workspace --allow-dirty; exit 1; }
+run_logged "^\s*(Packaged|Verifying)" cargo publish --dry-run --workspace --allow-dirty
+
+MSRV=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+step "the minimum Rust version (rust-version = $MSRV) builds the workspace"
+rustup toolchain list | grep -q "^$MSRV" || rustup toolchain install "$MSRV" --profile minimal
+run_logged "^$" cargo "+$MSRV" check --workspace --all-targets
+echo "cargo +$MSRV check --workspace --all-targets: ok"
 
 step "the wheel in a clean venv, libibverbs hidden"
 WHEEL=$(ls target/wheels/kvrail-*-abi3-manylinux*.whl 2>/dev/null | head -1)
@@ -38,23 +46,27 @@ WHEEL=$(ls target/wheels/kvrail-*-abi3-manylinux*.whl 2>/dev/null | head -1)
 rm -rf target/clean-venv && python3 -m venv target/clean-venv
 target/clean-venv/bin/pip install -q --disable-pip-version-check "$WHEEL" numpy
 unshare --mount --propagation private sh -c '
+    set -e
     for f in $(ls /usr/lib/*/libibverbs.so* /lib/*/libibverbs.so* 2>/dev/null); do mount --bind /dev/null "$f"; done
     target/clean-venv/bin/python -c "import ctypes; ctypes.CDLL(\"libibverbs.so.1\")" 2>/dev/null \
         && { echo "libibverbs is still loadable"; exit 1; }
     KVRAIL_AGENT_CONFIG="{\"backend\": \"auto\"}" target/clean-venv/bin/python -c "
 import kvrail
-a = kvrail.Agent(\"clean\", \"{\\\"listen\\\": \\\"127.0.0.1:0\\\"}\")
-assert a.backend() == \"tcp\", a.backend()
-print(\"kvrail\", kvrail.__version__, \"imported without libibverbs; backend\", a.backend())"
+a = kvrail.Agent(\"clean\", {\"listen\": \"127.0.0.1:0\"})
+assert a.backend == \"tcp\", a.backend
+print(\"kvrail\", kvrail.__version__, \"imported without libibverbs; backend\", a.backend)"
     target/clean-venv/bin/python python/tests/readme_example.py'
 
 step "man pages, completions, --version"
 for t in kvrail-perf kvrail-rails kvrail-demo; do
     cargo build -q -p kvrail-tools --bin "$t"
     bin=target/debug/$t
-    "$bin" --generate man | grep -q '^\.TH' || { echo "$t: no man page"; exit 1; }
+    # (captured first: grep -q leaving early would fail the pipe under pipefail)
+    out=$("$bin" --generate man)
+    grep -q '^\.TH' <<<"$out" || { echo "$t: no man page"; exit 1; }
     for sh in bash zsh fish; do
-        "$bin" --generate "$sh" | grep -q "$t" || { echo "$t: no $sh completions"; exit 1; }
+        out=$("$bin" --generate "$sh")
+        grep -q -- "$t" <<<"$out" || { echo "$t: no $sh completions"; exit 1; }
     done
     v=$("$bin" --version)
     echo "$v" | grep -Eq "^$t [0-9]+\.[0-9]+\.[0-9]+ \((commit [0-9a-f]{12}|not from git)" \

@@ -47,6 +47,7 @@ enum Backend {
 
 #[derive(Parser, Debug)]
 #[command(
+    name = "kvrail-demo",
     version = cli::VERSION,
     about = "P/D disaggregation end to end over kvrail: a proxy, a prefill and a decode process",
     after_help = concat!(

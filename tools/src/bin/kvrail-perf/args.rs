@@ -42,6 +42,7 @@ pub(crate) const DEFAULT_PORT: u16 = 18515;
 /// columns.
 #[derive(Parser, Debug, Clone)]
 #[command(
+    name = "kvrail-perf",
     version = crate::cli::VERSION,
     about,
     after_help = concat!(

@@ -34,6 +34,7 @@ use kvrail::rails::{discover, judge_all, pci_numa_node, AddrSource, SysfsRoot, V
 
 #[derive(Parser, Debug)]
 #[command(
+    name = "kvrail-rails",
     version = cli::VERSION,
     about = "kvrail's rail diagnostics: list, explain, gids, serve, probe",
     after_help = concat!(
