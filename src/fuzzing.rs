@@ -100,10 +100,10 @@ pub fn kvmsg(data: &[u8]) {
 
 /// The host bounce's messages (notifications that start with its magic).
 pub fn bounce(data: &[u8]) {
-    let _ = crate::bounce::wire::decode(data);
-    let mut m = crate::bounce::wire::MAGIC.to_vec();
+    let _ = crate::agent::bounce::wire::decode(data);
+    let mut m = crate::agent::bounce::wire::MAGIC.to_vec();
     m.extend_from_slice(data);
-    let _ = crate::bounce::wire::decode(&m);
+    let _ = crate::agent::bounce::wire::decode(&m);
 }
 
 /// JSON from engines and operators: the first byte picks `kv_transfer_config`, the agent's
@@ -299,7 +299,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     ));
     out.push(("kvmsg", ConnectorMetadata::default().encode()));
     {
-        use crate::bounce::wire::{Part, Tag, Wire};
+        use crate::agent::bounce::wire::{Part, Tag, Wire};
         let tag = Tag::read(5, 1);
         for w in [
             Wire::Hello {

@@ -76,7 +76,7 @@ impl From<&AgentError> for kvrail_result {
             AgentError::NotifTooLarge { .. }
             | AgentError::NoGrant(_)
             | AgentError::InvalidGrant(_) => Self::InvalidArgument,
-            AgentError::Store(s) => match s.fault() {
+            AgentError::Store(_) => match e.fault() {
                 kvrail::agent::Fault::Connection => Self::Connection,
                 kvrail::agent::Fault::Misuse => Self::UnknownPeer,
                 _ => Self::Unsupported,

@@ -68,9 +68,9 @@ impl Backend for TcpPath {
     }
 }
 
-impl Backend for crate::bounce::Engine {
+impl Backend for super::bounce::Engine {
     fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError> {
-        let part = |d: &Desc| crate::bounce::wire::Part {
+        let part = |d: &Desc| super::bounce::wire::Part {
             region: d.region.0,
             offset: d.offset,
             len: d.len,
@@ -79,12 +79,12 @@ impl Backend for crate::bounce::Engine {
             .local
             .iter()
             .zip(x.remote.iter())
-            .map(|((_, l), r)| crate::bounce::wire::Piece {
+            .map(|((_, l), r)| super::bounce::wire::Piece {
                 src: part(l),
                 dst: part(r),
             })
             .collect();
-        let req = crate::bounce::Post {
+        let req = super::bounce::Post {
             id: x.id,
             op: x.op,
             peer: x.peer.to_string(),

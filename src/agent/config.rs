@@ -97,7 +97,7 @@ pub struct AgentConfig {
     /// a fixture tree in tests, see `tests/fixtures/make_sysfs.py`).
     pub sysfs_root: Option<std::path::PathBuf>,
     /// How device memory is staged on verbs (host bounce).
-    pub bounce: crate::bounce::BounceConfig,
+    pub bounce: super::bounce::BounceConfig,
     /// `cluster_secret`: when set, every side-channel connection must prove it (both ways)
     /// before it gets metadata or queue pairs. Unset, only peers on loopback are served
     /// (their connection comes from 127.0.0.0/8 or ::1), unless [`Self::insecure`].
@@ -151,7 +151,7 @@ impl Default for AgentConfig {
             tcp_conns: 1,
             progress_spin_us: 0,
             sysfs_root: None,
-            bounce: crate::bounce::BounceConfig::default(),
+            bounce: super::bounce::BounceConfig::default(),
             cluster_secret: None,
             insecure: false,
             metrics_listen: None,

@@ -6,6 +6,7 @@
 
 use super::metadata::MetadataError;
 use crate::proto::handshake::HandshakeError;
+use crate::store::StoreError;
 
 /// Which side of the system an error comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,7 +137,7 @@ pub enum AgentError {
     InvalidGrant(String),
     /// The metadata store (etcd) could not be reached, failed, or has no such agent.
     #[error(transparent)]
-    Store(#[from] crate::store::StoreError),
+    Store(#[from] StoreError),
 }
 
 impl AgentError {
@@ -159,7 +160,12 @@ impl AgentError {
             Self::Connection { .. } => Fault::Connection,
             Self::InvalidMemory(_) => Fault::Memory,
             Self::Unsupported(_) => Fault::Unavailable,
-            Self::Store(e) => e.fault(),
+            // (here, not in the store: the store sits below the agent and knows no Fault)
+            Self::Store(StoreError::Unreachable { .. } | StoreError::Failed { .. }) => {
+                Fault::Connection
+            }
+            Self::Store(StoreError::NotFound(_)) => Fault::Misuse,
+            Self::Store(StoreError::Unavailable(_)) => Fault::Unavailable,
         }
     }
 }

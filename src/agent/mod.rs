@@ -28,6 +28,9 @@
 //! ```
 
 mod backend;
+// the host bounce: a driver of device memory on verbs, below the facade
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+pub mod bounce;
 mod config;
 mod config_json;
 pub(crate) mod control;
@@ -167,7 +170,7 @@ pub(crate) struct Shared {
     #[cfg(feature = "verbs")]
     verbs: Option<Arc<verbs::Verbs>>,
     /// The host-bounce engine (verbs backend): moves device memory through staging slots.
-    bounce: std::sync::OnceLock<crate::bounce::Engine>,
+    bounce: std::sync::OnceLock<bounce::Engine>,
     /// Consumers of one kind of notification each (see [`route`]).
     routes: Mutex<Vec<Arc<route::RouteQueue>>>,
     /// Grants made here and grants peers gave (see [`grant`]).
@@ -396,10 +399,8 @@ impl Agent {
         };
         #[cfg(feature = "verbs")]
         if agent.shared.verbs.is_some() {
-            let engine = crate::bounce::Engine::start(
-                agent.downgrade(),
-                agent.shared.config.bounce.clone(),
-            )?;
+            let engine =
+                bounce::Engine::start(agent.downgrade(), agent.shared.config.bounce.clone())?;
             let _ = agent.shared.bounce.set(engine);
         }
         #[cfg(feature = "etcd")]
@@ -1366,7 +1367,7 @@ impl Shared {
         if let Some(b) = self
             .bounce
             .get()
-            .filter(|_| bytes.starts_with(crate::bounce::wire::MAGIC))
+            .filter(|_| bytes.starts_with(bounce::wire::MAGIC))
         {
             b.incoming(from, bytes);
             return;

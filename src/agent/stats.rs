@@ -175,7 +175,7 @@ impl AgentStats {
             &[("agent", agent)],
             read(|s| s.copied.load(std::sync::atomic::Ordering::Relaxed) as f64),
         );
-        let bounce = |f: fn(&crate::bounce::BounceStats) -> f64| {
+        let bounce = |f: fn(&super::bounce::BounceStats) -> f64| {
             let w = w.clone();
             move || {
                 let s = w.upgrade()?;

@@ -2,7 +2,7 @@
 //! the verbs layer share; CPU access is by copy because a NIC may access it concurrently.
 //! [`DeviceMemory`] is accelerator memory reached by copies through its runtime
 //! ([`NpuMemory`] through `rbln-sys`); [`MemoryPath`] decides between registering it with the
-//! NIC through dma-buf and bouncing it through host buffers (`crate::bounce`).
+//! NIC through dma-buf and bouncing it through host buffers (`crate::agent::bounce`).
 //! The only `unsafe` here is `raw` (the caller's memory given as an address, an FFI
 //! boundary): the device reaches the pages through its registration (in
 //! `transport::verbs`), the CPU through copies under a lock, NPU memory through `rbln-sys`.

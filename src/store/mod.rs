@@ -158,18 +158,6 @@ pub enum StoreError {
     Unavailable(String),
 }
 
-impl StoreError {
-    /// The fault group.
-    pub fn fault(&self) -> crate::agent::Fault {
-        use crate::agent::Fault;
-        match self {
-            Self::Unreachable { .. } | Self::Failed { .. } => Fault::Connection,
-            Self::NotFound(_) => Fault::Misuse,
-            Self::Unavailable(_) => Fault::Unavailable,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,401 @@
+//! The layer map of `src/lib.rs`, kept by a test: every `crate::…`, `super::…` and `self::…`
+//! path in `src/` (tests aside) is resolved to the module it names, and
+//! 1. a top-level module uses only modules of a lower layer (`LAYERS`), so the top-level
+//!    modules form no circle;
+//! 2. within a top-level module, the largest circle of files that import each other is no
+//!    larger than recorded in `CIRCLES` (a ratchet: the agent's is being taken apart; lower
+//!    the number as it shrinks, never raise it).
+//!
+//! A new top-level module fails the test until it is given a layer.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Top-level modules and their layers (a module may use only lower layers).
+const LAYERS: &[(&str, u32)] = &[
+    ("idhash", 0),
+    ("threads", 0),
+    ("metrics", 0),
+    ("proto", 1),
+    ("mem", 1),
+    ("rails", 1),
+    ("transport", 2),
+    ("store", 3),
+    ("agent", 4),
+    ("connector", 5),
+];
+
+/// Outside the layers: the crate root (it declares and re-exports) and the fuzz entry points.
+const OUTSIDE: &[&str] = &["", "fuzzing"];
+
+/// The largest circle of files importing each other allowed inside each top-level module.
+const CIRCLES: &[(&str, usize)] = &[
+    ("agent", 27),
+    ("connector", 8),
+    ("mem", 5),
+    ("rails", 5),
+    ("transport", 10),
+    ("store", 2),
+    ("proto", 2),
+];
+
+type Mod = Vec<String>;
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            if p.file_name().unwrap() != "tests" {
+                sources(&p, out);
+            }
+        } else if p.extension().is_some_and(|x| x == "rs") && p.file_name().unwrap() != "tests.rs" {
+            out.push(p);
+        }
+    }
+}
+
+/// `src/agent/verbs/mod.rs` → `["agent", "verbs"]`; `src/lib.rs` → `[]`.
+fn module_of(src: &Path, file: &Path) -> Mod {
+    let rel = file.strip_prefix(src).unwrap().with_extension("");
+    let mut m: Mod = rel
+        .iter()
+        .map(|c| c.to_string_lossy().into_owned())
+        .collect();
+    if matches!(m.last().map(String::as_str), Some("mod" | "lib")) {
+        m.pop();
+    }
+    m
+}
+
+/// The code of a file without comments and string contents (what `use` and paths are in).
+fn code(text: &str) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        let line = line.split("//").next().unwrap_or("");
+        out.push_str(line);
+        out.push('\n');
+    }
+    // drop string literals: "…" (no escapes of quotes matter here)
+    let mut s = String::new();
+    let mut in_str = false;
+    for c in out.chars() {
+        if c == '"' {
+            in_str = !in_str;
+        } else if !in_str {
+            s.push(c);
+        }
+    }
+    s
+}
+
+/// Every path the code names from `crate`, `super` or `self` (braced `use` lists expanded one
+/// level), and the first segments of `use` paths that name a child module.
+fn paths(code: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let text = code;
+    // `use a::b::{c, d::e}` statements
+    for stmt in text.split(';') {
+        let b = stmt.as_bytes();
+        let Some(at) = stmt
+            .match_indices("use ")
+            .map(|(i, _)| i)
+            .find(|&i| i == 0 || matches!(b[i - 1], b' ' | b'\n' | b'\t' | b'{' | b'}' | b')'))
+        else {
+            continue;
+        };
+        let body: String = stmt[at + 4..]
+            .chars()
+            .filter(|c| !c.is_whitespace())
+            .collect();
+        let body = body.trim_start_matches("::");
+        match body.find("::{") {
+            Some(b) => {
+                let prefix: Vec<String> = body[..b].split("::").map(str::to_owned).collect();
+                let inner = body[b + 3..].trim_end_matches('}');
+                let mut depth = 0;
+                let mut item = String::new();
+                for c in inner.chars().chain(std::iter::once(',')) {
+                    match c {
+                        '{' => depth += 1,
+                        '}' => depth -= 1,
+                        ',' if depth == 0 => {
+                            let first: String = item.split("::{").next().unwrap().to_owned();
+                            let mut p = prefix.clone();
+                            p.extend(
+                                first
+                                    .split("::")
+                                    .filter(|s| !s.is_empty())
+                                    .map(str::to_owned),
+                            );
+                            out.push(p);
+                            item.clear();
+                            continue;
+                        }
+                        _ => {}
+                    }
+                    item.push(c);
+                }
+            }
+            None => out.push(body.split("::").map(str::to_owned).collect()),
+        }
+    }
+    // inline paths: crate::x::y, super::x
+    for (i, _) in text
+        .match_indices("crate::")
+        .chain(text.match_indices("super::"))
+    {
+        if i > 0
+            && (text.as_bytes()[i - 1].is_ascii_alphanumeric() || text.as_bytes()[i - 1] == b'_')
+        {
+            continue;
+        }
+        let p: Vec<String> = text[i..]
+            .split(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+            .next()
+            .unwrap()
+            .split("::")
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect();
+        out.push(p);
+    }
+    out
+}
+
+/// The module a path names, from module `cur` (the longest known prefix).
+fn resolve(cur: &Mod, path: &[String], known: &BTreeSet<Mod>) -> Option<Mod> {
+    let (mut base, rest): (Mod, &[String]) = match path.first().map(String::as_str) {
+        Some("crate") => (Vec::new(), &path[1..]),
+        Some("self") => (cur.clone(), &path[1..]),
+        Some("super") => {
+            let mut b = cur.clone();
+            let mut rest = path;
+            while rest.first().map(String::as_str) == Some("super") {
+                b.pop();
+                rest = &rest[1..];
+            }
+            (b, rest)
+        }
+        Some(first) => {
+            let mut child = cur.clone();
+            child.push(first.to_owned());
+            if !known.contains(&child) {
+                return None;
+            }
+            (cur.clone(), path)
+        }
+        None => return None,
+    };
+    let mut best = known.contains(&base).then(|| base.clone());
+    for seg in rest {
+        base.push(seg.clone());
+        if known.contains(&base) {
+            best = Some(base.clone());
+        }
+    }
+    best
+}
+
+struct Graph {
+    edges: BTreeMap<Mod, BTreeSet<Mod>>,
+}
+
+fn graph() -> Graph {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    let known: BTreeSet<Mod> = files.iter().map(|f| module_of(&src, f)).collect();
+    let mut edges: BTreeMap<Mod, BTreeSet<Mod>> = BTreeMap::new();
+    for f in &files {
+        let m = module_of(&src, f);
+        let text = std::fs::read_to_string(f).unwrap();
+        let e = edges.entry(m.clone()).or_default();
+        for p in paths(&code(&text)) {
+            if let Some(t) = resolve(&m, &p, &known) {
+                if t != m {
+                    e.insert(t);
+                }
+            }
+        }
+    }
+    Graph { edges }
+}
+
+/// Strongly connected components (Tarjan), each as a sorted list.
+fn circles(nodes: &BTreeSet<Mod>, edges: &BTreeMap<Mod, BTreeSet<Mod>>) -> Vec<Vec<Mod>> {
+    struct T<'a> {
+        edges: &'a BTreeMap<Mod, BTreeSet<Mod>>,
+        nodes: &'a BTreeSet<Mod>,
+        index: BTreeMap<Mod, usize>,
+        low: BTreeMap<Mod, usize>,
+        stack: Vec<Mod>,
+        on: BTreeSet<Mod>,
+        out: Vec<Vec<Mod>>,
+    }
+    fn visit(t: &mut T<'_>, v: &Mod) {
+        let i = t.index.len();
+        t.index.insert(v.clone(), i);
+        t.low.insert(v.clone(), i);
+        t.stack.push(v.clone());
+        t.on.insert(v.clone());
+        let next: Vec<Mod> = t
+            .edges
+            .get(v)
+            .into_iter()
+            .flatten()
+            .filter(|w| t.nodes.contains(*w))
+            .cloned()
+            .collect();
+        for w in next {
+            if !t.index.contains_key(&w) {
+                visit(t, &w);
+                let l = t.low[&w].min(t.low[v]);
+                t.low.insert(v.clone(), l);
+            } else if t.on.contains(&w) {
+                let l = t.index[&w].min(t.low[v]);
+                t.low.insert(v.clone(), l);
+            }
+        }
+        if t.low[v] == t.index[v] {
+            let mut comp = Vec::new();
+            loop {
+                let w = t.stack.pop().unwrap();
+                t.on.remove(&w);
+                comp.push(w.clone());
+                if &w == v {
+                    break;
+                }
+            }
+            comp.sort();
+            t.out.push(comp);
+        }
+    }
+    let mut t = T {
+        edges,
+        nodes,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on: BTreeSet::new(),
+        out: Vec::new(),
+    };
+    for n in nodes {
+        if !t.index.contains_key(n) {
+            visit(&mut t, n);
+        }
+    }
+    t.out
+}
+
+fn top(m: &Mod) -> &str {
+    m.first().map_or("", String::as_str)
+}
+
+fn layer(name: &str) -> Option<u32> {
+    LAYERS.iter().find(|(n, _)| *n == name).map(|&(_, l)| l)
+}
+
+/// The checks, as messages (empty: the layering holds).
+fn violations(g: &Graph) -> Vec<String> {
+    let mut bad = Vec::new();
+    for (from, tos) in &g.edges {
+        let a = top(from);
+        if OUTSIDE.contains(&a) {
+            continue;
+        }
+        let Some(la) = layer(a) else {
+            bad.push(format!(
+                "src/{a}: a top-level module without a layer in tests/layers.rs"
+            ));
+            continue;
+        };
+        for to in tos {
+            let b = top(to);
+            if b == a || OUTSIDE.contains(&b) {
+                continue;
+            }
+            match layer(b) {
+                Some(lb) if lb < la => {}
+                Some(lb) => bad.push(format!(
+                    "{} (layer {la}) imports {} (layer {lb}): a module uses only lower layers",
+                    from.join("::"),
+                    to.join("::")
+                )),
+                None => bad.push(format!(
+                    "src/{b}: a top-level module without a layer in tests/layers.rs"
+                )),
+            }
+        }
+    }
+    for &(module, most) in CIRCLES {
+        let nodes: BTreeSet<Mod> = g
+            .edges
+            .keys()
+            .filter(|m| top(m) == module)
+            .cloned()
+            .collect();
+        let largest = circles(&nodes, &g.edges)
+            .into_iter()
+            .max_by_key(Vec::len)
+            .unwrap_or_default();
+        if largest.len() > most {
+            let names: Vec<String> = largest.iter().map(|m| m.join("::")).collect();
+            bad.push(format!(
+                "src/{module}: {} files import each other in a circle (at most {most}): {}",
+                largest.len(),
+                names.join(", ")
+            ));
+        }
+    }
+    bad
+}
+
+#[test]
+fn every_module_uses_only_lower_layers_and_circles_do_not_grow() {
+    let g = graph();
+    assert!(
+        g.edges.len() > 50,
+        "read only {} modules of src/",
+        g.edges.len()
+    );
+    let bad = violations(&g);
+    assert!(
+        bad.is_empty(),
+        "the layering of src/lib.rs is broken:\n{}",
+        bad.join("\n")
+    );
+}
+
+/// The test can fail: an import from a higher layer (the store naming the agent, as it did
+/// before the store's errors stopped mapping to the agent's faults) is caught, and so is a
+/// file added to a circle.
+#[test]
+fn a_wrong_import_is_caught() {
+    let mut g = graph();
+    let store: Mod = vec!["store".into()];
+    g.edges
+        .entry(store)
+        .or_default()
+        .insert(vec!["agent".into()]);
+    let bad = violations(&g);
+    assert!(
+        bad.iter().any(
+            |b| b == "store (layer 3) imports agent (layer 4): a module uses only lower layers"
+        ),
+        "{bad:?}"
+    );
+    let mut g = graph();
+    let wire: Mod = vec!["proto".into(), "wire".into()];
+    let handshake: Mod = vec!["proto".into(), "handshake".into()];
+    let kvmsg: Mod = vec!["proto".into(), "kvmsg".into()];
+    g.edges
+        .entry(wire.clone())
+        .or_default()
+        .insert(handshake.clone());
+    g.edges.entry(handshake).or_default().insert(kvmsg.clone());
+    g.edges.entry(kvmsg).or_default().insert(wire);
+    assert!(
+        violations(&g).iter().any(|b| b.starts_with("src/proto: ")),
+        "a circle of three proto files unseen"
+    );
+}
