@@ -123,11 +123,13 @@ fn check(op: XferOp, (st, out, bytes): (XferStatus, Vec<u8>, Vec<u8>)) -> bool {
 fn a_peers_read_and_write_never_touch_memory_given_back() {
     for op in [XferOp::Read, XferOp::Write] {
         // the deregistration must come mid-transfer at least once (it almost always does:
-        // the transfer moves for hundreds of milliseconds after its first descriptor)
-        let mid = (0..3).any(|seed| check(op, given_back_mid_transfer(op, seed)));
+        // the transfer moves for ~100 ms on TCP, ~1 s on verbs, after its first bytes; up to
+        // ten tries, since a test thread kept off the CPU that long by its neighbours sees
+        // the whole transfer done: three tries all ended first in a CI run beside a build)
+        let mid = (0..10).any(|seed| check(op, given_back_mid_transfer(op, seed)));
         assert!(
             mid,
-            "{op:?}: three transfers all ended before the deregistration"
+            "{op:?}: ten transfers all ended before the deregistration"
         );
     }
 }

@@ -1,0 +1,259 @@
+//! The state every part of the agent shares ([`Shared`]): regions and their deregistration,
+//! the metadata it serves, transfers ending, notifications delivered, peers failing.
+
+use super::*;
+
+impl Shared {
+    /// Deregister region `id` and hand its memory back. Refused while this agent's own
+    /// transfers use it. Otherwise, before this returns: no lookup finds it any more (a
+    /// peer's new READ or WRITE of it is refused, naming it), its grants are revoked, the
+    /// chunks of peers' transfers inside its gate have moved and no more enter (what is
+    /// left of those transfers fails with the reason), and on verbs its keys are
+    /// deregistered once no work request holds them — so nothing reads or writes the
+    /// memory from then on. What does not let go within `deregister_wait` puts it back.
+    pub(super) fn deregister_region(&self, id: RegionId) -> Result<RegionMemory, AgentError> {
+        let r = {
+            let mut regions = lock(&self.regions);
+            let r = regions.get(&id.0).ok_or(AgentError::NoRegion(id.0))?;
+            let transfers = r.in_use();
+            if transfers > 0 {
+                return Err(AgentError::RegionBusy {
+                    region: id.0,
+                    transfers,
+                });
+            }
+            regions.remove(&id.0).ok_or(AgentError::NoRegion(id.0))?
+        };
+        self.revoke_region_grants(id.0);
+        let (start, wait) = (std::time::Instant::now(), self.config.deregister_wait);
+        let put_back = |r: Arc<Region>, holders: String| {
+            r.gate.reopen();
+            lock(&self.regions).insert(id.0, r);
+            tracing::warn!(agent = %self.name, region = id.0, %holders,
+                "deregistration timed out; the region stays registered");
+            Err(AgentError::DeregisterTimeout {
+                region: id.0,
+                holders,
+                waited_ms: start.elapsed().as_millis() as u64,
+            })
+        };
+        if let Err(n) = r.gate.close(wait) {
+            return put_back(r, format!("{n} chunk(s) of transfers in progress"));
+        }
+        // the last reference: a finished transfer's may still be on its way out
+        let mut r = r;
+        let region = loop {
+            match Arc::try_unwrap(r) {
+                Ok(region) => break region,
+                Err(again) if start.elapsed() < wait => {
+                    r = again;
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                Err(held) => {
+                    let n = Arc::strong_count(&held) - 1;
+                    return put_back(held, format!("{n} reference(s) of ended transfers"));
+                }
+            }
+        };
+        // verbs: the keys go now (a work request still holding one defers `ibv_dereg_mr`
+        // until its completion, so wait for those)
+        #[cfg(feature = "verbs")]
+        while crate::transport::verbs::work_in_flight(&region.mrs) > 0 {
+            if start.elapsed() >= wait {
+                let n = crate::transport::verbs::work_in_flight(&region.mrs);
+                return put_back(Arc::new(region), format!("{n} work request(s)"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let mem = region.into_memory();
+        self.republish();
+        tracing::debug!(agent = %self.name, region = id.0, "memory deregistered");
+        Ok(mem)
+    }
+
+    pub(super) fn region(&self, id: u32) -> Result<Arc<Region>, AgentError> {
+        lock(&self.regions)
+            .get(&id)
+            .cloned()
+            .ok_or(AgentError::NoRegion(id))
+    }
+
+    pub(super) fn metadata(&self) -> AgentMetadata {
+        #[cfg(feature = "verbs")]
+        let verbs = self.verbs.as_ref();
+        #[cfg(not(feature = "verbs"))]
+        let verbs: Option<&()> = None;
+        let regions = lock(&self.regions);
+        let mut rs: Vec<RegionMeta> = regions
+            .values()
+            .map(|r| RegionMeta {
+                id: r.id.0,
+                kind: r.kind,
+                addr: r.addr(),
+                len: r.len(),
+                #[cfg(feature = "verbs")]
+                rkeys: r.mrs.iter().map(|m| m.rkey()).collect(),
+                #[cfg(not(feature = "verbs"))]
+                rkeys: Vec::new(),
+                remote_read: r.access.read,
+                remote_write: r.access.write,
+                layers: r.layers.names.clone(),
+                device: r.device,
+                layer_offsets: r.layers.offsets.clone(),
+                layer_len: r.layers.len,
+                fenced: r.fenced,
+            })
+            .collect();
+        rs.sort_by_key(|r| r.id);
+        #[cfg(feature = "verbs")]
+        let rails: Vec<metadata::RailAddr> = verbs
+            .map(|v| v.rails.iter().map(|r| r.addr.clone()).collect())
+            .unwrap_or_default();
+        #[cfg(not(feature = "verbs"))]
+        let rails = Vec::new();
+        AgentMetadata {
+            version: metadata::VERSION,
+            handshake: self.handshake.clone(),
+            backend: if verbs.is_some() {
+                BackendKind::Verbs
+            } else {
+                BackendKind::Tcp
+            },
+            side_channel: self.addr.to_string(),
+            rails,
+            tcp_data: Some(self.addr.to_string()),
+            regions: rs,
+        }
+    }
+
+    /// The notification (and its peer) of in-progress transfer `id`, looked up *before* the
+    /// transfer is finished: once the engine sees it done it may release it at once, and a
+    /// lookup after that would lose the notification.
+    pub(super) fn xfer_notif(&self, id: u64) -> Option<(Arc<str>, Vec<u8>)> {
+        lock(&self.xfers).completion_notif(id)
+    }
+
+    /// Verbs: ask `peer` for queue pairs (a rail's rebuild); the answer comes back through
+    /// the connection's reader.
+    #[cfg(feature = "verbs")]
+    pub(super) fn request_qps(&self, peer: &str, req: verbs::QpRequest) {
+        // Lock order: the verbs engine (taken by `rebuilt`) is never taken under `peers`.
+        let sent = lock(&self.peers)
+            .get(peer)
+            .is_some_and(|p| p.conn.try_submit(control::Work::QpOpen(req)));
+        if !sent {
+            if let Some(v) = &self.verbs {
+                v.rebuilt(peer, Err("no open connection to the peer".into()));
+            }
+        }
+    }
+
+    /// Ask `peer` for the receiving end of a rebuilt notification channel on its rail
+    /// `rail`, connected to `ep`.
+    #[cfg(feature = "verbs")]
+    pub(super) fn request_chan(
+        &self,
+        peer: &str,
+        rail: u32,
+        ep: crate::transport::verbs::Endpoint,
+    ) {
+        // Lock order: the verbs engine (taken by `chan_rebuilt`) is never taken under `peers`.
+        let sent = lock(&self.peers)
+            .get(peer)
+            .is_some_and(|p| p.conn.try_submit(control::Work::ChanOpen(rail, ep)));
+        if !sent {
+            if let Some(v) = &self.verbs {
+                v.chan_rebuilt(peer, Err("no open connection to the peer".into()));
+            }
+        }
+    }
+
+    /// A verbs transfer failed.
+    #[cfg(feature = "verbs")]
+    pub(super) fn xfer_failed(&self, id: u64, why: String) {
+        self.finish(id, Err(XferError::Rdma(why)));
+    }
+
+    /// A transfer ended: set its status and release its regions.
+    pub(super) fn finish(&self, id: u64, res: Result<(), XferError>) {
+        let mut xfers = lock(&self.xfers);
+        let op = xfers.op_of(id);
+        let outcome = res.clone();
+        if let Some(held) = xfers.finish(id, res) {
+            if let Some(op) = op {
+                self.stats.ended(&self.name, op, &outcome);
+            }
+            for r in held {
+                r.release();
+            }
+            self.ended
+                .fetch_add(1, std::sync::atomic::Ordering::Release);
+            self.xfer_done_cv.notify_all();
+        }
+    }
+
+    /// `n` bytes of READ `id` came for its descriptor `idx` at `at` (see
+    /// [`table::XferTable::arrived`]).
+    pub(super) fn read_arrival(&self, id: u64, at: (u32, u64), n: u64) -> table::Arrival {
+        lock(&self.xfers).arrived(id, at, n)
+    }
+
+    /// True while transfer `id` is in progress.
+    pub(super) fn xfer_in_progress(&self, id: u64) -> bool {
+        lock(&self.xfers).in_progress(id)
+    }
+
+    /// WRITE `id`'s end is about to be sent (its Ack may complete it from now on).
+    pub(super) fn xfer_end_sent(&self, id: u64) {
+        lock(&self.xfers).end_sent(id);
+    }
+
+    pub(super) fn fail_peer(&self, peer: &str, why: &str) {
+        let ids = lock(&self.xfers).active_with(peer);
+        for id in ids {
+            let why = why.to_owned();
+            self.finish(
+                id,
+                Err(XferError::ConnectionLost {
+                    peer: peer.to_owned(),
+                    why,
+                }),
+            );
+        }
+    }
+
+    /// The CPU copied `n` payload bytes of a transfer.
+    pub(super) fn count_copy(&self, n: u64) {
+        self.copied
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A notification arrived from `from`: the host-bounce engine's go to it, the rest to
+    /// their consumer.
+    pub(super) fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
+        if let Some(b) = self
+            .bounce
+            .get()
+            .filter(|_| bytes.starts_with(bounce::wire::MAGIC))
+        {
+            b.incoming(from, bytes);
+            return;
+        }
+        self.deliver_user_notif(from, bytes);
+    }
+
+    /// Queue a notification for its consumer: the route of its kind, else the engine's
+    /// queue.
+    pub(super) fn deliver_user_notif(&self, from: &str, bytes: Vec<u8>) {
+        self.stats.notifs_received.inc();
+        if let Err(bytes) = self.route_notif(from, bytes) {
+            lock(&self.notifs).push_back((from.to_owned(), bytes));
+            self.notif_cv.notify_all();
+        }
+    }
+
+    /// The local descriptor `idx` of READ transfer `id`, to copy arriving bytes into.
+    pub(super) fn read_target(&self, id: u64, idx: u32) -> Option<(Arc<Region>, u64, u64)> {
+        lock(&self.xfers).read_target(id, idx)
+    }
+}

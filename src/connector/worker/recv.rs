@@ -1,0 +1,221 @@
+//! D's side of a pull: where a request's KV comes from, the READs posted per source rank, the grants asked for and received, a receive that fails.
+
+use super::*;
+
+impl Worker {
+    /// The P ranks whose heads this worker shares when P runs TP `p_tp`, each with its
+    /// agent name and head slice; and P's heads per block.
+    pub(super) fn sources(
+        &self,
+        engine: &str,
+        p_tp: u32,
+    ) -> Result<(Vec<(String, HeadSlice)>, u64), String> {
+        let (slices, peer_heads) = head_slices(
+            self.layout.kv_heads.max(1),
+            self.tp_rank,
+            self.tp_size,
+            p_tp,
+        )?;
+        let v = slices
+            .into_iter()
+            .map(|s| (rank_agent_name(engine, s.peer_rank), s))
+            .collect();
+        Ok((v, peer_heads))
+    }
+
+    /// Start a handshake with peer agent `peer` at `host:port` on a helper thread (once);
+    /// with a metadata store, by name through the store (P's `kv_transfer_params` may then
+    /// name its engine only: no host, no ports).
+    pub(super) fn connect(&mut self, peer: &str, host: &str, port: u16) {
+        let addr = format!("{host}:{port}");
+        // up while its connection is, at the address asked for: a P that died, or came back
+        // elsewhere (restarted), is loaded again
+        let current = match self.conns.get(peer) {
+            Some(Conn::Up) => self.agent.peer_current(peer, &addr),
+            Some(_) => true,
+            None => false,
+        };
+        if current {
+            return;
+        }
+        self.conns.insert(peer.to_owned(), Conn::Connecting);
+        let (agent, tx, name) = (
+            self.agent.clone(),
+            self.handshakes.0.clone(),
+            peer.to_owned(),
+        );
+        let spawned = crate::threads::spawn(format!("kvrail-load-{peer}"), move || {
+            let r = agent.load_peer(&name, &addr);
+            let _ = tx.send((name, r));
+        });
+        if let Err(e) = spawned {
+            // asked again at the next step
+            self.conns.remove(peer);
+            tracing::warn!(%peer, error = %e, "no thread to connect to the peer");
+        }
+    }
+
+    pub(super) fn fail_recv(&mut self, id: &str, why: &str) {
+        let _span = tracing::info_span!("request", id = %id).entered();
+        tracing::warn!(request = %id, error = %why, "KV receive failed");
+        if let Some(r) = self.recvs.remove(id) {
+            // handshake again before the next READ from those ranks: their connections may
+            // be gone (a restarted P at the same address is then found again)
+            for (peer, _) in &r.sources {
+                if matches!(self.conns.get(peer), Some(Conn::Up)) {
+                    self.conns.remove(peer);
+                }
+            }
+        }
+        self.done.failed_recving.push(id.to_owned());
+    }
+
+    /// Post one READ per source rank. A rank whose READ cannot be posted fails the receive,
+    /// reported once the READs already posted have ended.
+    pub(super) fn post_reads(&mut self, id: &str) {
+        let _span = tracing::info_span!("request", id = %id).entered();
+        let Some(r) = self.recvs.get(id) else {
+            return;
+        };
+        let (req, sources, peer_heads) = (r.req.clone(), r.sources.clone(), r.peer_heads);
+        let tokens: HashMap<String, Vec<u8>> = (r.grants.iter())
+            .filter_map(|(p, g)| match g {
+                Granted::Token(t) => Some((p.clone(), t.clone())),
+                _ => None,
+            })
+            .collect();
+        let mut xfers = Vec::new();
+        let mut error = None;
+        for (peer, slice) in &sources {
+            let token = tokens.get(peer).map(Vec::as_slice);
+            match self.post_read(&req, (peer, slice), peer_heads, token) {
+                Ok(x) => xfers.push(x),
+                Err(e) => {
+                    error = Some(format!("READ from {peer}: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(r) = self.recvs.get_mut(id) {
+            r.posted = true;
+            r.xfers = xfers;
+            r.error = error;
+        }
+    }
+
+    pub(super) fn post_read(
+        &mut self,
+        r: &RecvReq,
+        (peer, slice): (&str, &HeadSlice),
+        peer_heads: u64,
+        token: Option<&[u8]>,
+    ) -> Result<XferId, String> {
+        let p = &r.params;
+        // both lists are logical: each side's blocks as physical ones, by its own ratio
+        // (P's from its handshake)
+        let p_ratio = self
+            .agent
+            .remote_metadata(peer)
+            .map_or(1, |m| u64::from(m.handshake.physical_per_logical));
+        let remote_ids = physical(&p.remote_block_ids, p_ratio);
+        let local_ids = physical(&r.local_block_ids, self.layout.physical_per_logical);
+        let remote_blocks = self.layout.prompt_blocks(&remote_ids, r.tokens);
+        let bs = u64::from(self.layout.block_size.max(1));
+        let short = if r.tokens > 0 {
+            (remote_blocks.len() as u64) < r.tokens.div_ceil(bs)
+        } else {
+            remote_blocks.len() < r.local_block_ids.len()
+        };
+        if short {
+            return Err(format!(
+                "P names {} blocks for a {}-token prompt ({} local blocks)",
+                remote_ids.len(),
+                r.tokens,
+                local_ids.len()
+            ));
+        }
+        // D's blocks past the prompt (for tokens it will generate) take no part
+        let local = &local_ids[..local_ids.len().min(remote_blocks.len())];
+        let pk = peer_kv(&self.agent, peer, &self.layout, peer_heads)?;
+        let sel = Select {
+            tokens: r.tokens,
+            chunk: self.chunk,
+            swa: self.cfg.swa_window_mode,
+            first: None,
+        };
+        // D may hold a prefix already: the lists are aligned at their ends
+        let (local, remote) =
+            self.layout
+                .transfer_descs(&self.layers, local, &pk, remote_blocks, slice, sel)?;
+        let bytes: u64 = local.iter().map(|d| d.len).sum();
+        let notif = Completion {
+            request_id: p.remote_request_id.clone(),
+            tp_size: self.tp_size,
+        }
+        .encode();
+        // a fenced P rank's blocks are read through its grant
+        let read = Post {
+            op: XferOp::Read,
+            local,
+            peer,
+            remote,
+            notif: Some(notif),
+            token,
+        };
+        let x = post(&self.agent, read)?;
+        self.read_bytes += bytes;
+        Ok(x)
+    }
+
+    /// Pull, D: whether every fenced P rank of receive `id` gave its grant (asking the ones
+    /// not asked yet: every rank is connected by now).
+    ///
+    /// # Errors
+    /// A rank refused, or did not answer within a lease.
+    pub(super) fn grants_ready(&mut self, id: &str, now: Instant) -> Result<bool, String> {
+        let Some(r) = self.recvs.get_mut(id) else {
+            return Ok(false);
+        };
+        let mut ready = true;
+        for (peer, _) in &r.sources {
+            let fenced = (self.agent.remote_metadata(peer))
+                .is_some_and(|m| m.regions.iter().any(|m| m.fenced));
+            if !fenced {
+                continue;
+            }
+            match r.grants.get(peer) {
+                None => {
+                    let addr = self.agent.side_channel_addr();
+                    let ask = GrantReq {
+                        request_id: r.req.params.remote_request_id.clone(),
+                        host: addr.ip().to_string(),
+                        port: addr.port(),
+                    };
+                    self.agent
+                        .send_notif(peer, ask.encode())
+                        .map_err(|e| format!("asking {peer} for its grant: {e}"))?;
+                    let until = now + Duration::from_secs(self.cfg.lease_duration_s.max(1));
+                    r.grants.insert(peer.clone(), Granted::Asked(until));
+                    ready = false;
+                }
+                Some(Granted::Asked(until)) if now >= *until => {
+                    return Err(format!("{peer} gave no grant for the blocks in time"));
+                }
+                Some(Granted::Asked(_)) => ready = false,
+                Some(Granted::Refused(why)) => return Err(format!("{peer} gives no grant: {why}")),
+                Some(Granted::Token(_)) => {}
+            }
+        }
+        Ok(ready)
+    }
+
+    /// Pull, D: a P rank's answer about its blocks of P's request `request`.
+    pub(super) fn granted(&mut self, peer: &str, request: &str, g: Granted) {
+        for r in self.recvs.values_mut() {
+            if r.req.params.remote_request_id == request && r.grants.contains_key(peer) {
+                r.grants.insert(peer.to_owned(), g);
+                return;
+            }
+        }
+    }
+}
