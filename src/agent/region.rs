@@ -281,3 +281,6 @@ impl super::table::Held for Arc<Region> {
         self.id
     }
 }
+
+#[cfg(test)]
+mod tests;
