@@ -151,7 +151,7 @@ impl Agent {
         if let Some(v) = &shared.verbs {
             v.run(shared.clone())?;
         }
-        let guard = Arc::new(control::serve(shared.clone(), listener, local)?);
+        let guard = Arc::new(control::listen::serve(shared.clone(), listener, local)?);
         if let Some(at) = shared.config.metrics_listen {
             let ep =
                 metrics_http::serve(at, Arc::downgrade(&shared.stats.registry)).map_err(|e| {
