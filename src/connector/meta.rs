@@ -91,9 +91,10 @@ impl KvTransferParams {
     }
 
     /// Why these parameters cannot load a prompt's KV from P (`pull`: D READs P's blocks,
-    /// so it needs their ids too), naming the first key missing and its value; None when
-    /// they can, or when they ask for no load (`do_remote_prefill` false).
-    pub fn load_problem(&self, pull: bool) -> Option<String> {
+    /// so it needs their ids too; `by_name`: D finds P's ranks in the metadata store by
+    /// engine id, so P's host and port are not needed), naming the first key missing and its
+    /// value; None when they can, or when they ask for no load (`do_remote_prefill` false).
+    pub fn load_problem(&self, pull: bool, by_name: bool) -> Option<String> {
         if !self.do_remote_prefill {
             return None;
         }
@@ -105,10 +106,10 @@ impl KvTransferParams {
         if self.remote_engine_id.is_empty() {
             return missing("remote_engine_id", &self.remote_engine_id);
         }
-        if self.remote_host.is_empty() {
+        if !by_name && self.remote_host.is_empty() {
             return missing("remote_host", &self.remote_host);
         }
-        if self.remote_port == 0 && self.remote_ports.first().is_none_or(|&p| p == 0) {
+        if !by_name && self.remote_port == 0 && self.remote_ports.first().is_none_or(|&p| p == 0) {
             return missing("remote_port", &self.remote_port);
         }
         if self.remote_request_id.is_empty() {

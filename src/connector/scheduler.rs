@@ -97,7 +97,8 @@ impl Scheduler {
         else {
             return false;
         };
-        if let Some(why) = p.load_problem(self.cfg.direction == Direction::Pull) {
+        let by_name = self.cfg.metadata_store.is_some();
+        if let Some(why) = p.load_problem(self.cfg.direction == Direction::Pull, by_name) {
             // nothing is loaded from (or for) an engine the parameters do not name whole: the
             // request's prompt is computed here
             if self.refused.insert(req.request_id.clone()) {

@@ -115,7 +115,12 @@ fn a_decode_leg_missing_a_key_loads_nothing_and_says_which() {
     for (key, cut) in cases {
         let mut req = remote_prefill("r1");
         cut(req.params.as_mut().unwrap());
-        let why = req.params.as_ref().unwrap().load_problem(true).unwrap();
+        let why = req
+            .params
+            .as_ref()
+            .unwrap()
+            .load_problem(true, false)
+            .unwrap();
         assert!(
             why.starts_with(&format!("kv_transfer_params.{key} is ")),
             "{why}"
@@ -137,8 +142,22 @@ fn a_decode_leg_missing_a_key_loads_nothing_and_says_which() {
     assert_eq!(d.get_num_new_matched_tokens(&req, 0, t0), (100, true));
     // the whole parameters load
     assert_eq!(
-        remote_prefill("r2").params.unwrap().load_problem(true),
+        remote_prefill("r2")
+            .params
+            .unwrap()
+            .load_problem(true, false),
         None
+    );
+    // with a metadata store D finds P's ranks by engine id: no host or port needed
+    let mut by_name = remote_prefill("r3").params.unwrap();
+    by_name.remote_host.clear();
+    by_name.remote_port = 0;
+    assert_eq!(by_name.load_problem(true, true), None);
+    by_name.remote_engine_id.clear();
+    let why = by_name.load_problem(true, true).unwrap();
+    assert!(
+        why.starts_with("kv_transfer_params.remote_engine_id is "),
+        "{why}"
     );
 }
 
