@@ -34,7 +34,7 @@
 //! | 0 | [`metrics`], [`threads`], `idhash` | counters and gauges; threads kvrail starts; hashing |
 //!
 //! Outside the layers: `kvrail-ffi` (the C ABI), `python/` (the Python package), `tools/`.
-//! The agent's own files still import each other in one circle (27 files; the test keeps
+//! The agent's own files still import each other in one circle (26 files; the test keeps
 //! it from growing): taking it apart into a core without I/O and drivers is under way.
 //!
 //! The C ABI is the `kvrail-ffi` crate; the Python package (`kvrail`, `kvrail.nixl`,

@@ -30,7 +30,7 @@ const OUTSIDE: &[&str] = &["", "fuzzing"];
 
 /// The largest circle of files importing each other allowed inside each top-level module.
 const CIRCLES: &[(&str, usize)] = &[
-    ("agent", 27),
+    ("agent", 26),
     ("connector", 8),
     ("mem", 5),
     ("rails", 5),
@@ -75,13 +75,25 @@ fn code(text: &str) -> String {
         out.push_str(line);
         out.push('\n');
     }
-    // drop string literals: "…" (no escapes of quotes matter here)
+    // drop string literals ("…", escapes inside them) and the character literal '"'
     let mut s = String::new();
     let mut in_str = false;
-    for c in out.chars() {
-        if c == '"' {
-            in_str = !in_str;
-        } else if !in_str {
+    let mut chars = out.chars().peekable();
+    while let Some(c) = chars.next() {
+        if in_str {
+            match c {
+                '\\' => {
+                    chars.next();
+                }
+                '"' => in_str = false,
+                _ => {}
+            }
+        } else if c == '\'' && chars.peek() == Some(&'"') {
+            chars.next(); // '"' itself
+            chars.next(); // its closing quote
+        } else if c == '"' {
+            in_str = true;
+        } else {
             s.push(c);
         }
     }
