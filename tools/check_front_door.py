@@ -32,26 +32,24 @@ def slug(heading):
     return h.replace(" ", "-")
 
 
-def anchors(path):
-    out, fence = set(), False
+def prose(path):
+    """The lines of a Markdown file outside its code fences."""
+    fence = False
     for line in open(os.path.join(ROOT, path), encoding="utf-8"):
         if line.startswith("```"):
             fence = not fence
-        elif not fence and line.startswith("#"):
-            out.add(slug(line.lstrip("#")))
-    return out
+        elif not fence:
+            yield line
+
+
+def anchors(path):
+    return {slug(line.lstrip("#")) for line in prose(path) if line.startswith("#")}
 
 
 def check_links(problems):
     link = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
     for md in markdown_files():
-        text, fence = [], False
-        for line in open(os.path.join(ROOT, md), encoding="utf-8"):
-            if line.startswith("```"):
-                fence = not fence
-            elif not fence:
-                text.append(line)
-        for target in link.findall("".join(text)):
+        for target in link.findall("".join(prose(md))):
             if re.match(r"^[a-z]+:", target):
                 continue  # absolute URLs are not fetched (no network in CI)
             path, _, anchor = target.partition("#")

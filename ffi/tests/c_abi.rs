@@ -251,20 +251,36 @@ fn loads_and_runs_on_tcp_where_libibverbs_is_absent() {
     );
 }
 
+/// `ffi/install.sh PREFIX` with the library cargo built, into a fresh `prefix`.
+fn install(prefix: &Path) {
+    let _ = std::fs::remove_dir_all(prefix);
+    let st = Command::new("bash")
+        .arg(crate_dir().join("install.sh"))
+        .arg(prefix)
+        .arg(lib_dir())
+        .status()
+        .expect("install.sh");
+    assert!(st.success(), "install.sh failed");
+}
+
+/// The program `bin` records the library's versioned soname (as a distribution's would).
+fn assert_needs_soname(bin: &Path) {
+    let needed = Command::new("readelf").arg("-d").arg(bin).output().unwrap();
+    let needed = String::from_utf8_lossy(&needed.stdout);
+    let soname = env!("KVRAIL_SONAME");
+    assert!(
+        needed.contains(&format!("Shared library: [{soname}]")),
+        "{needed}"
+    );
+}
+
 /// The library installs like a distribution's (`ffi/install.sh`): a versioned soname, its
 /// links, the header and a generated pkg-config file; a program built with
 /// `pkg-config --cflags --libs kvrail` against the installation records the soname and runs.
 #[test]
 fn installed_with_a_versioned_soname_and_pkg_config() {
     let prefix = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("c-prefix");
-    let _ = std::fs::remove_dir_all(&prefix);
-    let st = Command::new("bash")
-        .arg(crate_dir().join("install.sh"))
-        .arg(&prefix)
-        .arg(lib_dir())
-        .status()
-        .expect("install.sh");
-    assert!(st.success(), "install.sh failed");
+    install(&prefix);
     let lib = prefix.join("lib");
     let soname = env!("KVRAIL_SONAME");
     assert_eq!(
@@ -302,16 +318,7 @@ fn installed_with_a_versioned_soname_and_pkg_config() {
         .status()
         .expect("cc");
     assert!(st.success(), "cc with pkg-config's flags failed");
-    let needed = Command::new("readelf")
-        .arg("-d")
-        .arg(&bin)
-        .output()
-        .unwrap();
-    let needed = String::from_utf8_lossy(&needed.stdout);
-    assert!(
-        needed.contains(&format!("Shared library: [{soname}]")),
-        "{needed}"
-    );
+    assert_needs_soname(&bin);
     let (a, b) = lab_config();
     let out = run_env(&bin, &[&a, &b], &[("LD_LIBRARY_PATH", &lib)]);
     assert!(out.contains("all bytes match"), "{out}");
@@ -324,14 +331,7 @@ fn installed_with_a_versioned_soname_and_pkg_config() {
 fn cmake_finds_the_installed_package_and_builds_the_readme_example() {
     let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     let prefix = tmp.join("cmake-prefix");
-    let _ = std::fs::remove_dir_all(&prefix);
-    let st = Command::new("bash")
-        .arg(crate_dir().join("install.sh"))
-        .arg(&prefix)
-        .arg(lib_dir())
-        .status()
-        .expect("install.sh");
-    assert!(st.success(), "install.sh failed");
+    install(&prefix);
     let configure = |want: &str, build: &Path| {
         let _ = std::fs::remove_dir_all(build);
         Command::new("cmake")
@@ -354,17 +354,7 @@ fn cmake_finds_the_installed_package_and_builds_the_readme_example() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
     let bin = build.join("readme");
-    let needed = Command::new("readelf")
-        .arg("-d")
-        .arg(&bin)
-        .output()
-        .unwrap();
-    let needed = String::from_utf8_lossy(&needed.stdout);
-    let soname = env!("KVRAIL_SONAME");
-    assert!(
-        needed.contains(&format!("Shared library: [{soname}]")),
-        "{needed}"
-    );
+    assert_needs_soname(&bin);
     let out = run_env(&bin, &[], &[("LD_LIBRARY_PATH", &prefix.join("lib"))]);
     assert!(
         out.contains("README example: 1048576 bytes written"),

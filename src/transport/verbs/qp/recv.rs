@@ -20,17 +20,9 @@ impl Qp {
                     reason,
                 })
             };
-            if wr.local.len() > self.inner.opts.max_recv_sge as usize {
-                return fail(format!(
-                    "{} SGEs > max_recv_sge {}",
-                    wr.local.len(),
-                    self.inner.opts.max_recv_sge
-                ));
-            }
-            for (k, s) in wr.local.iter().enumerate() {
-                if let Some(r) = self.check_sge(s, true) {
-                    return fail(format!("local element {k}: {r}"));
-                }
+            let max = (self.inner.opts.max_recv_sge, "max_recv_sge");
+            if let Some(r) = self.check_local(&wr.local, max, true) {
+                return fail(r);
             }
         }
         let mut q = self.inner.shared.queue(true);

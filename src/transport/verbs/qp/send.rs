@@ -181,17 +181,9 @@ impl Qp {
                 reason,
             })
         };
-        if wr.local.len() > self.inner.opts.max_send_sge as usize {
-            return fail(format!(
-                "{} SGEs > max_send_sge {}",
-                wr.local.len(),
-                self.inner.opts.max_send_sge
-            ));
-        }
-        for (k, s) in wr.local.iter().enumerate() {
-            if let Some(r) = self.check_sge(s, op == OpKind::Read) {
-                return fail(format!("local element {k}: {r}"));
-            }
+        let max = (self.inner.opts.max_send_sge, "max_send_sge");
+        if let Some(r) = self.check_local(&wr.local, max, op == OpKind::Read) {
+            return fail(r);
         }
         if wr.inline {
             if !matches!(op, OpKind::Send | OpKind::Write) {
@@ -218,6 +210,26 @@ impl Qp {
             }
         }
         Ok(())
+    }
+
+    /// The checks of a work request's local SGEs, sends and receives alike: no more than the
+    /// queue pair takes (`max`: its limit and the limit's name), each inside its memory region
+    /// with the access the operation needs. Why not, or None.
+    pub(super) fn check_local(
+        &self,
+        local: &[super::super::wr::Sge<'_>],
+        (max, what): (u32, &str),
+        needs_write: bool,
+    ) -> Option<String> {
+        if local.len() > max as usize {
+            return Some(format!("{} SGEs > {what} {max}", local.len()));
+        }
+        (local.iter().enumerate()).find_map(|(k, s)| {
+            Some(format!(
+                "local element {k}: {}",
+                self.check_sge(s, needs_write)?
+            ))
+        })
     }
 
     /// Why a local element is unusable, or None.
