@@ -109,6 +109,13 @@ fn cpu_set(list: &str) -> Result<CpuSet, String> {
     }
 }
 
+/// Lock `m`, taking the data even when a thread panicked while holding it: kvrail's state
+/// stays consistent at every unlock, so a panic elsewhere must not turn every later call into
+/// one.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

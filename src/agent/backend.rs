@@ -8,7 +8,7 @@ use std::sync::{mpsc, Arc};
 use super::control::Work;
 use super::metadata::AgentMetadata;
 use super::region::Region;
-use super::{Agent, AgentError, Desc, XferError, XferOp};
+use super::{error::AgentError, error::XferError, xfer::Desc, xfer::XferOp, Agent};
 
 /// A posted transfer, as a backend gets it.
 pub(crate) struct Posted {
@@ -23,7 +23,7 @@ pub(crate) struct Posted {
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) meta: Arc<AgentMetadata>,
     /// The grant each remote descriptor goes through (fenced memory of the peer), if any.
-    pub(crate) grants: Vec<Option<Arc<super::Grant>>>,
+    pub(crate) grants: Vec<Option<Arc<super::grant::Grant>>>,
 }
 
 /// A data path.

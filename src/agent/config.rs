@@ -101,11 +101,11 @@ pub struct AgentConfig {
     /// `cluster_secret`: when set, every side-channel connection must prove it (both ways)
     /// before it gets metadata or queue pairs. Unset, only peers on loopback are served
     /// (their connection comes from 127.0.0.0/8 or ::1), unless [`Self::insecure`].
-    pub cluster_secret: Option<super::ClusterSecret>,
+    pub cluster_secret: Option<super::control::auth::ClusterSecret>,
     /// `insecure`: with no `cluster_secret`, serve peers from any address without
     /// authentication (anyone who reaches the side channel can then load this agent's
     /// metadata and READ or WRITE its registered memory; the agent warns at start). Also
-    /// set by `KVRAIL_INSECURE=1` ([`super::INSECURE_ENV`]). Default false: protected mode.
+    /// set by `KVRAIL_INSECURE=1` ([`INSECURE_ENV`]). Default false: protected mode.
     pub insecure: bool,
     /// `metrics_listen`: serve the agent's counters and gauges (a connector worker's too)
     /// in the Prometheus text format at `http://<addr>/metrics` (None: no endpoint; read
@@ -118,7 +118,7 @@ pub struct AgentConfig {
     /// `deregister_wait_ms`: how long [`super::Agent::deregister`] waits for what still
     /// reaches a region (a chunk of a peer's transfer on TCP, work requests on verbs)
     /// before it gives up and the region stays registered (default
-    /// [`super::DEREGISTER_WAIT`], 10 s).
+    /// [`DEREGISTER_WAIT`], 10 s).
     pub deregister_wait: std::time::Duration,
 }
 
@@ -156,7 +156,7 @@ impl Default for AgentConfig {
             insecure: false,
             metrics_listen: None,
             metadata_store: None,
-            deregister_wait: super::DEREGISTER_WAIT,
+            deregister_wait: DEREGISTER_WAIT,
         }
     }
 }
@@ -170,6 +170,20 @@ pub(crate) fn device_matches(want: &str, device: &str, port: u8) -> bool {
         None => want == device,
     }
 }
+
+/// The environment variable an agent takes its cluster secret from when its configuration
+/// sets none (keeps the secret off command lines).
+pub const SECRET_ENV: &str = "KVRAIL_CLUSTER_SECRET";
+
+/// The environment variable that sets [`AgentConfig::insecure`] ("1") for programs that
+/// cannot pass a configuration (a NIXL program on `kvrail.nixl`).
+pub const INSECURE_ENV: &str = "KVRAIL_INSECURE";
+
+/// How long deregistration waits by default for what still reaches a region — chunks of
+/// peers' transfers moving on TCP, a finished transfer's last references, work requests on
+/// verbs — before it gives up (the region stays registered; see
+/// [`AgentError::DeregisterTimeout`] and [`AgentConfig::deregister_wait`]).
+pub const DEREGISTER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {

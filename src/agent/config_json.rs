@@ -3,7 +3,7 @@
 use serde::Deserialize;
 
 use super::config::MAX_TCP_CONNS;
-use super::{AgentConfig, BackendChoice};
+use super::{config::AgentConfig, config::BackendChoice};
 use crate::mem::ConfigError;
 
 /// The accepted keys; anything else is refused, named.
@@ -173,8 +173,10 @@ impl AgentConfig {
             c.insecure = b;
         }
         if let Some(k) = j.cluster_secret {
-            c.cluster_secret =
-                Some(super::ClusterSecret::new(k).map_err(|e| bad("cluster_secret", e))?);
+            c.cluster_secret = Some(
+                super::control::auth::ClusterSecret::new(k)
+                    .map_err(|e| bad("cluster_secret", e))?,
+            );
         }
         Ok(c)
     }

@@ -87,7 +87,7 @@ pub enum AgentError {
         /// Remote count.
         remote: usize,
     },
-    /// A notification over [`crate::agent::MAX_NOTIF_LEN`] bytes; nothing was queued.
+    /// A notification over [`crate::agent::xfer::MAX_NOTIF_LEN`] bytes; nothing was queued.
     #[error("a notification of {len} bytes is over the limit of {max} bytes")]
     NotifTooLarge {
         /// Its length.

@@ -1,6 +1,6 @@
 //! Grants: revocable remote access to parts of fenced regions.
 //!
-//! A region registered [fenced](super::MemRegion::fenced) is never reachable through its
+//! A region registered [fenced](super::register::MemRegion::fenced) is never reachable through its
 //! own keys. Its owner hands a peer a [`Grant`] for the ranges the peer may READ or WRITE
 //! (a request's blocks) and revokes it when the memory is given back (completion, lease
 //! expiry, abort). From the moment [`Agent::revoke`] returns, nothing issued under the old
@@ -8,7 +8,7 @@
 //! - on verbs each range has its own remote key per rail (a `RangeKey`: a registration of
 //!   just that range), deregistered on revocation, so the NIC itself refuses a late READ or
 //!   WRITE with a remote access error, which the peer reports as
-//!   [`XferError::GrantRevoked`](super::XferError::GrantRevoked);
+//!   [`XferError::GrantRevoked`](super::error::XferError::GrantRevoked);
 //! - on TCP the target checks the grant for every chunk and copies fenced bytes under the
 //!   grant's gate, which revocation closes after the copies in progress (memory copies,
 //!   never a socket wait) are done; a refused chunk fails the transfer with the same error.
@@ -22,13 +22,14 @@ use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 
-use super::{lock, Agent, AgentError, Desc, RemoteAccess, Shared};
+use super::{error::AgentError, region::RemoteAccess, xfer::Desc, Agent, Shared};
+use crate::threads::lock;
 
 /// The most ranges one grant may hold (a decoded token with more is refused).
 pub const MAX_GRANT_RANGES: usize = 1 << 16;
 
 /// What the TCP target's refusals start with; the initiator reports them as
-/// [`XferError::GrantRevoked`](super::XferError::GrantRevoked).
+/// [`XferError::GrantRevoked`](super::error::XferError::GrantRevoked).
 pub(crate) const REVOKED: &str = "grant revoked: ";
 
 /// A grant as its owner hands it to a peer (serializable with [`Grant::encode`]).
@@ -295,7 +296,7 @@ impl Agent {
                 grant.owner
             )));
         }
-        let keys = if meta.backend == super::BackendKind::Verbs {
+        let keys = if meta.backend == super::metadata::BackendKind::Verbs {
             meta.rails.len()
         } else {
             0
@@ -355,7 +356,7 @@ impl Shared {
     pub(crate) fn grants_for(
         &self,
         peer: &str,
-        meta: &super::AgentMetadata,
+        meta: &super::metadata::AgentMetadata,
         remote: &[Desc],
         write: bool,
     ) -> Result<Vec<Option<Arc<Grant>>>, AgentError> {
@@ -453,7 +454,7 @@ impl Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::RegionId;
+    use crate::agent::region::RegionId;
 
     #[test]
     fn ranges_are_sorted_and_joined_where_they_touch() {

@@ -2,7 +2,7 @@
 //! its transfer table's outcomes, its notification queue and its copy counter.
 #![cfg_attr(not(feature = "verbs"), allow(dead_code))]
 
-use super::{Agent, AgentError, RegionId, RemoteAccess, XferError};
+use super::{error::AgentError, error::XferError, region::RegionId, region::RemoteAccess, Agent};
 
 impl Agent {
     /// Local region `id`'s length and remote access.

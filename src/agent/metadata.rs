@@ -83,7 +83,7 @@ pub struct RegionMeta {
     pub layer_offsets: Vec<u64>,
     /// Bytes of one layer in a pooled region (0: the region's length).
     pub layer_len: u64,
-    /// Fenced: peers reach it only through grants (see [`crate::agent::Grant`]); the
+    /// Fenced: peers reach it only through grants (see [`crate::agent::grant::Grant`]); the
     /// region's own rkeys give no remote access, `remote_read`/`remote_write` say what a
     /// grant may give. Written only when set (metadata of unfenced regions is unchanged).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -53,6 +53,7 @@ mod tcp_io;
 #[cfg(feature = "verbs")]
 mod verbs;
 mod wake;
+mod xfer;
 // the facade's methods, by theme (each an `impl Agent` of its own)
 mod notif_api;
 mod peers_api;
@@ -63,9 +64,11 @@ mod xfer_api;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpListener};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
-pub use config::{AgentConfig, BackendChoice, MAX_TCP_CONNS};
+pub use config::{
+    AgentConfig, BackendChoice, DEREGISTER_WAIT, INSECURE_ENV, MAX_TCP_CONNS, SECRET_ENV,
+};
 pub use control::auth::{ClusterSecret, MIN_SECRET};
 pub use error::{AgentError, Fault, XferError};
 pub use grant::{Grant, GrantRange, MAX_GRANT_RANGES};
@@ -74,59 +77,14 @@ pub use register::{MemRegion, RegisteredMemory};
 pub use route::NotifRoute;
 #[cfg(feature = "verbs")]
 pub(crate) use verbs::config_rails;
+pub use xfer::{Desc, XferId, XferOp, XferStatus, MAX_NOTIF_LEN};
 
 use crate::idhash::IdMap;
 use crate::proto::handshake::HandshakeInfo;
+use crate::threads::lock;
 use metadata::{AgentMetadata, BackendKind, MemKind, RegionMeta};
 use region::Region;
-
-/// A descriptor: `len` bytes at `offset` of a region (local, or the peer's).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Desc {
-    /// The region.
-    pub region: RegionId,
-    /// Offset in it.
-    pub offset: u64,
-    /// Bytes.
-    pub len: u64,
-}
-
-impl Desc {
-    /// `len` bytes at `offset` of `region`.
-    pub fn new(region: RegionId, offset: u64, len: u64) -> Self {
-        Self {
-            region,
-            offset,
-            len,
-        }
-    }
-}
-
-/// READ (pull the peer's bytes into local memory) or WRITE (push local bytes to the peer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum XferOp {
-    /// Peer → local.
-    Read,
-    /// Local → peer.
-    Write,
-}
-
-/// A transfer request's id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct XferId(pub u64);
-
-/// Where a transfer stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum XferStatus {
-    /// Created or released-for-repost, not posted.
-    NotPosted,
-    /// Posted; bytes are moving.
-    InProgress,
-    /// Every byte is in place (and the notification, if any, was delivered after them).
-    Done,
-    /// Failed, with the cause; nothing reports success for bytes that did not land.
-    Error(XferError),
-}
+use xfer::check_notif_len;
 
 struct Peer {
     meta: Arc<AgentMetadata>,
@@ -187,10 +145,6 @@ pub(crate) struct Shared {
     /// The metadata store, when configured (see [`store`]).
     #[cfg(feature = "etcd")]
     store: Option<store::AgentStore>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// An agent. Cheap to clone; the listener and connections stop when the last clone drops.
@@ -342,34 +296,6 @@ impl Agent {
             .ok_or_else(|| AgentError::Unsupported(format!("region {} is not host memory", id.0)))
     }
 }
-
-/// The environment variable an agent takes its cluster secret from when its configuration
-/// sets none (keeps the secret off command lines).
-pub const SECRET_ENV: &str = "KVRAIL_CLUSTER_SECRET";
-
-/// The environment variable that sets [`AgentConfig::insecure`] ("1") for programs that
-/// cannot pass a configuration (a NIXL program on `kvrail.nixl`).
-pub const INSECURE_ENV: &str = "KVRAIL_INSECURE";
-
-/// The largest notification, in bytes: one fits a control frame with room for its header
-/// (larger ones are refused when handed in, before anything is queued).
-pub const MAX_NOTIF_LEN: usize = control::msg::CHUNK;
-
-fn check_notif_len(n: Option<&[u8]>) -> Result<(), AgentError> {
-    match n {
-        Some(b) if b.len() > MAX_NOTIF_LEN => Err(AgentError::NotifTooLarge {
-            len: b.len(),
-            max: MAX_NOTIF_LEN,
-        }),
-        _ => Ok(()),
-    }
-}
-
-/// How long deregistration waits by default for what still reaches a region — chunks of
-/// peers' transfers moving on TCP, a finished transfer's last references, work requests on
-/// verbs — before it gives up (the region stays registered; see
-/// [`AgentError::DeregisterTimeout`] and [`AgentConfig::deregister_wait`]).
-pub const DEREGISTER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests;

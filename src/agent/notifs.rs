@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 
 use smallvec::{smallvec, SmallVec};
 
-use super::{control, lock, Shared};
+use super::{control, Shared};
+use crate::threads::lock;
 
 /// Most notifications held back waiting for an earlier one, per connection. A correct peer
 /// has at most a channel's worth in flight; more is a broken peer, and its extra ones drop.

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::error::AgentError;
 use super::metadata::MemKind;
-use super::AgentError;
 use crate::mem::{DeviceMemory, HostBuffer, MemError};
 
 /// What peers may do to a region.

@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use super::metadata::MemKind;
 use super::region::{Layers, Region, RegionMemory};
-use super::{lock, Agent, AgentError, RegionId, RemoteAccess};
+use super::{error::AgentError, region::RegionId, region::RemoteAccess, Agent};
 use crate::mem::{DeviceMemory, HostBuffer, HostOwner, KvBufferDevice};
+use crate::threads::lock;
 
 /// Memory to register, built from the caller's memory (or kvrail's), then
 /// [`Agent::register_memory`].

@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::wake::Wake;
-use super::{lock, Agent};
+use super::Agent;
+use crate::threads::lock;
 
 /// The queue of one kind of notification (see the module docs).
 pub(crate) struct RouteQueue {

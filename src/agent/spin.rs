@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::control::driven::{Driven, Pass};
-use super::{AgentError, Shared, XferId, XferStatus};
+use super::{error::AgentError, xfer::XferId, xfer::XferStatus, Shared};
 
 /// On TCP a waiting caller looks for answers of at most this many bytes before sleeping
 /// (see [`Shared::spin_budget`]).
@@ -130,7 +130,7 @@ impl Shared {
     pub(crate) fn poll_for_status(&self, id: XferId) {
         let mut in_progress = true;
         let budget = self.spin_budget(|| {
-            let xfers = super::lock(&self.xfers);
+            let xfers = crate::threads::lock(&self.xfers);
             in_progress = xfers.status(id).is_ok_and(|s| *s == XferStatus::InProgress);
             xfers.bytes(id)
         });

@@ -3,8 +3,9 @@
 
 use std::sync::{Arc, Weak};
 
-use super::{lock, Shared, XferError, XferOp};
+use super::{error::XferError, xfer::XferOp, Shared};
 use crate::metrics::{Counter, Registry};
+use crate::threads::lock;
 
 /// Index of an operation in per-operation arrays.
 pub(crate) fn op_index(op: XferOp) -> usize {

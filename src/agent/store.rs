@@ -6,10 +6,10 @@
 //! naming a region the loaded metadata lacks asks the store for a newer revision first (the
 //! watch lags a registration by milliseconds).
 
-#[cfg(feature = "etcd")]
-use super::lock;
-use super::{Agent, AgentError, Shared};
+use super::{error::AgentError, Agent, Shared};
 use crate::store::StoreError;
+#[cfg(feature = "etcd")]
+use crate::threads::lock;
 
 #[cfg(feature = "etcd")]
 pub(crate) use with_etcd::AgentStore;
@@ -33,7 +33,7 @@ mod with_etcd {
 
 /// The store of a configuration, connected (None: none configured).
 #[cfg(feature = "etcd")]
-pub(crate) fn open(config: &super::AgentConfig) -> Result<Option<AgentStore>, AgentError> {
+pub(crate) fn open(config: &super::config::AgentConfig) -> Result<Option<AgentStore>, AgentError> {
     let Some(c) = &config.metadata_store else {
         return Ok(None);
     };
@@ -46,7 +46,7 @@ pub(crate) fn open(config: &super::AgentConfig) -> Result<Option<AgentStore>, Ag
 
 /// Without the `etcd` feature a configured store is refused.
 #[cfg(not(feature = "etcd"))]
-pub(crate) fn refuse_without_etcd(config: &super::AgentConfig) -> Result<(), AgentError> {
+pub(crate) fn refuse_without_etcd(config: &super::config::AgentConfig) -> Result<(), AgentError> {
     match config.metadata_store {
         None => Ok(()),
         Some(_) => Err(StoreError::Unavailable(

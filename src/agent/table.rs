@@ -10,7 +10,10 @@
 //! completions, errors and rail loss.
 
 use super::metadata::AgentMetadata;
-use super::{AgentError, Desc, RegionId, XferError, XferId, XferOp, XferStatus};
+use super::{
+    error::AgentError, error::XferError, region::RegionId, xfer::Desc, xfer::XferId, xfer::XferOp,
+    xfer::XferStatus,
+};
 use crate::idhash::IdMap;
 
 /// A region a posted transfer holds busy.

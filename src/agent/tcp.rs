@@ -16,7 +16,7 @@ use super::control::Work;
 use super::region::Region;
 use super::table::Arrival;
 use super::tcp_io;
-use super::{Desc, Shared, XferError};
+use super::{error::XferError, xfer::Desc, Shared};
 use std::sync::Arc;
 
 /// Initiator: send WRITE `id`'s bytes (`local` region, offset, length per descriptor, into
@@ -87,7 +87,7 @@ pub(crate) fn send_write(
                 }
             }
             at += n;
-            shared.stats.tcp_bytes[super::stats::op_index(super::XferOp::Write)].add(n);
+            shared.stats.tcp_bytes[super::stats::op_index(super::xfer::XferOp::Write)].add(n);
         }
     }
     // every byte is sent: from now on the peer's Ack completes the transfer
@@ -184,7 +184,7 @@ pub(crate) fn on_read_data(
         shared.finish(xfer, Err(XferError::Memory(e.to_string())));
         return Ok(());
     }
-    shared.stats.tcp_bytes[super::stats::op_index(super::XferOp::Read)].add(n);
+    shared.stats.tcp_bytes[super::stats::op_index(super::xfer::XferOp::Read)].add(n);
     // after the last byte its notification is queued (on `tx`) before the transfer is done
     // — an engine that sees it done may release it at once
     if arrival == Arrival::Complete {

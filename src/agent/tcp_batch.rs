@@ -17,7 +17,7 @@ use nix::sys::socket::{sendmsg, MsgFlags};
 use super::control::msg::{encode_into, Msg};
 use super::control::Work;
 use super::region::Region;
-use super::{Shared, XferOp};
+use super::{xfer::XferOp, Shared};
 use crate::mem::HostBuffer;
 
 /// A WRITE moves through the batch when its payload is at most this many bytes.
@@ -263,7 +263,7 @@ mod tests {
     use super::*;
     use crate::agent::metadata::MemKind;
     use crate::agent::region::{Layers, RegionMemory};
-    use crate::agent::{RegionId, RemoteAccess};
+    use crate::agent::{region::RegionId, region::RemoteAccess};
     use std::io::Read;
     use std::net::TcpListener;
 

@@ -11,7 +11,7 @@ mod write;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,7 @@ use super::tp::{head_slices, rank_agent_name};
 use crate::agent::{Agent, AgentError, XferId, XferOp, XferStatus};
 use crate::proto::kvmsg::{Completion, KvMsg, PushCancel, PushCancelled, PushReg};
 use crate::proto::push::{PushAction, PushMatcher};
+use crate::threads::lock;
 
 /// What the writer reports to its worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,10 +74,6 @@ struct Shared {
     bytes: AtomicU64,
     /// What of a request moves (`chunk_mode`, `swa_window_mode`; tokens per request).
     sel: Select,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The writer's handle (owned by the worker).

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use super::wire::{self, Decoded, Part, Piece, Tag, Wire};
 use super::Core;
 use crate::agent::{
-    Agent, AgentError, Desc, RegionId, RemoteAccess, XferError, XferId, XferOp, XferStatus,
+    error::AgentError, error::XferError, region::RegionId, region::RemoteAccess, xfer::Desc,
+    xfer::XferId, xfer::XferOp, xfer::XferStatus, Agent,
 };
 use crate::mem::{HostBuffer, MemError};
 

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::agent::{Agent, AgentError, WeakAgent, XferOp};
+use crate::agent::{error::AgentError, xfer::XferOp, Agent, WeakAgent};
 use driver::State;
 use wire::Piece;
 

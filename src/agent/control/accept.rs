@@ -19,8 +19,8 @@ use mio::{Events, Interest, Poll, Token};
 use super::auth::{self, Verdict};
 use super::msg::Msg;
 use super::Shared;
-use crate::agent::lock;
 use crate::proto::frame::PREFIX;
+use crate::threads::lock;
 
 /// How long a new connection may take to send its first message.
 pub(crate) const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -29,7 +29,7 @@ use sha2::Sha256;
 
 use super::msg::{send, Msg, Reader};
 use super::{conn_err, expect_reply};
-use crate::agent::AgentError;
+use crate::agent::error::AgentError;
 
 /// Bytes of each side's nonce.
 pub(crate) const NONCE: usize = 32;

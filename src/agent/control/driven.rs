@@ -31,7 +31,8 @@ use std::time::{Duration, Instant};
 use super::msg::{Msg, Reader};
 use super::Work;
 use crate::agent::tcp_batch::Batch;
-use crate::agent::{lock, Shared};
+use crate::agent::Shared;
+use crate::threads::lock;
 
 /// The longest a pass keeps the connection's threads asleep: with a long budget, work
 /// posted after a caller's last pass still goes out (and answers are read) this soon.

@@ -10,7 +10,7 @@ use super::driven::Driven;
 use super::msg::{send, Msg, Reader};
 use super::{lock, Group, Work};
 use crate::agent::table::Ack;
-use crate::agent::{Shared, XferError, XferOp};
+use crate::agent::{error::XferError, xfer::XferOp, Shared};
 
 /// Sends this agent's transfers and notifications, in submission order. Small work queued
 /// together goes out in one send (`tcp_batch`): what is queued is gathered until the queue

@@ -22,8 +22,9 @@ use std::time::Duration;
 use msg::{send, Msg, Reader};
 
 use super::region::Region;
-use super::{lock, AgentError, Desc, Shared, XferError, XferOp};
+use super::{error::AgentError, error::XferError, xfer::Desc, xfer::XferOp, Shared};
 use crate::proto::handshake;
+use crate::threads::lock;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

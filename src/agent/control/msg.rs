@@ -13,6 +13,9 @@ pub(crate) const MAX_FRAME: usize = CHUNK + 4096;
 /// Data moves in chunks of at most this many bytes.
 pub(crate) const CHUNK: usize = 4 << 20;
 
+// a notification travels in one chunk
+const _: () = assert!(crate::agent::xfer::MAX_NOTIF_LEN <= CHUNK);
+
 /// What [`Reader::next`] says when its stream's read timeout passed without a message.
 pub(crate) const TIMED_OUT: &str = "timed out";
 

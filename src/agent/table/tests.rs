@@ -16,7 +16,10 @@ use proptest::prelude::*;
 
 use super::{validate, Ack, Arrival, Held, XferTable};
 use crate::agent::metadata::{AgentMetadata, BackendKind, MemKind, RegionMeta, VERSION};
-use crate::agent::{AgentError, Desc, Fault, RegionId, XferError, XferOp, XferStatus};
+use crate::agent::{
+    error::AgentError, error::Fault, error::XferError, region::RegionId, xfer::Desc, xfer::XferOp,
+    xfer::XferStatus,
+};
 use crate::proto::handshake::{CompatHash, HandshakeInfo};
 use crate::transport::stripe::{DescPair, Planner, Progress, Slice, StripeMode, XferState};
 
@@ -166,7 +169,7 @@ impl Pair {
     }
 
     /// Post: hold the regions the descriptors name (the agent's `post`).
-    fn post(&mut self, id: crate::agent::XferId) {
+    fn post(&mut self, id: crate::agent::xfer::XferId) {
         let x = self.table.postable(id).unwrap();
         let mut held: Vec<Mem> = Vec::new();
         for d in &x.local {

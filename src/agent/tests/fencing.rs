@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use super::strangers::{accept_attach, fake_peer, tcp};
 use crate::agent::control::msg::{send, Msg, Reader};
 use crate::agent::{
-    Agent, AgentConfig, AgentError, Desc, MemRegion, RegionId, RemoteAccess, XferError, XferOp,
-    XferStatus,
+    config::AgentConfig, error::AgentError, error::XferError, region::RegionId,
+    region::RemoteAccess, register::MemRegion, xfer::Desc, xfer::XferOp, xfer::XferStatus, Agent,
 };
 use crate::mem::HostBuffer;
 

@@ -7,8 +7,11 @@ use std::time::{Duration, Instant};
 
 use crate::agent::control::msg::{send, Msg, Reader};
 use crate::agent::metadata::AgentMetadata;
-use crate::agent::{Agent, AgentConfig, AgentError, BackendChoice, Desc, RemoteAccess};
-use crate::agent::{XferOp, XferStatus};
+use crate::agent::{
+    config::AgentConfig, config::BackendChoice, error::AgentError, region::RemoteAccess,
+    xfer::Desc, Agent,
+};
+use crate::agent::{xfer::XferOp, xfer::XferStatus};
 
 pub(super) fn tcp() -> AgentConfig {
     AgentConfig {
@@ -68,7 +71,7 @@ fn another_peers_answers_do_not_touch_a_transfer() {
             fb.join().unwrap(),
         )
     });
-    let src = crate::agent::RegionId(a.remote_metadata(&b).unwrap().regions[0].id);
+    let src = crate::agent::region::RegionId(a.remote_metadata(&b).unwrap().regions[0].id);
     let x = a
         .create_xfer(
             XferOp::Read,

@@ -10,7 +10,7 @@ use super::{chan_connect_options, Verbs};
 use crate::agent::control::msg::{send, Msg, Reader};
 use crate::agent::control::{conn_err, expect_reply};
 use crate::agent::metadata::{AgentMetadata, BackendKind};
-use crate::agent::{AgentError, Shared};
+use crate::agent::{error::AgentError, Shared};
 use crate::transport::notif::FRAME_FORMAT;
 use crate::transport::verbs::{Access, ConnectOptions, Endpoint, Qp};
 

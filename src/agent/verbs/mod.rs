@@ -13,7 +13,7 @@ mod regions;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use mio::unix::SourceFd;
@@ -30,10 +30,11 @@ pub(crate) use notif::chan_connect_options;
 pub(crate) use rebuild::QpRequest;
 
 use super::region::Region;
-use super::{AgentConfig, AgentError, Desc, Shared, XferOp};
+use super::{config::AgentConfig, error::AgentError, xfer::Desc, xfer::XferOp, Shared};
 use crate::agent::metadata::{AgentMetadata, RailAddr};
 use crate::idhash::IdMap;
 use crate::rails::{discover, discover_gids_of, select, AddrSource, Ipv4If, SysfsRoot};
+use crate::threads::lock;
 use crate::transport::stripe::{DescPair, Plan, Planner, Progress, StripeMode, XferState};
 use crate::transport::verbs::{
     probe_dmabuf, Access, Completion, Context, Cq, DmabufSupport, Mr, Pd, Qp, QpOptions,
@@ -134,7 +135,7 @@ pub(crate) struct PostReq<'a> {
     pub(crate) remote: &'a [Desc],
     pub(crate) meta: &'a Arc<AgentMetadata>,
     /// The grant each remote descriptor goes through, if any.
-    pub(crate) grants: &'a [Option<Arc<crate::agent::Grant>>],
+    pub(crate) grants: &'a [Option<Arc<crate::agent::grant::Grant>>],
 }
 
 /// One queued slice: bytes between a local region and a peer's region on one rail.
@@ -168,7 +169,7 @@ struct Run {
     meta: Arc<AgentMetadata>,
     /// The grant each descriptor's remote side goes through (fenced memory), if any;
     /// empty when none does (no list per transfer for the usual unfenced one).
-    grants: Vec<Option<Arc<crate::agent::Grant>>>,
+    grants: Vec<Option<Arc<crate::agent::grant::Grant>>>,
 }
 
 /// A queue pair being rebuilt: (local rail, peer rail, the new queue pair).
@@ -263,10 +264,6 @@ impl Engine {
             .insert(key.clone(), (Instant::now() + backoff, backoff));
         true
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn verr(e: impl ToString) -> AgentError {

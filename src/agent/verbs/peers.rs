@@ -93,7 +93,7 @@ impl Verbs {
     }
 
     /// [`Verbs::kill_pair`]; `refused` (the peer's NIC refused a key): the transfers that
-    /// went through grants fail as [`XferError::GrantRevoked`](crate::agent::XferError).
+    /// went through grants fail as [`XferError::GrantRevoked`](crate::agent::error::XferError).
     pub(super) fn kill_pair_as(
         &self,
         shared: &Shared,
@@ -124,7 +124,7 @@ impl Verbs {
                 continue;
             };
             if refused && run.grants.iter().any(Option::is_some) {
-                let err = crate::agent::XferError::GrantRevoked {
+                let err = crate::agent::error::XferError::GrantRevoked {
                     peer: run.peer.to_string(),
                     why: why.to_owned(),
                 };

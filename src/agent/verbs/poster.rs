@@ -21,7 +21,7 @@ use std::sync::{mpsc, Arc};
 use smallvec::SmallVec;
 
 use super::{lock, Engine, Pending, Verbs};
-use crate::agent::{AgentError, Shared, XferOp};
+use crate::agent::{error::AgentError, xfer::XferOp, Shared};
 use crate::transport::verbs::{Qp, SendWr, Sge};
 
 /// Slices of one transfer for one queue pair, the last one to be signaled.

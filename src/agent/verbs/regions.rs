@@ -82,7 +82,7 @@ impl Verbs {
         buf: &Arc<crate::mem::HostBuffer>,
         offset: u64,
         len: u64,
-        access: crate::agent::RemoteAccess,
+        access: crate::agent::region::RemoteAccess,
     ) -> Result<Vec<crate::transport::verbs::RangeKey>, AgentError> {
         let mut a = Access::NONE;
         if access.read {
