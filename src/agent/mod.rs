@@ -34,8 +34,11 @@ pub mod bounce;
 mod config;
 mod config_json;
 pub(crate) mod control;
+mod core;
 mod error;
+mod gauges;
 mod grant;
+mod grant_api;
 mod local;
 pub mod metadata;
 mod metrics_http;
@@ -72,14 +75,14 @@ pub use config::{
 pub use control::auth::{ClusterSecret, MIN_SECRET};
 pub use error::{AgentError, Fault, XferError};
 pub use grant::{Grant, GrantRange, MAX_GRANT_RANGES};
+pub use notif_api::NotifRoute;
 pub use region::{RegionId, RegionMemory, RemoteAccess};
 pub use register::{MemRegion, RegisteredMemory};
-pub use route::NotifRoute;
 #[cfg(feature = "verbs")]
 pub(crate) use verbs::config_rails;
 pub use xfer::{Desc, XferId, XferOp, XferStatus, MAX_NOTIF_LEN};
 
-use crate::idhash::IdMap;
+use self::core::Core;
 use crate::proto::handshake::HandshakeInfo;
 use crate::threads::lock;
 use metadata::{AgentMetadata, BackendKind, MemKind, RegionMeta};
@@ -95,34 +98,20 @@ struct Peer {
     epoch: u64,
 }
 
+/// The facade's state: the core (see [`core`]) and what does I/O around it — the
+/// configuration, the side channel's address, peers and their connections, the verbs lanes,
+/// the host bounce, the metadata store.
 pub(crate) struct Shared {
-    name: String,
+    core: Core,
     config: AgentConfig,
     addr: SocketAddr,
     handshake: HandshakeInfo,
-    /// Registered regions by id (ids this agent hands out, so hashed as its own integers).
-    regions: Mutex<IdMap<u32, Arc<Region>>>,
-    next_region: Mutex<u32>,
     peers: Mutex<HashMap<String, Peer>>,
-    xfers: Mutex<table::XferTable<Arc<Region>>>,
-    /// Signalled (with `xfers`) whenever a transfer leaves InProgress.
-    xfer_done_cv: wake::Wake,
-    /// Signalled when a notification is queued.
-    notif_cv: wake::Wake,
     /// Serializes loads of one peer (by name).
     loading: Mutex<HashMap<String, Arc<Mutex<()>>>>,
-    notifs: Mutex<VecDeque<(String, Vec<u8>)>>,
-    /// Numbered notifications per target connection (see [`notifs`]).
-    seqs: Mutex<IdMap<u64, notifs::Ordered>>,
     /// Ids of target connections.
     next_conn: std::sync::atomic::AtomicU64,
     shutdown: std::sync::atomic::AtomicBool,
-    /// Payload bytes the CPU copied in transfers (see [`Agent::payload_bytes_copied`]).
-    copied: std::sync::atomic::AtomicU64,
-    /// Transfers ended so far (bumped under the table's lock by `finish`): a polling waiter
-    /// takes that lock only when this moved, instead of on every look, which kept the
-    /// thread finishing transfers waiting for it.
-    ended: std::sync::atomic::AtomicU64,
     /// Side-channel connections refused by authentication.
     auth_refused: std::sync::atomic::AtomicU64,
     /// Side-channel connections refused by protected mode (no `cluster_secret`, not
@@ -136,15 +125,17 @@ pub(crate) struct Shared {
     verbs: Option<Arc<verbs::Verbs>>,
     /// The host-bounce engine (verbs backend): moves device memory through staging slots.
     bounce: std::sync::OnceLock<bounce::Engine>,
-    /// Consumers of one kind of notification each (see [`route`]).
-    routes: Mutex<Vec<Arc<route::RouteQueue>>>,
-    /// Grants made here and grants peers gave (see [`grant`]).
-    grants: Mutex<grant::Grants>,
-    /// Counters and gauges (see [`crate::metrics`]).
-    stats: stats::AgentStats,
     /// The metadata store, when configured (see [`store`]).
     #[cfg(feature = "etcd")]
     store: Option<store::AgentStore>,
+}
+
+impl std::ops::Deref for Shared {
+    type Target = Core;
+
+    fn deref(&self) -> &Core {
+        &self.core
+    }
 }
 
 /// An agent. Cheap to clone; the listener and connections stop when the last clone drops.

@@ -1,5 +1,9 @@
 //! Notifications: send one, take those that arrived, wait for them; the rail they ride.
 
+use std::time::Duration;
+
+use super::route::{drain_waiting, RouteQueue};
+use super::wake::Wake;
 use super::*;
 
 impl Agent {
@@ -114,5 +118,58 @@ impl Agent {
         }
         let _ = (peer, frame);
         Err(AgentError::Unsupported("no verbs backend".into()))
+    }
+}
+
+/// A consumer's handle on the notifications that start with its prefix. Dropping it sends
+/// them to the engine's queue again.
+pub struct NotifRoute {
+    agent: Agent,
+    queue: Arc<RouteQueue>,
+}
+
+impl std::fmt::Debug for NotifRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NotifRoute")
+            .field("prefix", &String::from_utf8_lossy(&self.queue.prefix))
+            .finish()
+    }
+}
+
+impl NotifRoute {
+    /// The routed notifications received since the last call, in arrival order.
+    pub fn get_new(&self) -> Vec<(String, Vec<u8>)> {
+        lock(&self.queue.q).drain(..).collect()
+    }
+
+    /// Like [`NotifRoute::get_new`], sleeping until one is there or `timeout` passed.
+    pub fn wait(&self, timeout: Duration) -> Vec<(String, Vec<u8>)> {
+        drain_waiting(&self.queue.q, &self.queue.cv, timeout)
+    }
+}
+
+impl Drop for NotifRoute {
+    fn drop(&mut self) {
+        lock(&self.agent.shared.routes).retain(|r| !Arc::ptr_eq(r, &self.queue));
+    }
+}
+
+impl Agent {
+    /// Route every notification that starts with `prefix` to the returned handle instead of
+    /// the engine's queue (one consumer per kind; a later route for the same prefix takes
+    /// over).
+    pub fn notif_route(&self, prefix: &[u8]) -> NotifRoute {
+        let queue = Arc::new(RouteQueue {
+            prefix: prefix.to_vec(),
+            q: Mutex::new(VecDeque::new()),
+            cv: Wake::default(),
+        });
+        let mut routes = lock(&self.shared.routes);
+        routes.retain(|r| r.prefix != prefix);
+        routes.push(queue.clone());
+        NotifRoute {
+            agent: self.clone(),
+            queue,
+        }
     }
 }

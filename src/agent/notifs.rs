@@ -7,9 +7,6 @@ use std::collections::BTreeMap;
 
 use smallvec::{smallvec, SmallVec};
 
-use super::{control, Shared};
-use crate::threads::lock;
-
 /// Most notifications held back waiting for an earlier one, per connection. A correct peer
 /// has at most a channel's worth in flight; more is a broken peer, and its extra ones drop.
 const MAX_HELD: usize = 1 << 16;
@@ -58,32 +55,6 @@ impl Ordered {
             self.next += 1;
         }
         out
-    }
-}
-
-impl Shared {
-    /// A numbered notification from `from` on target connection `conn`.
-    pub(crate) fn deliver_seq_notif(&self, conn: u64, from: &str, seq: u64, bytes: Vec<u8>) {
-        let ready = lock(&self.seqs).entry(conn).or_default().take(seq, bytes);
-        for b in ready {
-            self.deliver_notif(from, b);
-        }
-    }
-
-    /// Target connection `conn` ended.
-    pub(crate) fn forget_conn(&self, conn: u64) {
-        lock(&self.seqs).remove(&conn);
-    }
-
-    /// Send a notification over the TCP connection to `peer` (numbered when it follows
-    /// numbered ones of a failed channel).
-    pub(crate) fn send_tcp_notif(&self, peer: &str, seq: Option<u64>, bytes: Vec<u8>) {
-        if let Some(p) = lock(&self.peers).get(peer) {
-            p.conn.submit(match seq {
-                Some(seq) => control::Work::SeqNotif(seq, bytes),
-                None => control::Work::Notif(bytes),
-            });
-        }
     }
 }
 

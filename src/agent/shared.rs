@@ -71,13 +71,6 @@ impl Shared {
         Ok(mem)
     }
 
-    pub(super) fn region(&self, id: u32) -> Result<Arc<Region>, AgentError> {
-        lock(&self.regions)
-            .get(&id)
-            .cloned()
-            .ok_or(AgentError::NoRegion(id))
-    }
-
     pub(super) fn metadata(&self) -> AgentMetadata {
         #[cfg(feature = "verbs")]
         let verbs = self.verbs.as_ref();
@@ -126,13 +119,6 @@ impl Shared {
         }
     }
 
-    /// The notification (and its peer) of in-progress transfer `id`, looked up *before* the
-    /// transfer is finished: once the engine sees it done it may release it at once, and a
-    /// lookup after that would lose the notification.
-    pub(super) fn xfer_notif(&self, id: u64) -> Option<(Arc<str>, Vec<u8>)> {
-        lock(&self.xfers).completion_notif(id)
-    }
-
     /// Verbs: ask `peer` for queue pairs (a rail's rebuild); the answer comes back through
     /// the connection's reader.
     #[cfg(feature = "verbs")]
@@ -168,92 +154,14 @@ impl Shared {
         }
     }
 
-    /// A verbs transfer failed.
-    #[cfg(feature = "verbs")]
-    pub(super) fn xfer_failed(&self, id: u64, why: String) {
-        self.finish(id, Err(XferError::Rdma(why)));
-    }
-
-    /// A transfer ended: set its status and release its regions.
-    pub(super) fn finish(&self, id: u64, res: Result<(), XferError>) {
-        let mut xfers = lock(&self.xfers);
-        let op = xfers.op_of(id);
-        let outcome = res.clone();
-        if let Some(held) = xfers.finish(id, res) {
-            if let Some(op) = op {
-                self.stats.ended(&self.name, op, &outcome);
-            }
-            for r in held {
-                r.release();
-            }
-            self.ended
-                .fetch_add(1, std::sync::atomic::Ordering::Release);
-            self.xfer_done_cv.notify_all();
+    /// Send a notification over the TCP connection to `peer` (numbered when it follows
+    /// numbered ones of a failed channel).
+    pub(crate) fn send_tcp_notif(&self, peer: &str, seq: Option<u64>, bytes: Vec<u8>) {
+        if let Some(p) = lock(&self.peers).get(peer) {
+            p.conn.submit(match seq {
+                Some(seq) => control::Work::SeqNotif(seq, bytes),
+                None => control::Work::Notif(bytes),
+            });
         }
-    }
-
-    /// `n` bytes of READ `id` came for its descriptor `idx` at `at` (see
-    /// [`table::XferTable::arrived`]).
-    pub(super) fn read_arrival(&self, id: u64, at: (u32, u64), n: u64) -> table::Arrival {
-        lock(&self.xfers).arrived(id, at, n)
-    }
-
-    /// True while transfer `id` is in progress.
-    pub(super) fn xfer_in_progress(&self, id: u64) -> bool {
-        lock(&self.xfers).in_progress(id)
-    }
-
-    /// WRITE `id`'s end is about to be sent (its Ack may complete it from now on).
-    pub(super) fn xfer_end_sent(&self, id: u64) {
-        lock(&self.xfers).end_sent(id);
-    }
-
-    pub(super) fn fail_peer(&self, peer: &str, why: &str) {
-        let ids = lock(&self.xfers).active_with(peer);
-        for id in ids {
-            let why = why.to_owned();
-            self.finish(
-                id,
-                Err(XferError::ConnectionLost {
-                    peer: peer.to_owned(),
-                    why,
-                }),
-            );
-        }
-    }
-
-    /// The CPU copied `n` payload bytes of a transfer.
-    pub(super) fn count_copy(&self, n: u64) {
-        self.copied
-            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// A notification arrived from `from`: the host-bounce engine's go to it, the rest to
-    /// their consumer.
-    pub(super) fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
-        if let Some(b) = self
-            .bounce
-            .get()
-            .filter(|_| bytes.starts_with(bounce::wire::MAGIC))
-        {
-            b.incoming(from, bytes);
-            return;
-        }
-        self.deliver_user_notif(from, bytes);
-    }
-
-    /// Queue a notification for its consumer: the route of its kind, else the engine's
-    /// queue.
-    pub(super) fn deliver_user_notif(&self, from: &str, bytes: Vec<u8>) {
-        self.stats.notifs_received.inc();
-        if let Err(bytes) = self.route_notif(from, bytes) {
-            lock(&self.notifs).push_back((from.to_owned(), bytes));
-            self.notif_cv.notify_all();
-        }
-    }
-
-    /// The local descriptor `idx` of READ transfer `id`, to copy arriving bytes into.
-    pub(super) fn read_target(&self, id: u64, idx: u32) -> Option<(Arc<Region>, u64, u64)> {
-        lock(&self.xfers).read_target(id, idx)
     }
 }

@@ -112,23 +112,14 @@ impl Agent {
             physical_per_logical: config.physical_per_logical.max(1),
         };
         let shared = Arc::new(Shared {
-            name: name.to_owned(),
+            core: Core::new(name),
             config,
             addr,
             handshake,
-            regions: Mutex::new(IdMap::default()),
-            next_region: Mutex::new(1),
             peers: Mutex::new(HashMap::new()),
-            xfers: Mutex::new(table::XferTable::default()),
-            xfer_done_cv: wake::Wake::default(),
-            notif_cv: wake::Wake::default(),
             loading: Mutex::new(HashMap::new()),
-            notifs: Mutex::new(VecDeque::new()),
-            seqs: Mutex::new(IdMap::default()),
             next_conn: std::sync::atomic::AtomicU64::new(1),
             shutdown: std::sync::atomic::AtomicBool::new(false),
-            copied: std::sync::atomic::AtomicU64::new(0),
-            ended: std::sync::atomic::AtomicU64::new(0),
             auth_refused: std::sync::atomic::AtomicU64::new(0),
             open_refused: std::sync::atomic::AtomicU64::new(0),
             open_refused_from: Mutex::default(),
@@ -136,13 +127,10 @@ impl Agent {
             #[cfg(feature = "verbs")]
             verbs,
             bounce: std::sync::OnceLock::new(),
-            routes: Mutex::new(Vec::new()),
-            grants: Mutex::new(grant::Grants::default()),
-            stats: stats::AgentStats::new(name),
             #[cfg(feature = "etcd")]
             store,
         });
-        shared.stats.watch(&shared);
+        shared.watch_gauges();
         #[cfg(feature = "verbs")]
         if let Some(v) = &shared.verbs {
             v.count_into(&shared.stats.registry, name);
@@ -184,6 +172,7 @@ impl Agent {
         if agent.shared.verbs.is_some() {
             let engine =
                 bounce::Engine::start(agent.downgrade(), agent.shared.config.bounce.clone())?;
+            agent.shared.core.set_tap(engine.tap());
             let _ = agent.shared.bounce.set(engine);
         }
         #[cfg(feature = "etcd")]

@@ -16,7 +16,8 @@ use super::control::Work;
 use super::region::Region;
 use super::table::Arrival;
 use super::tcp_io;
-use super::{error::XferError, xfer::Desc, Shared};
+use super::core::Core;
+use super::{error::XferError, xfer::Desc};
 use std::sync::Arc;
 
 /// Initiator: send WRITE `id`'s bytes (`local` region, offset, length per descriptor, into
@@ -25,7 +26,7 @@ use std::sync::Arc;
 /// # Errors
 /// The socket's.
 pub(crate) fn send_write(
-    shared: &Shared,
+    core: &Core,
     w: &mut TcpStream,
     id: u64,
     local: &[(Arc<Region>, Desc)],
@@ -41,7 +42,7 @@ pub(crate) fn send_write(
             let n = (len - at).min(CHUNK as u64);
             // a transfer that ended meanwhile (failed: the connection is going, the peer was
             // invalidated) reads no more of its source: the engine may reuse it
-            if !shared.xfer_in_progress(id) {
+            if !core.xfer_in_progress(id) {
                 return send(
                     w,
                     &Msg::WriteEnd {
@@ -69,14 +70,14 @@ pub(crate) fn send_write(
                     r.read(off + at, out)
                 })?
                 .map(|()| {
-                    shared.count_copy(n);
+                    core.count_copy(n);
                     Ok(())
                 })
             };
             match sent {
                 Ok(res) => res?,
                 Err(e) => {
-                    shared.finish(id, Err(XferError::Memory(e.to_string())));
+                    core.finish(id, Err(XferError::Memory(e.to_string())));
                     return send(
                         w,
                         &Msg::WriteEnd {
@@ -87,11 +88,11 @@ pub(crate) fn send_write(
                 }
             }
             at += n;
-            shared.stats.tcp_bytes[super::stats::op_index(super::xfer::XferOp::Write)].add(n);
+            core.stats.tcp_bytes[super::stats::op_index(super::xfer::XferOp::Write)].add(n);
         }
     }
     // every byte is sent: from now on the peer's Ack completes the transfer
-    shared.xfer_end_sent(id);
+    core.xfer_end_sent(id);
     send(w, &Msg::WriteEnd { xfer: id, notif })
 }
 
@@ -137,25 +138,25 @@ pub(crate) fn read_reqs<'a>(
 /// # Errors
 /// The connection's (the stream cannot continue), or the peer's protocol error.
 pub(crate) fn on_read_data(
-    shared: &Shared,
+    core: &Core,
     tx: &mpsc::Sender<Work>,
     peer: &str,
     (xfer, idx, at, len): (u64, u32, u64, u32),
     r: &mut Reader<TcpStream>,
 ) -> Result<(), String> {
     let n = u64::from(len);
-    let arrival = shared.read_arrival(xfer, (idx, at), n);
+    let arrival = core.read_arrival(xfer, (idx, at), n);
     let target = match arrival {
         Arrival::Unasked => {
             let why = format!(
                 "protocol error: {peer} sent {n} bytes at {at} of descriptor #{idx} of transfer \
                  {xfer}, which did not ask for them there"
             );
-            shared.finish(xfer, Err(XferError::Protocol(why.clone())));
+            core.finish(xfer, Err(XferError::Protocol(why.clone())));
             return Err(why);
         }
         Arrival::Stale => None,
-        Arrival::More | Arrival::Complete => shared.read_target(xfer, idx),
+        Arrival::More | Arrival::Complete => core.read_target(xfer, idx),
     };
     let Some((region, off, _)) = target else {
         r.payload(len)?; // a transfer that ended: its bytes go nowhere
@@ -165,7 +166,7 @@ pub(crate) fn on_read_data(
         Some(host) => match region.enter() {
             Ok(_in) => {
                 let copied = r.payload_into(len, host, (off + at) as usize)?;
-                shared.count_copy(copied);
+                core.count_copy(copied);
                 Ok(())
             }
             Err(e) => {
@@ -176,22 +177,22 @@ pub(crate) fn on_read_data(
         None => {
             let data = r.payload(len)?;
             let res = region.write(off + at, data);
-            shared.count_copy(n);
+            core.count_copy(n);
             res
         }
     };
     if let Err(e) = landed {
-        shared.finish(xfer, Err(XferError::Memory(e.to_string())));
+        core.finish(xfer, Err(XferError::Memory(e.to_string())));
         return Ok(());
     }
-    shared.stats.tcp_bytes[super::stats::op_index(super::xfer::XferOp::Read)].add(n);
+    core.stats.tcp_bytes[super::stats::op_index(super::xfer::XferOp::Read)].add(n);
     // after the last byte its notification is queued (on `tx`) before the transfer is done
     // — an engine that sees it done may release it at once
     if arrival == Arrival::Complete {
-        if let Some((_, n)) = shared.xfer_notif(xfer) {
+        if let Some((_, n)) = core.xfer_notif(xfer) {
             let _ = tx.send(Work::Notif(n));
         }
-        shared.finish(xfer, Ok(()));
+        core.finish(xfer, Ok(()));
     }
     Ok(())
 }
@@ -207,13 +208,13 @@ impl Writes {
     /// Apply a chunk (nothing more of a transfer that failed already).
     pub(crate) fn chunk(
         &mut self,
-        shared: &Shared,
+        core: &Core,
         xfer: u64,
         (region, offset, grant): (u32, u64, u64),
         data: &[u8],
     ) {
         if let std::collections::hash_map::Entry::Vacant(v) = self.failed.entry(xfer) {
-            if let Err(e) = apply_write(shared, (region, offset, grant), data) {
+            if let Err(e) = apply_write(core, (region, offset, grant), data) {
                 v.insert(e);
             }
         }
@@ -229,7 +230,7 @@ impl Writes {
     /// The connection's (the stream cannot continue).
     pub(crate) fn data(
         &mut self,
-        shared: &Shared,
+        core: &Core,
         r: &mut Reader<TcpStream>,
         xfer: u64,
         (region, offset, len, grant): (u32, u64, u32, u64),
@@ -240,18 +241,18 @@ impl Writes {
                 .is_some_and(|e| e <= r.len())
         };
         let in_place = (!self.failed.contains_key(&xfer))
-            .then(|| shared.region(region).ok())
+            .then(|| core.region(region).ok())
             .flatten()
             .filter(|r| r.access.write && !r.fenced && inside(r) && r.host().is_some());
         if let Some((reg, host)) = in_place.as_ref().and_then(|r| Some((r, r.host()?))) {
             if let Ok(_in) = reg.enter() {
                 let copied = r.payload_into(len, host, offset as usize)?;
-                shared.count_copy(copied);
+                core.count_copy(copied);
                 return Ok(());
             }
         }
         let data = r.payload(len)?;
-        self.chunk(shared, xfer, (region, offset, grant), data);
+        self.chunk(core, xfer, (region, offset, grant), data);
         Ok(())
     }
 
@@ -259,7 +260,7 @@ impl Writes {
     /// byte) and the answer to send.
     pub(crate) fn end(
         &mut self,
-        shared: &Shared,
+        core: &Core,
         from: &str,
         xfer: u64,
         notif: Option<Vec<u8>>,
@@ -268,7 +269,7 @@ impl Writes {
             Some(message) => Msg::Fail { xfer, message },
             None => {
                 if let Some(n) = notif {
-                    shared.deliver_notif(from, n);
+                    core.deliver_notif(from, n);
                 }
                 Msg::Ack { xfer }
             }
@@ -277,22 +278,22 @@ impl Writes {
 }
 
 fn apply_write(
-    shared: &Shared,
+    core: &Core,
     (region, offset, grant): (u32, u64, u64),
     data: &[u8],
 ) -> Result<(), String> {
-    let r = shared.region(region).map_err(|e| e.to_string())?;
+    let r = core.region(region).map_err(|e| e.to_string())?;
     if !r.access.write {
         return Err(format!("region {region} does not allow remote WRITE"));
     }
     if r.fenced {
         let span = (region, offset, data.len() as u64);
-        shared.under_grant(grant, span, true, || r.write(offset, data))?
+        core.under_grant(grant, span, true, || r.write(offset, data))?
     } else {
         r.write(offset, data)
     }
     .map_err(|e| e.to_string())?;
-    shared.count_copy(data.len() as u64);
+    core.count_copy(data.len() as u64);
     Ok(())
 }
 
@@ -301,14 +302,14 @@ fn apply_write(
 /// # Errors
 /// The socket's.
 pub(crate) fn serve_read(
-    shared: &Shared,
+    core: &Core,
     w: &mut TcpStream,
     (xfer, idx): (u64, u32),
     (region, offset, len): (u32, u64, u64),
     grant: u64,
 ) -> std::io::Result<()> {
     let fail = |w: &mut TcpStream, message: String| send(w, &Msg::Fail { xfer, message });
-    let r = match shared.region(region) {
+    let r = match core.region(region) {
         Ok(r) if r.access.read => r,
         Ok(_) => return fail(w, format!("region {region} does not allow remote READ")),
         Err(e) => return fail(w, e.to_string()),
@@ -343,14 +344,14 @@ pub(crate) fn serve_read(
             // copied out under the grant's gate: revocation never waits on the socket
             let span = (region, offset + at, n);
             let filled = send_data(w, &mut frame, &header, n as usize, |out| {
-                shared
+                core
                     .under_grant(grant, span, false, || r.read(offset + at, out))
                     .and_then(|res| res.map_err(|e| e.to_string()))
             })?;
             if let Err(why) = filled {
                 return fail(w, why);
             }
-            shared.count_copy(n);
+            core.count_copy(n);
         } else if let Some(host) = r.host() {
             send(w, &header)?;
             tcp_io::send_from(w, host, (offset + at) as usize, n as usize)?;
@@ -360,7 +361,7 @@ pub(crate) fn serve_read(
             })? {
                 return fail(w, e.to_string());
             }
-            shared.count_copy(n);
+            core.count_copy(n);
         }
         at += n;
     }

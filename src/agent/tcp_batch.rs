@@ -17,7 +17,8 @@ use nix::sys::socket::{sendmsg, MsgFlags};
 use super::control::msg::{encode_into, Msg};
 use super::control::Work;
 use super::region::Region;
-use super::{xfer::XferOp, Shared};
+use super::core::Core;
+use super::xfer::XferOp;
 use crate::mem::HostBuffer;
 
 /// A WRITE moves through the batch when its payload is at most this many bytes.
@@ -70,7 +71,7 @@ impl Batch {
 
     /// Take `w` into the batch when it is small work (a small WRITE from host memory, a READ
     /// request, a notification); otherwise hand it back.
-    pub(crate) fn take(&mut self, shared: &Shared, w: Work) -> io::Result<Option<Work>> {
+    pub(crate) fn take(&mut self, core: &Core, w: Work) -> io::Result<Option<Work>> {
         match w {
             Work::Notif(b) => self.head(&Msg::Notif(b))?,
             Work::SeqNotif(seq, bytes) => self.head(&Msg::SeqNotif { seq, bytes })?,
@@ -113,7 +114,7 @@ impl Batch {
                 }
                 // its bytes go out before its end, in this batch: the peer's Ack may
                 // complete it from now on
-                shared.xfer_end_sent(id);
+                core.xfer_end_sent(id);
                 self.head(&Msg::WriteEnd { xfer: id, notif })?;
             }
             other => return Ok(Some(other)),
@@ -125,8 +126,8 @@ impl Batch {
     ///
     /// # Errors
     /// The socket's; `InvalidInput` for a payload range outside its buffer.
-    pub(crate) fn send(&mut self, shared: &Shared, sock: &TcpStream) -> io::Result<()> {
-        self.send_from(shared, sock, true).map(drop)
+    pub(crate) fn send(&mut self, core: &Core, sock: &TcpStream) -> io::Result<()> {
+        self.send_from(core, sock, true).map(drop)
     }
 
     /// Send what the socket takes now, without waiting for room: true once all of it is
@@ -134,17 +135,17 @@ impl Batch {
     ///
     /// # Errors
     /// As [`Batch::send`] (the batch is emptied).
-    pub(crate) fn try_send(&mut self, shared: &Shared, sock: &TcpStream) -> io::Result<bool> {
-        self.send_from(shared, sock, false)
+    pub(crate) fn try_send(&mut self, core: &Core, sock: &TcpStream) -> io::Result<bool> {
+        self.send_from(core, sock, false)
     }
 
-    fn send_from(&mut self, shared: &Shared, sock: &TcpStream, block: bool) -> io::Result<bool> {
+    fn send_from(&mut self, core: &Core, sock: &TcpStream, block: bool) -> io::Result<bool> {
         let r = send_all(sock, &self.heads, &self.segs, &mut self.done, block);
         if let Ok(false) = r {
             return r;
         }
         if r.is_ok() {
-            shared.stats.tcp_bytes[super::stats::op_index(XferOp::Write)].add(self.payload);
+            core.stats.tcp_bytes[super::stats::op_index(XferOp::Write)].add(self.payload);
         }
         self.heads.clear();
         self.segs.clear();

@@ -139,6 +139,12 @@ impl Engine {
         Ok(Self { core })
     }
 
+    /// What the agent's core asks first about each notification: the engine takes its own
+    /// (those that start with [`wire::MAGIC`]).
+    pub(crate) fn tap(&self) -> Arc<dyn crate::agent::core::NotifTap> {
+        Arc::new(Tap(self.core.clone()))
+    }
+
     /// A bounce message from `from` (the agent routes every message with the prefix here).
     pub(crate) fn incoming(&self, from: &str, bytes: Vec<u8>) {
         let mut q = self.core.inbox.lock().unwrap_or_else(|p| p.into_inner());
@@ -186,5 +192,21 @@ impl Drop for Engine {
         self.core.stop.store(true, Ordering::Release);
         let _q = self.core.inbox.lock().unwrap_or_else(|p| p.into_inner());
         self.core.wake.notify_all();
+    }
+}
+
+/// The engine's side of the core's notification tap.
+struct Tap(Arc<Core>);
+
+impl crate::agent::core::NotifTap for Tap {
+    fn take(&self, from: &str, bytes: Vec<u8>) -> Option<Vec<u8>> {
+        if !bytes.starts_with(wire::MAGIC) {
+            return Some(bytes);
+        }
+        Engine {
+            core: self.0.clone(),
+        }
+        .incoming(from, bytes);
+        None
     }
 }
