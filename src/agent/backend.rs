@@ -99,7 +99,7 @@ impl Backend for super::bounce::Engine {
 impl Backend for super::verbs::Verbs {
     fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError> {
         self.post(
-            &agent.shared,
+            &*agent.shared,
             super::verbs::PostReq {
                 id: x.id,
                 op: x.op,

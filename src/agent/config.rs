@@ -97,7 +97,7 @@ pub struct AgentConfig {
     /// a fixture tree in tests, see `tests/fixtures/make_sysfs.py`).
     pub sysfs_root: Option<std::path::PathBuf>,
     /// How device memory is staged on verbs (host bounce).
-    pub bounce: super::bounce::BounceConfig,
+    pub bounce: BounceConfig,
     /// `cluster_secret`: when set, every side-channel connection must prove it (both ways)
     /// before it gets metadata or queue pairs. Unset, only peers on loopback are served
     /// (their connection comes from 127.0.0.0/8 or ::1), unless [`Self::insecure`].
@@ -151,7 +151,7 @@ impl Default for AgentConfig {
             tcp_conns: 1,
             progress_spin_us: 0,
             sysfs_root: None,
-            bounce: super::bounce::BounceConfig::default(),
+            bounce: BounceConfig::default(),
             cluster_secret: None,
             insecure: false,
             metrics_listen: None,
@@ -184,6 +184,27 @@ pub const INSECURE_ENV: &str = "KVRAIL_INSECURE";
 /// verbs — before it gives up (the region stays registered; see
 /// [`AgentError::DeregisterTimeout`] and [`AgentConfig::deregister_wait`]).
 pub const DEREGISTER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How the agent stages device memory on verbs (`AgentConfig::bounce`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BounceConfig {
+    /// Staging slots per peer and direction (chunks in flight); at least 1.
+    pub slots: u32,
+    /// Bytes per slot (largest chunk).
+    pub slot_size: u64,
+    /// A transfer that sees no progress from its peer for this long fails.
+    pub ack_timeout: std::time::Duration,
+}
+
+impl Default for BounceConfig {
+    fn default() -> Self {
+        Self {
+            slots: 4,
+            slot_size: 1 << 20,
+            ack_timeout: std::time::Duration::from_secs(30),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

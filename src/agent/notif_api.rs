@@ -32,7 +32,7 @@ impl Agent {
         // A peer with a verbs channel is known: sent there without a look in the peer table.
         #[cfg(feature = "verbs")]
         let bytes = match &self.shared.verbs {
-            Some(v) => match v.notify_on_chan(&self.shared, peer, bytes) {
+            Some(v) => match v.notify_on_chan(&*self.shared, peer, bytes) {
                 Ok(()) => {
                     self.shared.stats.notifs_sent.inc();
                     return Ok(());
@@ -48,7 +48,7 @@ impl Agent {
         // Lock order: the verbs engine is taken without `peers` held.
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
-            v.notify(&self.shared, peer, bytes);
+            v.notify(&*self.shared, peer, bytes);
             return Ok(());
         }
         self.shared.send_tcp_notif(peer, None, bytes);

@@ -129,7 +129,7 @@ impl Agent {
         lock(&self.shared.grants).given.remove(peer);
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.shared.verbs {
-            v.remove_peer(&self.shared, peer);
+            v.remove_peer(&*self.shared, peer);
         }
         if let Some(b) = self.shared.bounce.get() {
             b.forget(peer);

@@ -119,10 +119,21 @@ impl Shared {
         }
     }
 
-    /// Verbs: ask `peer` for queue pairs (a rail's rebuild); the answer comes back through
-    /// the connection's reader.
-    #[cfg(feature = "verbs")]
-    pub(super) fn request_qps(&self, peer: &str, req: verbs::QpRequest) {
+    /// Send a notification over the TCP connection to `peer` (numbered when it follows
+    /// numbered ones of a failed channel).
+    pub(crate) fn send_tcp_notif(&self, peer: &str, seq: Option<u64>, bytes: Vec<u8>) {
+        if let Some(p) = lock(&self.peers).get(peer) {
+            p.conn.submit(match seq {
+                Some(seq) => control::Work::SeqNotif(seq, bytes),
+                None => control::Work::Notif(bytes),
+            });
+        }
+    }
+}
+
+#[cfg(feature = "verbs")]
+impl verbs::Host for Shared {
+    fn request_qps(&self, peer: &str, req: verbs::QpRequest) {
         // Lock order: the verbs engine (taken by `rebuilt`) is never taken under `peers`.
         let sent = lock(&self.peers)
             .get(peer)
@@ -134,15 +145,7 @@ impl Shared {
         }
     }
 
-    /// Ask `peer` for the receiving end of a rebuilt notification channel on its rail
-    /// `rail`, connected to `ep`.
-    #[cfg(feature = "verbs")]
-    pub(super) fn request_chan(
-        &self,
-        peer: &str,
-        rail: u32,
-        ep: crate::transport::verbs::Endpoint,
-    ) {
+    fn request_chan(&self, peer: &str, rail: u32, ep: crate::transport::verbs::Endpoint) {
         // Lock order: the verbs engine (taken by `chan_rebuilt`) is never taken under `peers`.
         let sent = lock(&self.peers)
             .get(peer)
@@ -154,14 +157,11 @@ impl Shared {
         }
     }
 
-    /// Send a notification over the TCP connection to `peer` (numbered when it follows
-    /// numbered ones of a failed channel).
-    pub(crate) fn send_tcp_notif(&self, peer: &str, seq: Option<u64>, bytes: Vec<u8>) {
-        if let Some(p) = lock(&self.peers).get(peer) {
-            p.conn.submit(match seq {
-                Some(seq) => control::Work::SeqNotif(seq, bytes),
-                None => control::Work::Notif(bytes),
-            });
-        }
+    fn send_tcp_notif(&self, peer: &str, seq: Option<u64>, bytes: Vec<u8>) {
+        Shared::send_tcp_notif(self, peer, seq, bytes);
+    }
+
+    fn stopping(&self) -> bool {
+        self.shutdown.load(std::sync::atomic::Ordering::Acquire)
     }
 }

@@ -12,11 +12,11 @@ use std::net::TcpStream;
 use std::sync::mpsc;
 
 use super::control::msg::{send, send_data, Msg, Reader, CHUNK};
-use super::control::Work;
+use super::control::work::Work;
+use super::core::Core;
 use super::region::Region;
 use super::table::Arrival;
 use super::tcp_io;
-use super::core::Core;
 use super::{error::XferError, xfer::Desc};
 use std::sync::Arc;
 
@@ -344,8 +344,7 @@ pub(crate) fn serve_read(
             // copied out under the grant's gate: revocation never waits on the socket
             let span = (region, offset + at, n);
             let filled = send_data(w, &mut frame, &header, n as usize, |out| {
-                core
-                    .under_grant(grant, span, false, || r.read(offset + at, out))
+                core.under_grant(grant, span, false, || r.read(offset + at, out))
                     .and_then(|res| res.map_err(|e| e.to_string()))
             })?;
             if let Err(why) = filled {

@@ -15,9 +15,9 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{sendmsg, MsgFlags};
 
 use super::control::msg::{encode_into, Msg};
-use super::control::Work;
-use super::region::Region;
+use super::control::work::Work;
 use super::core::Core;
+use super::region::Region;
 use super::xfer::XferOp;
 use crate::mem::HostBuffer;
 

@@ -28,7 +28,6 @@ pub(crate) mod wire;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
 
 use crate::agent::{error::AgentError, xfer::XferOp, Agent, WeakAgent};
 use driver::State;
@@ -46,26 +45,7 @@ pub(crate) struct Post {
     pub(crate) notif: Option<Vec<u8>>,
 }
 
-/// How the agent stages device memory on verbs (`AgentConfig::bounce`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BounceConfig {
-    /// Staging slots per peer and direction (chunks in flight); at least 1.
-    pub slots: u32,
-    /// Bytes per slot (largest chunk).
-    pub slot_size: u64,
-    /// A transfer that sees no progress from its peer for this long fails.
-    pub ack_timeout: Duration,
-}
-
-impl Default for BounceConfig {
-    fn default() -> Self {
-        Self {
-            slots: 4,
-            slot_size: 1 << 20,
-            ack_timeout: Duration::from_secs(30),
-        }
-    }
-}
+pub use crate::agent::config::BounceConfig;
 
 /// Counters of an agent's host bounce since it started (`Agent::bounce_stats`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -28,7 +28,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use super::msg::{send, Msg, Reader};
-use super::{conn_err, expect_reply};
+use super::reply::{conn_err, expect_reply};
 use crate::agent::error::AgentError;
 
 /// Bytes of each side's nonce.

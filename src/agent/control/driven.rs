@@ -23,6 +23,7 @@
 //!   small, a message other than an answer, the end of the connection — it hands to the
 //!   thread (which does it next, in order) and wakes it.
 
+use crate::threads::nanos;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
@@ -42,11 +43,6 @@ pub(crate) const WINDOW_MAX: Duration = Duration::from_millis(16);
 /// long: a loop asking about every transfer in flight would otherwise make a receive call
 /// for each, finding what the first found.
 pub(crate) const LOOK_GAP: Duration = Duration::from_micros(5);
-
-/// `d` in nanoseconds (saturating), the unit of the connection's clock.
-pub(crate) fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
 
 /// Who makes a pass: a caller waiting for an answer reads the socket every pass; a caller
 /// looking once reads it only if nobody did within [`LOOK_GAP`].

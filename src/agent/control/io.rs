@@ -217,7 +217,7 @@ pub(super) fn answer(
         #[cfg(feature = "verbs")]
         Msg::ChanOpened { ep, frames } => {
             if let Some(v) = &shared.verbs {
-                let answer = crate::agent::verbs::exchange::frames_agree(frames).map(|()| ep);
+                let answer = super::qp_exchange::frames_agree(frames).map(|()| ep);
                 v.chan_rebuilt(peer, answer);
             }
         }

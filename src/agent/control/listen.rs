@@ -26,7 +26,7 @@ impl Drop for Shutdown {
                     );
                     let why =
                         format!("no progress for {FLUSH_ON_DROP:?} while the agent was dropped");
-                    v.give_up_chans(&self.shared, &why);
+                    v.give_up_chans(&*self.shared, &why);
                     break;
                 }
                 if n < left {
@@ -175,7 +175,7 @@ pub(super) fn target_loop(
 ) -> Result<(), String> {
     let mut writes = super::super::tcp::Writes::default();
     #[cfg(feature = "verbs")]
-    let mut qps = crate::agent::verbs::exchange::TargetQps::default();
+    let mut qps = super::qp_exchange::TargetQps::default();
     // WRITE answers wait here while more requests are already read: one send for a burst
     // of small transfers instead of one each (sent before the reader would wait for more,
     // and before any other answer, so nothing is held back or reordered behind one)

@@ -4,8 +4,8 @@
 //! starts with `Attach` is a peer's connection. Each agent sends its own transfers'
 //! messages and notifications on the connection it opened to the peer (so they stay in
 //! order), and serves the peer's on the connection the peer opened. What travels on it
-//! belongs to others: the TCP data path's messages (`super::tcp`), the verbs backend's queue
-//! pair exchange (`super::verbs::exchange`), and notifications.
+//! belongs to others: the TCP data path's messages (`super::tcp`), the queue pair exchange
+//! of the verbs lanes (`qp_exchange`), and notifications.
 
 mod accept;
 pub(crate) mod auth;
@@ -13,6 +13,10 @@ pub(crate) mod driven;
 mod io;
 pub(crate) mod listen;
 pub(crate) mod msg;
+#[cfg(feature = "verbs")]
+pub(crate) mod qp_exchange;
+mod reply;
+pub(crate) mod work;
 
 use std::net::{Shutdown as NetShutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
@@ -20,67 +24,19 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use msg::{send, Msg, Reader};
+use reply::no_answer;
+pub(crate) use reply::{conn_err, expect_reply, HANDSHAKE_TIMEOUT};
+pub(crate) use work::Work;
 
-use super::region::Region;
-use super::{error::AgentError, error::XferError, xfer::Desc, xfer::XferOp, Shared};
+use super::{error::AgentError, error::XferError, Shared};
 use crate::proto::handshake;
 use crate::threads::lock;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Work for a peer connection's writer thread.
-pub(crate) enum Work {
-    /// Move a posted transfer's bytes (WRITE) or request them (READ).
-    Xfer {
-        id: u64,
-        op: XferOp,
-        /// Local region and descriptor, per descriptor (as posted: no copy).
-        local: Vec<(Arc<Region>, Desc)>,
-        remote: Arc<[Desc]>,
-        /// The grant each remote descriptor goes through (0: none).
-        grants: Vec<u64>,
-        notif: Option<Vec<u8>>,
-    },
-    /// Send a notification.
-    Notif(Vec<u8>),
-    /// Send a numbered notification.
-    SeqNotif(u64, Vec<u8>),
-    /// Verbs: ask the peer for queue pairs (rebuilding a rail).
-    #[cfg(feature = "verbs")]
-    QpOpen(crate::agent::verbs::QpRequest),
-    /// Verbs: ask the peer for the receiving end of a rebuilt notification channel (its
-    /// rail, our endpoint).
-    #[cfg(feature = "verbs")]
-    ChanOpen(u32, crate::transport::verbs::Endpoint),
-    /// Everything queued before this is on the wire: say so.
-    Flush(mpsc::SyncSender<()>),
-}
 
 /// How long a dropped agent waits for its queued messages without progress (notification
 /// channels and TCP writers alike).
 const FLUSH_ON_DROP: Duration = Duration::from_secs(2);
-
-pub(crate) fn conn_err(what: &'static str, addr: SocketAddr, message: impl ToString) -> AgentError {
-    AgentError::Connection {
-        what,
-        addr: addr.to_string(),
-        message: message.to_string(),
-    }
-}
-
-/// A handshake read's error, a timeout said with its bound (a silent listener that is not
-/// a kvrail agent, or one that hangs).
-fn no_answer(e: String) -> String {
-    if e == msg::TIMED_OUT {
-        format!(
-            "timed out after {} s without an answer (is a kvrail agent listening there?)",
-            HANDSHAKE_TIMEOUT.as_secs()
-        )
-    } else {
-        e
-    }
-}
 
 /// Get a peer's metadata bytes from its side channel.
 pub(crate) fn fetch_metadata(
@@ -301,7 +257,7 @@ fn open(
     )?;
     #[cfg(feature = "verbs")]
     if let Some(meta) = meta {
-        crate::agent::verbs::exchange::open_qps(shared, &mut w, &mut reader, (addr, peer), meta)?;
+        qp_exchange::open_qps(shared, &mut w, &mut reader, (addr, peer), meta)?;
     }
     #[cfg(not(feature = "verbs"))]
     let _ = meta;
@@ -364,24 +320,6 @@ fn spawn_for(
     })
     .map(drop)
     .map_err(|e| conn_err("thread for", addr, e))
-}
-
-/// The peer's answer to one step of the attach handshake: `want` takes the expected
-/// message (or hands it back); `Refused` and anything else are errors naming the step.
-pub(crate) fn expect_reply<T>(
-    reader: &mut Reader<TcpStream>,
-    addr: SocketAddr,
-    step: &'static str,
-    refused: &'static str,
-    want: impl FnOnce(Msg) -> Result<T, Msg>,
-) -> Result<T, AgentError> {
-    match reader.next() {
-        Ok(Some(Msg::Refused { message })) => Err(conn_err(refused, addr, message)),
-        Ok(Some(m)) => want(m)
-            .map_err(|other| conn_err(step, addr, format!("unexpected reply {:?}", Some(other)))),
-        Ok(None) => Err(conn_err(step, addr, "unexpected reply None")),
-        Err(e) => Err(conn_err(step, addr, no_answer(e))),
-    }
 }
 
 /// Stops the listener and every connection when the last agent handle drops.

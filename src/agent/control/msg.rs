@@ -381,7 +381,7 @@ mod frame_layout {
     use serde::Serialize;
 
     use super::Msg;
-    use crate::agent::verbs::exchange::frames_agree;
+    use crate::agent::control::qp_exchange::frames_agree;
     use crate::transport::notif::FRAME_FORMAT;
     use crate::transport::verbs::{Endpoint, Gid, Mtu};
 

@@ -5,7 +5,7 @@ use super::*;
 impl Verbs {
     pub(super) fn on_completion(
         &self,
-        shared: &Shared,
+        shared: &dyn Host,
         e: &mut Engine,
         rail: usize,
         c: &Completion,
@@ -76,7 +76,7 @@ impl Verbs {
     /// bytes all landed, when that came first (the lab's two-process test, once in a CI run).
     /// What needs the notification queued — a later post or notification to the peer, a
     /// dropping agent's flush — takes the engine lock, held here, first.
-    pub(super) fn completed(&self, shared: &Shared, e: &mut Engine, id: u64) {
+    pub(super) fn completed(&self, shared: &dyn Host, e: &mut Engine, id: u64) {
         let notif = shared.xfer_notif(id);
         shared.finish(id, Ok(()));
         if let Some((peer, n)) = notif {
@@ -85,7 +85,7 @@ impl Verbs {
     }
 
     /// The progress thread: sleep on the rails' completion channels; dispatch completions.
-    pub(crate) fn run(self: &Arc<Self>, shared: Arc<Shared>) -> Result<(), AgentError> {
+    pub(crate) fn run(self: &Arc<Self>, shared: Arc<dyn Host>) -> Result<(), AgentError> {
         let mut poll = lock(&self.poll)
             .take()
             .ok_or_else(|| verr("progress thread already started"))?;
@@ -120,20 +120,20 @@ impl Verbs {
                     tracing::error!(error = %e, "kvrail progress thread: poll failed");
                     return;
                 }
-                if shared.shutdown.load(std::sync::atomic::Ordering::Acquire) {
+                if shared.stopping() {
                     return;
                 }
                 if watch && checked.elapsed() >= PORT_CHECK {
-                    me.check_ports(&shared);
+                    me.check_ports(&*shared);
                     checked = std::time::Instant::now();
                 }
                 for ev in events.iter() {
                     let Token(rail) = ev.token();
                     if rail < me.rails.len() {
-                        me.on_cq_event(&shared, rail);
+                        me.on_cq_event(&*shared, rail);
                     }
                 }
-                me.rearm_if_quiet(&shared);
+                me.rearm_if_quiet(&*shared);
             }
         })
         .map_err(verr)?;
@@ -142,7 +142,7 @@ impl Verbs {
 
     /// Retire every live queue pair on a rail whose port is no longer ACTIVE; start
     /// rebuilding dead pairs on rails whose port is.
-    pub(super) fn check_ports(&self, shared: &Shared) {
+    pub(super) fn check_ports(&self, shared: &dyn Host) {
         let mut active = Vec::new();
         for (rail, r) in self.rails.iter().enumerate() {
             let state = match r.ctx.query_port(r.port) {

@@ -4,7 +4,7 @@ use super::*;
 
 impl Verbs {
     /// Plan and post a transfer.
-    pub(crate) fn post(&self, shared: &Shared, req: PostReq<'_>) -> Result<(), AgentError> {
+    pub(crate) fn post(&self, shared: &dyn Host, req: PostReq<'_>) -> Result<(), AgentError> {
         let PostReq {
             id,
             op,
@@ -83,7 +83,7 @@ impl Verbs {
         // events stay the callers' to take, not the progress thread's to drain (it took a
         // third of them, each a wake-up of it and of the caller sleeping next).
         let _polling = (!mine.is_empty() && !self.spin.is_zero())
-            .then(|| crate::agent::spin::Polling::start(shared));
+            .then(|| polling::Polling::start(self, shared));
         for c in mine {
             if let Err(msg) = self.post_slices(c.rail, &c.qp, c.xfer, &c.slices) {
                 key.1 = c.rail;
@@ -143,7 +143,7 @@ impl Verbs {
     /// A rail's queue pair to a peer failed on the path (retries exhausted, flushed): its
     /// outstanding slices move to the rails still working to that peer; with none left the
     /// transfers fail. The queue pair stays dead; later transfers use the survivors.
-    pub(super) fn fail_over(&self, shared: &Shared, e: &mut Engine, key: &PairKey, why: &str) {
+    pub(super) fn fail_over(&self, shared: &dyn Host, e: &mut Engine, key: &PairKey, why: &str) {
         let (peer, rail) = (key.0.clone(), key.1);
         if let Some(s) = self.stats.get() {
             s.failovers[rail].inc();

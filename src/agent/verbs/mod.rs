@@ -20,7 +20,6 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use smallvec::SmallVec;
 
-pub(crate) mod exchange;
 mod notif;
 mod pair_key;
 mod polling;
@@ -29,8 +28,9 @@ mod rebuild;
 pub(crate) use notif::chan_connect_options;
 pub(crate) use rebuild::QpRequest;
 
+use super::core::Core;
 use super::region::Region;
-use super::{config::AgentConfig, error::AgentError, xfer::Desc, xfer::XferOp, Shared};
+use super::{config::AgentConfig, error::AgentError, xfer::Desc, xfer::XferOp};
 use crate::agent::metadata::{AgentMetadata, RailAddr};
 use crate::idhash::IdMap;
 use crate::rails::{discover, discover_gids_of, select, AddrSource, Ipv4If, SysfsRoot};
@@ -41,6 +41,24 @@ use crate::transport::verbs::{
     RemoteRegion,
 };
 use pair_key::PairKey;
+
+/// What the verbs lanes ask of the agent around them, which implements it: its core (to
+/// end transfers and hand notifications in) and its peers' control connections (queue pairs
+/// for a rebuilt rail, notifications once a channel failed). The lanes hold nothing else of
+/// the agent's.
+pub(crate) trait Host: std::ops::Deref<Target = Core> + Send + Sync {
+    /// Ask `peer` for queue pairs (a rail's rebuild); the answer comes to
+    /// [`Verbs::rebuilt`].
+    fn request_qps(&self, peer: &str, req: QpRequest);
+    /// Ask `peer` for the receiving end of a rebuilt notification channel on its rail
+    /// `rail`, connected to `ep`; the answer comes to [`Verbs::chan_rebuilt`].
+    fn request_chan(&self, peer: &str, rail: u32, ep: crate::transport::verbs::Endpoint);
+    /// Send a notification over the TCP connection to `peer` (numbered when it follows
+    /// numbered ones of a failed channel).
+    fn send_tcp_notif(&self, peer: &str, seq: Option<u64>, bytes: Vec<u8>);
+    /// True once the agent is shutting down (the progress thread ends).
+    fn stopping(&self) -> bool;
+}
 
 /// Send-queue depth of a data queue pair.
 const DEPTH: u32 = 512;

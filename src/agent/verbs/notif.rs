@@ -18,8 +18,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::polling::Poller;
+use super::Host;
 use super::{lock, Engine, Verbs};
-use crate::agent::Shared;
 use crate::transport::notif::rdma::MsgChannel;
 use crate::transport::verbs::{Access, Completion, ConnectOptions, Endpoint, Qp};
 
@@ -303,7 +303,7 @@ impl Verbs {
     /// it, and a dropped agent closes its connection once all are: those last messages may
     /// still sit in our completion queue, and went with the channel when it went first (a
     /// notification lost now and then when a sender was dropped under load).
-    pub(crate) fn drop_in_chan(&self, shared: &Shared, conn: u64) {
+    pub(crate) fn drop_in_chan(&self, shared: &dyn Host, conn: u64) {
         let key = ChanKey::In(conn);
         let rail = (lock(&self.engine).chan_qpn.iter())
             .find(|(_, k)| **k == key)
@@ -332,7 +332,7 @@ impl Verbs {
     /// The agent is being dropped and its channels made no progress for a flush bound: every
     /// message still on one goes over TCP instead (in order, numbered, so the peer takes
     /// each once), where the TCP writers' own flush sends it. Never dropped silently.
-    pub(crate) fn give_up_chans(&self, shared: &Shared, why: &str) {
+    pub(crate) fn give_up_chans(&self, shared: &dyn Host, why: &str) {
         let mut e = lock(&self.engine);
         let peers: Vec<String> = (e.outs.values())
             .filter(|o| o.busy())
@@ -345,7 +345,7 @@ impl Verbs {
 
     /// Send a notification to `peer`: on its channel, or over TCP (with its sequence number)
     /// once the channel failed, or plainly over TCP when there is no channel.
-    pub(crate) fn notify(&self, shared: &Shared, peer: &str, bytes: Vec<u8>) {
+    pub(crate) fn notify(&self, shared: &dyn Host, peer: &str, bytes: Vec<u8>) {
         let mut e = lock(&self.engine);
         self.notify_locked(shared, &mut e, peer, bytes);
     }
@@ -356,7 +356,7 @@ impl Verbs {
     /// message).
     pub(crate) fn notify_on_chan(
         &self,
-        shared: &Shared,
+        shared: &dyn Host,
         peer: &str,
         bytes: Vec<u8>,
     ) -> Result<(), Vec<u8>> {
@@ -366,7 +366,7 @@ impl Verbs {
 
     pub(super) fn notify_locked(
         &self,
-        shared: &Shared,
+        shared: &dyn Host,
         e: &mut Engine,
         peer: &str,
         bytes: Vec<u8>,
@@ -378,7 +378,7 @@ impl Verbs {
 
     fn notify_chan(
         &self,
-        shared: &Shared,
+        shared: &dyn Host,
         e: &mut Engine,
         peer: &str,
         bytes: Vec<u8>,
@@ -410,14 +410,14 @@ impl Verbs {
     }
 
     /// The channel to `peer` failed: every undelivered message goes over TCP, in order.
-    pub(super) fn fail_out_chan(&self, shared: &Shared, e: &mut Engine, peer: &str, why: &str) {
+    pub(super) fn fail_out_chan(&self, shared: &dyn Host, e: &mut Engine, peer: &str, why: &str) {
         if let Some(&id) = e.out_ids.get(peer) {
             self.fail_out(shared, e, id, why);
         }
     }
 
     /// [`Verbs::fail_out_chan`] by the channel's id.
-    fn fail_out(&self, shared: &Shared, e: &mut Engine, id: u64, why: &str) {
+    fn fail_out(&self, shared: &dyn Host, e: &mut Engine, id: u64, why: &str) {
         let Some(o) = e.outs.get_mut(&id) else {
             return;
         };
@@ -438,7 +438,7 @@ impl Verbs {
     }
 
     /// Fail the sending channels on `rail` (its port is not ACTIVE).
-    pub(super) fn fail_chans_on(&self, shared: &Shared, e: &mut Engine, rail: usize, why: &str) {
+    pub(super) fn fail_chans_on(&self, shared: &dyn Host, e: &mut Engine, rail: usize, why: &str) {
         let ids: Vec<u64> = (e.outs.iter())
             .filter(|(_, o)| o.rail == rail && !o.dead)
             .map(|(id, _)| *id)
@@ -451,7 +451,7 @@ impl Verbs {
     /// A completion of a channel's queue pair.
     pub(super) fn on_chan_completion(
         &self,
-        shared: &Shared,
+        shared: &dyn Host,
         e: &mut Engine,
         key: &ChanKey,
         c: &Completion,

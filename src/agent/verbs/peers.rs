@@ -66,7 +66,7 @@ impl Verbs {
     }
 
     /// Forget `peer`: its transfers fail, its queue pairs are destroyed.
-    pub(crate) fn remove_peer(&self, shared: &Shared, peer: &str) {
+    pub(crate) fn remove_peer(&self, shared: &dyn Host, peer: &str) {
         lock(&self.peers).remove(peer);
         let mut e = lock(&self.engine);
         let keys: Vec<PairKey> = e.pairs.keys().filter(|k| k.is(peer)).cloned().collect();
@@ -88,7 +88,7 @@ impl Verbs {
     }
 
     /// A pair's queue pair failed: every transfer with slices on it fails.
-    pub(super) fn kill_pair(&self, shared: &Shared, e: &mut Engine, key: &PairKey, why: &str) {
+    pub(super) fn kill_pair(&self, shared: &dyn Host, e: &mut Engine, key: &PairKey, why: &str) {
         self.kill_pair_as(shared, e, key, why, false);
     }
 
@@ -96,7 +96,7 @@ impl Verbs {
     /// went through grants fail as [`XferError::GrantRevoked`](crate::agent::error::XferError).
     pub(super) fn kill_pair_as(
         &self,
-        shared: &Shared,
+        shared: &dyn Host,
         e: &mut Engine,
         key: &PairKey,
         why: &str,

@@ -22,9 +22,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use super::Host;
 use super::{lock, Verbs};
-use crate::agent::control::driven::nanos;
-use crate::agent::Shared;
+use crate::threads::nanos;
 use crate::transport::verbs::Completion;
 
 /// The longest the progress thread waits between looks at disarmed queues while callers
@@ -91,7 +91,7 @@ impl Verbs {
 
     /// Poll every rail's completion queue once from the calling thread and dispatch what
     /// they held: how many completions.
-    pub(crate) fn poll_once(&self, shared: &Shared) -> usize {
+    pub(crate) fn poll_once(&self, shared: &dyn Host) -> usize {
         (0..self.rails.len())
             .map(|rail| self.drain(shared, rail, Poller::Caller))
             .sum()
@@ -107,7 +107,7 @@ impl Verbs {
     /// budget before dispatching them (a caller that got its answer tends to come back at
     /// once: for it the queues stay unarmed a budget longer). `seen`: the caller's latest
     /// reading of the clock, taken as the time it stopped (None: read it now).
-    pub(crate) fn stop_polling(&self, shared: &Shared, sleeping: bool, seen: Option<Instant>) {
+    pub(crate) fn stop_polling(&self, shared: &dyn Host, sleeping: bool, seen: Option<Instant>) {
         let stamp = if sleeping {
             0
         } else {
@@ -121,7 +121,7 @@ impl Verbs {
     }
 
     /// The progress thread saw rail `rail`'s channel readable.
-    pub(super) fn on_cq_event(&self, shared: &Shared, rail: usize) {
+    pub(super) fn on_cq_event(&self, shared: &dyn Host, rail: usize) {
         let cq = &self.rails[rail].cq;
         if self.callers_polling() {
             // theirs to poll; armed again when they stop
@@ -171,7 +171,7 @@ impl Verbs {
     /// The progress thread, after each wake-up: arm the queues again once no caller polled
     /// for a budget; while callers still poll, look again after twice as long as the last
     /// time (up to [`LOOK_MAX`], or the budget if longer).
-    pub(super) fn rearm_if_quiet(&self, shared: &Shared) {
+    pub(super) fn rearm_if_quiet(&self, shared: &dyn Host) {
         let Some(look) = self.rearm_after() else {
             return;
         };
@@ -186,7 +186,7 @@ impl Verbs {
 
     /// Arm every disarmed queue, then poll it (what completed before the arm raises no
     /// event). The next time callers poll, the progress thread looks after one budget again.
-    fn rearm(&self, shared: &Shared) {
+    fn rearm(&self, shared: &dyn Host) {
         self.polling.look_us.store(0, Ordering::Relaxed);
         for (rail, r) in self.rails.iter().enumerate() {
             if !self.polling.disarmed[rail].swap(false, Ordering::AcqRel) {
@@ -202,7 +202,7 @@ impl Verbs {
 
     /// Poll rail `rail`'s completion queue until it is empty and dispatch what it held:
     /// how many completions. A caller gets 0 when someone else is polling it.
-    pub(super) fn drain(&self, shared: &Shared, rail: usize, by: Poller) -> usize {
+    pub(super) fn drain(&self, shared: &dyn Host, rail: usize, by: Poller) -> usize {
         use std::sync::TryLockError::{Poisoned, WouldBlock};
         let buf = &self.polling.bufs[rail];
         let mut cs = match buf.try_lock() {
@@ -228,5 +228,25 @@ impl Verbs {
             s.completions[usize::from(by == Poller::Caller)].add(cs.len() as u64);
         }
         cs.len()
+    }
+}
+
+/// A caller of the lanes polling (or posting in place, to poll after) while this lives:
+/// the progress thread stops arming the completion queues meanwhile.
+pub(super) struct Polling<'a> {
+    lanes: &'a Verbs,
+    host: &'a dyn Host,
+}
+
+impl<'a> Polling<'a> {
+    pub(super) fn start(lanes: &'a Verbs, host: &'a dyn Host) -> Self {
+        lanes.start_polling();
+        Self { lanes, host }
+    }
+}
+
+impl Drop for Polling<'_> {
+    fn drop(&mut self) {
+        self.lanes.stop_polling(self.host, false, None);
     }
 }

@@ -20,8 +20,9 @@ use std::sync::{mpsc, Arc};
 
 use smallvec::SmallVec;
 
+use super::Host;
 use super::{lock, Engine, Pending, Verbs};
-use crate::agent::{error::AgentError, xfer::XferOp, Shared};
+use crate::agent::{error::AgentError, xfer::XferOp};
 use crate::transport::verbs::{Qp, SendWr, Sge};
 
 /// Slices of one transfer for one queue pair, the last one to be signaled.
@@ -73,7 +74,10 @@ impl Posters {
 
 impl Verbs {
     /// Start one poster thread per rail.
-    pub(super) fn spawn_posters(self: &Arc<Self>, shared: &Arc<Shared>) -> Result<(), AgentError> {
+    pub(super) fn spawn_posters(
+        self: &Arc<Self>,
+        shared: &Arc<dyn Host>,
+    ) -> Result<(), AgentError> {
         let rxs: Vec<mpsc::Receiver<Job>> = std::mem::take(&mut *lock(&self.posters.rx));
         for (rail, rx) in rxs.into_iter().enumerate() {
             let me = self.clone();
@@ -82,7 +86,7 @@ impl Verbs {
                 format!("kvrail-post-{}", self.rails[rail].name),
                 move || {
                     let _span = tracing::info_span!("agent", name = %shared.name).entered();
-                    me.poster(&shared, rail, &rx);
+                    me.poster(&*shared, rail, &rx);
                 },
             )
             .map_err(|e| AgentError::Unsupported(format!("verbs: poster thread: {e}")))?;
@@ -97,7 +101,7 @@ impl Verbs {
         }
     }
 
-    fn poster(&self, shared: &Shared, rail: usize, rx: &mpsc::Receiver<Job>) {
+    fn poster(&self, shared: &dyn Host, rail: usize, rx: &mpsc::Receiver<Job>) {
         let mut batch: Vec<Chunk> = Vec::new();
         while let Ok(first) = rx.recv() {
             let mut stop = false;
@@ -127,7 +131,7 @@ impl Verbs {
 
     /// Post consecutive chunks for one queue pair in one call; a failure fails the pair
     /// (when it is still the current one).
-    fn post_run(&self, shared: &Shared, rail: usize, run: &[Chunk]) {
+    fn post_run(&self, shared: &dyn Host, rail: usize, run: &[Chunk]) {
         if let Err(msg) = self.post_chunks(rail, run) {
             let mut e = lock(&self.engine);
             self.post_failed(shared, &mut e, &run[0].key, &run[0].qp, &msg);
@@ -139,7 +143,7 @@ impl Verbs {
     /// was replaced (its slices were moved elsewhere then).
     pub(super) fn post_failed(
         &self,
-        shared: &Shared,
+        shared: &dyn Host,
         e: &mut Engine,
         key: &super::PairKey,
         qp: &Qp,

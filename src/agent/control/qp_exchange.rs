@@ -1,15 +1,15 @@
-//! Queue pairs exchanged over the control channel (`crate::agent::control`): the initiator
+//! Queue pairs exchanged over the control channel: the initiator
 //! opens one queue pair per paired rail and the notification channel while attaching to a
 //! peer; the target answers `QpOpen` and `ChanOpen` with its endpoints (or a refusal). The
-//! control channel carries the messages; everything about queue pairs is here.
+//! control channel carries the messages; the verbs lanes make and keep the queue pairs.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
 
-use super::{chan_connect_options, Verbs};
-use crate::agent::control::msg::{send, Msg, Reader};
-use crate::agent::control::{conn_err, expect_reply};
+use super::msg::{send, Msg, Reader};
+use super::reply::{conn_err, expect_reply};
 use crate::agent::metadata::{AgentMetadata, BackendKind};
+use crate::agent::verbs::{chan_connect_options, Verbs};
 use crate::agent::{error::AgentError, Shared};
 use crate::transport::notif::FRAME_FORMAT;
 use crate::transport::verbs::{Access, ConnectOptions, Endpoint, Qp};
