@@ -10,9 +10,9 @@ impl Shared {
     pub(super) fn watch_gauges(self: &Arc<Self>) {
         let shared = self;
         let agent = shared.name.as_str();
-        let w: Weak<Shared> = Arc::downgrade(shared);
+        let w: Weak<Self> = Arc::downgrade(shared);
         let r = &self.stats.registry;
-        let read = |f: fn(&Shared) -> f64| {
+        let read = |f: fn(&Self) -> f64| {
             let w = w.clone();
             move || w.upgrade().map(|s| f(&s))
         };

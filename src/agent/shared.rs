@@ -158,7 +158,7 @@ impl verbs::Host for Shared {
     }
 
     fn send_tcp_notif(&self, peer: &str, seq: Option<u64>, bytes: Vec<u8>) {
-        Shared::send_tcp_notif(self, peer, seq, bytes);
+        Self::send_tcp_notif(self, peer, seq, bytes);
     }
 
     fn stopping(&self) -> bool {
