@@ -2,9 +2,11 @@
 //! path in `src/` (tests aside) is resolved to the module it names, and
 //! 1. a top-level module uses only modules of a lower layer (`LAYERS`), so the top-level
 //!    modules form no circle;
-//! 2. within a top-level module, the largest circle of files that import each other is no
-//!    larger than recorded in `CIRCLES` (a ratchet: the agent's is being taken apart; lower
-//!    the number as it shrinks, never raise it).
+//! 2. files form no import circle across modules: the only circle allowed is one module
+//!    split over files — a `mod.rs` (or `name.rs`) and its own child files, which implement
+//!    the parent's types and use its private items. Two sibling files that import each
+//!    other, or files of different modules (a driver naming the agent's facade again), fail;
+//!    `KNOWN_CIRCLES` lists the one left to take apart (shrink it, never grow it).
 //!
 //! A new top-level module fails the test until it is given a layer.
 
@@ -28,15 +30,11 @@ const LAYERS: &[(&str, u32)] = &[
 /// Outside the layers: the crate root (it declares and re-exports) and the fuzz entry points.
 const OUTSIDE: &[&str] = &["", "fuzzing"];
 
-/// The largest circle of files importing each other allowed inside each top-level module.
-const CIRCLES: &[(&str, usize)] = &[
-    ("agent", 10),
-    ("connector", 8),
-    ("mem", 5),
-    ("rails", 5),
-    ("transport", 10),
-    ("store", 2),
-    ("proto", 2),
+/// Circles across modules not taken apart yet (their files, sorted).
+const KNOWN_CIRCLES: &[&[&str]] = &[
+    // a completion queue retires work into its queue pairs' state, and a queue pair is made
+    // on its completion queues
+    &["transport::verbs::cq", "transport::verbs::qp"],
 ];
 
 type Mod = Vec<String>;
@@ -377,6 +375,18 @@ fn layer(name: &str) -> Option<u32> {
     LAYERS.iter().find(|(n, _)| *n == name).map(|&(_, l)| l)
 }
 
+/// True when the files of circle `c` are one module split over files: one of them is the
+/// parent of all the others.
+fn one_module(c: &[Mod]) -> bool {
+    c.iter().any(|parent| {
+        c.iter().all(|m| {
+            m == parent
+                || m.split_last()
+                    .is_some_and(|(_, up)| up == parent.as_slice())
+        })
+    })
+}
+
 /// The checks, as messages (empty: the layering holds).
 fn violations(g: &Graph) -> Vec<String> {
     let mut bad = Vec::new();
@@ -409,31 +419,29 @@ fn violations(g: &Graph) -> Vec<String> {
             }
         }
     }
-    for &(module, most) in CIRCLES {
-        let nodes: BTreeSet<Mod> = g
-            .edges
-            .keys()
-            .filter(|m| top(m) == module)
-            .cloned()
-            .collect();
-        let largest = circles(&nodes, &g.edges)
-            .into_iter()
-            .max_by_key(Vec::len)
-            .unwrap_or_default();
-        if largest.len() > most {
-            let names: Vec<String> = largest.iter().map(|m| m.join("::")).collect();
-            bad.push(format!(
-                "src/{module}: {} files import each other in a circle (at most {most}): {}",
-                largest.len(),
-                names.join(", ")
-            ));
+    let nodes: BTreeSet<Mod> = (g.edges.keys())
+        .filter(|m| !OUTSIDE.contains(&top(m)))
+        .cloned()
+        .collect();
+    for c in circles(&nodes, &g.edges) {
+        if c.len() < 2 || one_module(&c) {
+            continue;
         }
+        let names: Vec<String> = c.iter().map(|m| m.join("::")).collect();
+        if KNOWN_CIRCLES.iter().any(|k| *k == names.as_slice()) {
+            continue;
+        }
+        bad.push(format!(
+            "{} files import each other in a circle across modules: {}",
+            c.len(),
+            names.join(", ")
+        ));
     }
     bad
 }
 
 #[test]
-fn every_module_uses_only_lower_layers_and_circles_do_not_grow() {
+fn every_module_uses_only_lower_layers_and_no_circle_crosses_modules() {
     let g = graph();
     assert!(
         g.edges.len() > 50,
@@ -476,54 +484,66 @@ fn a_wrong_import_is_caught() {
         .insert(handshake.clone());
     g.edges.entry(handshake).or_default().insert(kvmsg.clone());
     g.edges.entry(kvmsg).or_default().insert(wire);
+    let bad = violations(&g);
     assert!(
-        violations(&g).iter().any(|b| b.starts_with("src/proto: ")),
-        "a circle of three proto files unseen"
+        bad.iter().any(|b| b.contains("a circle across modules")
+            && b.contains("proto::wire")
+            && b.contains("proto::handshake")),
+        "a circle of three proto files unseen: {bad:?}"
     );
+    // a driver that names the facade again (the TCP data path using the agent's state, as
+    // it did before it took the core): the facade reaches it, so the two close a circle
+    let mut g = graph();
+    g.edges
+        .entry(vec!["agent".into(), "tcp".into()])
+        .or_default()
+        .insert(vec!["agent".into()]);
+    let bad = violations(&g);
+    assert!(
+        bad.iter().any(|b| b.contains("a circle across modules")
+            && b.contains("agent::tcp")
+            && b.contains("agent::control")),
+        "a driver naming the facade unseen: {bad:?}"
+    );
+    // a module split over its own files is one module, not a circle across modules
+    assert!(one_module(&[
+        vec!["agent".into(), "verbs".into()],
+        vec!["agent".into(), "verbs".into(), "notif".into()],
+        vec!["agent".into(), "verbs".into(), "poster".into()],
+    ]));
+    assert!(!one_module(&[
+        vec!["agent".into(), "region".into()],
+        vec!["agent".into(), "table".into()],
+    ]));
 }
 
+/// Every circle of files inside each top-level module, with the arrows that close it:
+/// `cargo test --test layers circles -- --ignored --nocapture` (where to cut next).
 #[test]
 #[ignore]
-fn dump_to_agent() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    sources(&src, &mut files);
-    let known: BTreeSet<Mod> = files.iter().map(|f| module_of(&src, f)).collect();
-    for f in &files {
-        let m = module_of(&src, f);
-        let text = std::fs::read_to_string(f).unwrap();
-        for p in paths(&code(&text)) {
-            if resolve(&m, &p, &known) == Some(vec!["agent".into()])
-                && m.len() > 1
-                && m[0] == "agent"
-            {
-                println!("TOAGENT {} : {}", m.join("::"), p.join("::"));
+fn circles_in_each_module() {
+    let g = graph();
+    for &(module, _) in LAYERS {
+        let nodes: BTreeSet<Mod> = g
+            .edges
+            .keys()
+            .filter(|m| top(m) == module)
+            .cloned()
+            .collect();
+        for c in circles(&nodes, &g.edges)
+            .into_iter()
+            .filter(|c| c.len() > 1)
+        {
+            println!("src/{module}: a circle of {} files", c.len());
+            let set: BTreeSet<&Mod> = c.iter().collect();
+            for m in &c {
+                let tos: Vec<String> = g.edges[m]
+                    .iter()
+                    .filter(|t| set.contains(t))
+                    .map(|t| t.join("::"))
+                    .collect();
+                println!("  {} -> {}", m.join("::"), tos.join(", "));
             }
         }
-    }
-}
-
-#[test]
-#[ignore]
-fn dump_agent() {
-    let g = graph();
-    let nodes: BTreeSet<Mod> = g
-        .edges
-        .keys()
-        .filter(|m| top(m) == "agent")
-        .cloned()
-        .collect();
-    let big = circles(&nodes, &g.edges)
-        .into_iter()
-        .max_by_key(Vec::len)
-        .unwrap();
-    let set: BTreeSet<Mod> = big.iter().cloned().collect();
-    for m in &big {
-        let tos: Vec<String> = g.edges[m]
-            .iter()
-            .filter(|t| set.contains(*t))
-            .map(|t| t.join("::"))
-            .collect();
-        println!("{} -> {}", m.join("::"), tos.join(", "));
     }
 }

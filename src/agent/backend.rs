@@ -1,14 +1,16 @@
-//! The data paths behind [`Agent::post`]: a posted transfer is handed to exactly one
+//! The data paths behind `Agent::post`: a posted transfer is handed to exactly one
 //! [`Backend`] — the verbs queue pairs, the host bounce (device memory on verbs), or the TCP
 //! connection — with the agent's maps no longer held. A backend reports the outcome
 //! through the agent's transfer table (done, failed, notification after the last byte).
 
 use std::sync::{mpsc, Arc};
 
-use super::control::Work;
+use super::control::work::Work;
+use super::core::Core;
 use super::metadata::AgentMetadata;
 use super::region::Region;
-use super::{error::AgentError, error::XferError, xfer::Desc, xfer::XferOp, Agent};
+use super::stats::BounceStats;
+use super::{error::AgentError, error::XferError, xfer::Desc, xfer::XferOp};
 
 /// A posted transfer, as a backend gets it.
 pub(crate) struct Posted {
@@ -29,24 +31,36 @@ pub(crate) struct Posted {
 /// A data path.
 pub(crate) trait Backend {
     /// Start moving `x`. An error means nothing moves; the agent fails the transfer.
-    fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError>;
+    fn start(&self, x: Posted) -> Result<(), AgentError>;
+}
+
+/// The host bounce as the agent holds it (the engine in [`super::bounce`]): device memory
+/// moved through staging slots.
+pub(crate) trait DevicePath: Backend + Send + Sync {
+    /// Counters since the start.
+    fn stats(&self) -> BounceStats;
+    /// `peer` is gone (invalidated, or reloaded at a new address).
+    fn forget(&self, peer: &str);
+    /// The agent released transfer `id`.
+    fn forget_xfer(&self, id: u64);
 }
 
 /// The TCP data path to one peer: its connection's writer queue.
-pub(crate) struct TcpPath {
+pub(crate) struct TcpPath<'a> {
+    /// Where the transfer ends when nothing could be queued.
+    pub(crate) core: &'a Core,
     pub(crate) tx: mpsc::Sender<Work>,
     pub(crate) open: bool,
 }
 
-impl Backend for TcpPath {
-    fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError> {
-        let shared = &agent.shared;
+impl Backend for TcpPath<'_> {
+    fn start(&self, x: Posted) -> Result<(), AgentError> {
         if x.op == XferOp::Read && x.local.iter().all(|(_, d)| d.len == 0) {
             // nothing to read: done at once; the notification is queued first
             if let Some(n) = x.notif {
                 let _ = self.tx.send(Work::Notif(n));
             }
-            shared.finish(x.id, Ok(()));
+            self.core.finish(x.id, Ok(()));
             return Ok(());
         }
         let work = Work::Xfer {
@@ -62,44 +76,24 @@ impl Backend for TcpPath {
             notif: x.notif,
         };
         if !self.open || self.tx.send(work).is_err() {
-            shared.finish(x.id, Err(XferError::Closed));
+            self.core.finish(x.id, Err(XferError::Closed));
         }
         Ok(())
     }
 }
 
-impl Backend for super::bounce::Engine {
-    fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError> {
-        let part = |d: &Desc| super::bounce::wire::Part {
-            region: d.region.0,
-            offset: d.offset,
-            len: d.len,
-        };
-        let pieces = x
-            .local
-            .iter()
-            .zip(x.remote.iter())
-            .map(|((_, l), r)| super::bounce::wire::Piece {
-                src: part(l),
-                dst: part(r),
-            })
-            .collect();
-        let req = super::bounce::Post {
-            id: x.id,
-            op: x.op,
-            peer: x.peer.to_string(),
-            pieces,
-            notif: x.notif,
-        };
-        self.post(agent, req)
-    }
+/// The verbs lanes to a peer with queue pairs, and the agent as they see it.
+#[cfg(feature = "verbs")]
+pub(crate) struct VerbsPath<'a> {
+    pub(crate) lanes: &'a super::verbs::Verbs,
+    pub(crate) host: &'a dyn super::verbs::Host,
 }
 
 #[cfg(feature = "verbs")]
-impl Backend for super::verbs::Verbs {
-    fn start(&self, agent: &Agent, x: Posted) -> Result<(), AgentError> {
-        self.post(
-            &*agent.shared,
+impl Backend for VerbsPath<'_> {
+    fn start(&self, x: Posted) -> Result<(), AgentError> {
+        self.lanes.post(
+            self.host,
             super::verbs::PostReq {
                 id: x.id,
                 op: x.op,

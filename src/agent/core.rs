@@ -7,18 +7,19 @@
 //! and read from it what to do; none of them reaches the facade's state ([`super::Shared`]:
 //! peers, connections, threads), which holds a `Core` and lends it to them.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::error::{AgentError, XferError};
-use super::grant::Grants;
+use super::grant::{Grant, Grants, Held, REVOKED};
 use super::notifs::Ordered;
-use super::region::Region;
+use super::region::{Region, RegionId};
 use super::route::RouteQueue;
 use super::stats::AgentStats;
 use super::table::{self, XferTable};
 use super::wake::Wake;
+use super::xfer::Desc;
 use crate::idhash::IdMap;
 use crate::threads::lock;
 
@@ -210,5 +211,111 @@ impl Core {
             }
             None => Err(bytes),
         }
+    }
+
+    /// For each remote descriptor to `peer`'s memory, the grant that covers it when its
+    /// region is fenced (None for the others); empty when the peer fences nothing (the
+    /// common case costs one look at its regions, not one per descriptor).
+    pub(crate) fn grants_for(
+        &self,
+        peer: &str,
+        meta: &super::metadata::AgentMetadata,
+        remote: &[Desc],
+        write: bool,
+    ) -> Result<Vec<Option<Arc<Grant>>>, AgentError> {
+        if !meta.regions.iter().any(|m| m.fenced) {
+            return Ok(Vec::new());
+        }
+        let g = lock(&self.grants);
+        let given = g.given.get(peer);
+        remote
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let fenced = meta.regions.iter().any(|m| m.id == d.region.0 && m.fenced);
+                if !fenced {
+                    return Ok(None);
+                }
+                given
+                    .into_iter()
+                    .flat_map(HashMap::values)
+                    .find(|g| g.allows(write) && g.covering(d.region.0, d.offset, d.len).is_some())
+                    .cloned()
+                    .map(Some)
+                    .ok_or_else(|| AgentError::InvalidDesc {
+                        side: "remote",
+                        index: i,
+                        reason: format!(
+                            "region {} of {peer} is fenced and no grant from it covers \
+                             [{}, +{}) for {}",
+                            d.region.0,
+                            d.offset,
+                            d.len,
+                            if write { "WRITE" } else { "READ" }
+                        ),
+                    })
+            })
+            .collect()
+    }
+
+    /// Run `f` (a copy of fenced bytes of `region`) if grant `id` is live and gives
+    /// `write` (else READ) over `[offset, offset + len)`; revocation waits for it.
+    ///
+    /// # Errors
+    /// The refusal, starting with [`REVOKED`].
+    pub(crate) fn under_grant<R>(
+        &self,
+        id: u64,
+        (region, offset, len): (u32, u64, u64),
+        write: bool,
+        f: impl FnOnce() -> R,
+    ) -> Result<R, String> {
+        let gate = {
+            let g = lock(&self.grants);
+            let Some(h) = g.made.get(&id) else {
+                return Err(format!("{REVOKED}no live grant {id:#x} on region {region}"));
+            };
+            if !h.covers(region, offset, len) || !(if write { h.write } else { h.read }) {
+                return Err(format!(
+                    "{REVOKED}grant {id:#x} does not give {} over [{offset}, +{len}) of \
+                     region {region}",
+                    if write { "WRITE" } else { "READ" }
+                ));
+            }
+            h.gate.clone()
+        };
+        let open = gate.read().unwrap_or_else(|p| p.into_inner());
+        if !*open {
+            return Err(format!("{REVOKED}grant {id:#x} was revoked"));
+        }
+        Ok(f())
+    }
+
+    /// A revoked grant: close its gate (after the copies under it) and drop its keys.
+    pub(crate) fn close_grant(&self, held: Held) {
+        *held.gate.write().unwrap_or_else(|p| p.into_inner()) = false;
+        drop(held);
+        self.stats.grants_revoked.inc();
+    }
+
+    /// Revoke every grant over `region` (it is being deregistered).
+    pub(crate) fn revoke_region_grants(&self, region: u32) {
+        let gone: Vec<Held> = {
+            let mut g = lock(&self.grants);
+            let ids: Vec<u64> = (g.made.iter())
+                .filter(|(_, h)| h.ranges.iter().any(|r| r.0 == region))
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter().filter_map(|id| g.made.remove(id)).collect()
+        };
+        for h in gone {
+            self.close_grant(h);
+        }
+    }
+}
+
+impl table::Held for Arc<Region> {
+    fn region_id(&self) -> RegionId {
+        self.id
     }
 }

@@ -22,9 +22,7 @@ use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 
-use super::core::Core;
 use super::{error::AgentError, xfer::Desc};
-use crate::threads::lock;
 
 /// The most ranges one grant may hold (a decoded token with more is refused).
 pub const MAX_GRANT_RANGES: usize = 1 << 16;
@@ -133,7 +131,7 @@ pub(crate) struct Held {
 }
 
 impl Held {
-    fn covers(&self, region: u32, offset: u64, len: u64) -> bool {
+    pub(crate) fn covers(&self, region: u32, offset: u64, len: u64) -> bool {
         offset.checked_add(len).is_some_and(|end| {
             self.ranges
                 .iter()
@@ -167,108 +165,6 @@ pub(crate) fn merge(descs: &[Desc]) -> Vec<(u32, u64, u64)> {
 pub(crate) struct Grants {
     pub(crate) made: HashMap<u64, Held>,
     pub(crate) given: HashMap<String, HashMap<u64, Arc<Grant>>>,
-}
-
-impl Core {
-    /// For each remote descriptor to `peer`'s memory, the grant that covers it when its
-    /// region is fenced (None for the others); empty when the peer fences nothing (the
-    /// common case costs one look at its regions, not one per descriptor).
-    pub(crate) fn grants_for(
-        &self,
-        peer: &str,
-        meta: &super::metadata::AgentMetadata,
-        remote: &[Desc],
-        write: bool,
-    ) -> Result<Vec<Option<Arc<Grant>>>, AgentError> {
-        if !meta.regions.iter().any(|m| m.fenced) {
-            return Ok(Vec::new());
-        }
-        let g = lock(&self.grants);
-        let given = g.given.get(peer);
-        remote
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
-                let fenced = meta.regions.iter().any(|m| m.id == d.region.0 && m.fenced);
-                if !fenced {
-                    return Ok(None);
-                }
-                given
-                    .into_iter()
-                    .flat_map(HashMap::values)
-                    .find(|g| g.allows(write) && g.covering(d.region.0, d.offset, d.len).is_some())
-                    .cloned()
-                    .map(Some)
-                    .ok_or_else(|| AgentError::InvalidDesc {
-                        side: "remote",
-                        index: i,
-                        reason: format!(
-                            "region {} of {peer} is fenced and no grant from it covers \
-                             [{}, +{}) for {}",
-                            d.region.0,
-                            d.offset,
-                            d.len,
-                            if write { "WRITE" } else { "READ" }
-                        ),
-                    })
-            })
-            .collect()
-    }
-
-    /// Run `f` (a copy of fenced bytes of `region`) if grant `id` is live and gives
-    /// `write` (else READ) over `[offset, offset + len)`; revocation waits for it.
-    ///
-    /// # Errors
-    /// The refusal, starting with [`REVOKED`].
-    pub(crate) fn under_grant<R>(
-        &self,
-        id: u64,
-        (region, offset, len): (u32, u64, u64),
-        write: bool,
-        f: impl FnOnce() -> R,
-    ) -> Result<R, String> {
-        let gate = {
-            let g = lock(&self.grants);
-            let Some(h) = g.made.get(&id) else {
-                return Err(format!("{REVOKED}no live grant {id:#x} on region {region}"));
-            };
-            if !h.covers(region, offset, len) || !(if write { h.write } else { h.read }) {
-                return Err(format!(
-                    "{REVOKED}grant {id:#x} does not give {} over [{offset}, +{len}) of \
-                     region {region}",
-                    if write { "WRITE" } else { "READ" }
-                ));
-            }
-            h.gate.clone()
-        };
-        let open = gate.read().unwrap_or_else(|p| p.into_inner());
-        if !*open {
-            return Err(format!("{REVOKED}grant {id:#x} was revoked"));
-        }
-        Ok(f())
-    }
-
-    /// A revoked grant: close its gate (after the copies under it) and drop its keys.
-    pub(crate) fn close_grant(&self, held: Held) {
-        *held.gate.write().unwrap_or_else(|p| p.into_inner()) = false;
-        drop(held);
-        self.stats.grants_revoked.inc();
-    }
-
-    /// Revoke every grant over `region` (it is being deregistered).
-    pub(crate) fn revoke_region_grants(&self, region: u32) {
-        let gone: Vec<Held> = {
-            let mut g = lock(&self.grants);
-            let ids: Vec<u64> = (g.made.iter())
-                .filter(|(_, h)| h.ranges.iter().any(|r| r.0 == region))
-                .map(|(id, _)| *id)
-                .collect();
-            ids.iter().filter_map(|id| g.made.remove(id)).collect()
-        };
-        for h in gone {
-            self.close_grant(h);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -60,6 +60,6 @@ impl Agent {
     /// The host bounce's counters (verbs backend; `None` on TCP, which moves device memory
     /// by copies through the runtime, no staging).
     pub fn bounce_stats(&self) -> Option<super::bounce::BounceStats> {
-        self.shared.bounce.get().map(super::bounce::Engine::stats)
+        self.shared.bounce.get().map(|b| b.stats())
     }
 }

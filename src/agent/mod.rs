@@ -45,10 +45,12 @@ mod metrics_http;
 pub(crate) mod notifs;
 mod region;
 mod register;
+mod register_api;
 mod route;
 mod spin;
 mod stats;
 mod store;
+mod store_api;
 mod table;
 mod tcp;
 mod tcp_batch;
@@ -75,7 +77,6 @@ pub use config::{
 pub use control::auth::{ClusterSecret, MIN_SECRET};
 pub use error::{AgentError, Fault, XferError};
 pub use grant::{Grant, GrantRange, MAX_GRANT_RANGES};
-pub use notif_api::NotifRoute;
 pub use region::{RegionId, RegionMemory, RemoteAccess};
 pub use register::{MemRegion, RegisteredMemory};
 #[cfg(feature = "verbs")]
@@ -124,7 +125,7 @@ pub(crate) struct Shared {
     #[cfg(feature = "verbs")]
     verbs: Option<Arc<verbs::Verbs>>,
     /// The host-bounce engine (verbs backend): moves device memory through staging slots.
-    bounce: std::sync::OnceLock<bounce::Engine>,
+    bounce: std::sync::OnceLock<Box<dyn backend::DevicePath>>,
     /// The metadata store, when configured (see [`store`]).
     #[cfg(feature = "etcd")]
     store: Option<store::AgentStore>,
@@ -161,6 +162,13 @@ impl WeakAgent {
             _guard: self.guard.upgrade()?,
         })
     }
+}
+
+/// A consumer's handle on the notifications that start with its prefix (see
+/// [`Agent::notif_route`]). Dropping it sends them to the engine's queue again.
+pub struct NotifRoute {
+    agent: Agent,
+    queue: Arc<route::RouteQueue>,
 }
 
 impl std::fmt::Debug for Agent {

@@ -121,13 +121,6 @@ impl Agent {
     }
 }
 
-/// A consumer's handle on the notifications that start with its prefix. Dropping it sends
-/// them to the engine's queue again.
-pub struct NotifRoute {
-    agent: Agent,
-    queue: Arc<RouteQueue>,
-}
-
 impl std::fmt::Debug for NotifRoute {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NotifRoute")

@@ -276,11 +276,5 @@ impl Region {
     }
 }
 
-impl super::table::Held for Arc<Region> {
-    fn region_id(&self) -> RegionId {
-        self.id
-    }
-}
-
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,11 @@
 //! The state every part of the agent shares ([`Shared`]): regions and their deregistration,
 //! the metadata it serves, transfers ending, notifications delivered, peers failing.
 
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use super::control::FLUSH_ON_DROP;
 use super::*;
 
 impl Shared {
@@ -162,6 +167,127 @@ impl verbs::Host for Shared {
     }
 
     fn stopping(&self) -> bool {
-        self.shutdown.load(std::sync::atomic::Ordering::Acquire)
+        self.shutdown.load(Ordering::Acquire)
+    }
+}
+
+impl control::Host for Shared {
+    fn config(&self) -> &AgentConfig {
+        &self.config
+    }
+
+    fn handshake(&self) -> &HandshakeInfo {
+        &self.handshake
+    }
+
+    fn metadata(&self) -> AgentMetadata {
+        Self::metadata(self)
+    }
+
+    #[cfg(feature = "verbs")]
+    fn verbs(&self) -> Option<&Arc<verbs::Verbs>> {
+        self.verbs.as_ref()
+    }
+
+    #[cfg(feature = "verbs")]
+    fn lanes_host(&self) -> &dyn verbs::Host {
+        self
+    }
+
+    fn stopping(&self) -> bool {
+        self.shutdown.load(Ordering::Acquire)
+    }
+
+    fn new_conn(&self) -> u64 {
+        self.next_conn.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn drive(&self, d: &Arc<control::driven::Driven>) {
+        self.drive_tcp_conn(d);
+    }
+
+    fn undrive(&self, d: &Arc<control::driven::Driven>) {
+        self.undrive_tcp_conn(d);
+    }
+
+    fn count_auth_refusal(&self) {
+        self.auth_refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn count_protected_refusal(&self, ip: std::net::IpAddr) -> bool {
+        self.open_refused.fetch_add(1, Ordering::Relaxed);
+        lock(&self.open_refused_from).insert(ip)
+    }
+
+    fn flush_and_stop(&self) {
+        // what was queued for peers (notifications, WRITE data) goes out first, bounded:
+        // the notification channels deliver theirs while the peers keep taking them (until
+        // FLUSH_ON_DROP passes without progress: then what is left on them goes over TCP),
+        // then the TCP writers send theirs
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            let (mut left, mut stall) = (usize::MAX, std::time::Instant::now());
+            loop {
+                let n = v.notifs_in_flight();
+                if n == 0 {
+                    break;
+                }
+                if stall.elapsed() > FLUSH_ON_DROP {
+                    tracing::warn!(
+                        agent = %self.name, left = n,
+                        "dropped with notifications a channel did not deliver for \
+                         {FLUSH_ON_DROP:?}: they go over TCP"
+                    );
+                    let why =
+                        format!("no progress for {FLUSH_ON_DROP:?} while the agent was dropped");
+                    v.give_up_chans(self, &why);
+                    break;
+                }
+                if n < left {
+                    (left, stall) = (n, std::time::Instant::now());
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        // each TCP writer: flushed, or FLUSH_ON_DROP without one item sent (a peer that
+        // stopped taking them), never a fixed total that a slow peer or a loaded host misses
+        let writers: Vec<_> = (lock(&self.peers).values())
+            .flat_map(|p| p.conn.writers())
+            .collect();
+        for (w, sent) in writers {
+            let (tx, rx) = mpsc::sync_channel(1);
+            if w.send(control::Work::Flush(tx)).is_err() {
+                continue;
+            }
+            let (mut seen, mut stall) = (sent.load(Ordering::Acquire), std::time::Instant::now());
+            while let Err(mpsc::RecvTimeoutError::Timeout) =
+                rx.recv_timeout(Duration::from_millis(50))
+            {
+                let now = sent.load(Ordering::Acquire);
+                if now != seen {
+                    (seen, stall) = (now, std::time::Instant::now());
+                } else if stall.elapsed() > FLUSH_ON_DROP {
+                    tracing::warn!(
+                        agent = %self.name,
+                        "dropped with messages a peer did not take for {FLUSH_ON_DROP:?}: closing"
+                    );
+                    break;
+                }
+            }
+        }
+        // then peers learn from the store that this agent is gone (after what it queued for
+        // them arrived: they close their connections to it when they hear)
+        self.withdraw();
+        self.shutdown.store(true, Ordering::Release);
+    }
+
+    fn close_peers(&self) {
+        for (_, p) in std::mem::take(&mut *lock(&self.peers)) {
+            p.conn.close();
+        }
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            v.wake();
+        }
     }
 }

@@ -173,7 +173,7 @@ impl Agent {
             let engine =
                 bounce::Engine::start(agent.downgrade(), agent.shared.config.bounce.clone())?;
             agent.shared.core.set_tap(engine.tap());
-            let _ = agent.shared.bounce.set(engine);
+            let _ = agent.shared.bounce.set(Box::new(engine));
         }
         #[cfg(feature = "etcd")]
         agent.start_store()?;

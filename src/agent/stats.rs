@@ -16,6 +16,21 @@ pub(crate) fn op_index(op: XferOp) -> usize {
 
 const OPS: [&str; 2] = ["read", "write"];
 
+/// Counters of an agent's host bounce since it started (`Agent::bounce_stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BounceStats {
+    /// Chunks WRITten into peers' staging slots.
+    pub chunks_sent: u64,
+    /// Bytes in them.
+    pub bytes_sent: u64,
+    /// Chunks received and placed (or refused) in local memory.
+    pub chunks_received: u64,
+    /// Most chunk WRITEs in flight at once (above 1: copies and RDMA overlapped).
+    pub max_in_flight: usize,
+    /// Bounce messages received that did not parse (dropped, never acted on).
+    pub malformed: u64,
+}
+
 /// The agent's own series.
 pub(crate) struct AgentStats {
     pub(crate) registry: Arc<Registry>,

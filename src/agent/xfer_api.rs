@@ -157,23 +157,29 @@ impl Agent {
                 || (!peer_dev.is_empty() && x.remote.iter().any(|d| peer_dev.contains(&d.region.0)))
         };
         #[cfg(feature = "verbs")]
-        let verbs: Option<&dyn backend::Backend> = self
-            .shared
-            .verbs
-            .as_deref()
+        let lanes = (self.shared.verbs.as_deref())
             .filter(|v| v.has_peer(&posted.peer))
-            .map(|v| v as &dyn backend::Backend);
+            .map(|lanes| backend::VerbsPath {
+                lanes,
+                host: &*self.shared,
+            });
+        #[cfg(feature = "verbs")]
+        let verbs = lanes.as_ref().map(|v| v as &dyn backend::Backend);
         #[cfg(not(feature = "verbs"))]
         let verbs: Option<&dyn backend::Backend> = None;
         let tcp;
         let chosen: &dyn backend::Backend = match (verbs, self.shared.bounce.get()) {
-            (Some(_), Some(engine)) if device => engine,
+            (Some(_), Some(engine)) if device => &**engine,
             (Some(v), _) => v,
             (None, _) => {
                 // the peer's TCP connection (one of its lanes, for a large transfer)
                 let bytes = posted.local.iter().map(|(_, d)| d.len).sum();
                 let (tx, open) = p.conn.sender_for(bytes, posted.notif.is_some());
-                tcp = backend::TcpPath { tx, open };
+                tcp = backend::TcpPath {
+                    core: &self.shared.core,
+                    tx,
+                    open,
+                };
                 &tcp
             }
         };
@@ -181,7 +187,7 @@ impl Agent {
         // transfer takes them again (and the verbs engine is never taken under them).
         drop(xfers);
         drop(peers);
-        if let Err(e) = chosen.start(self, posted) {
+        if let Err(e) = chosen.start(posted) {
             self.shared
                 .finish(id.0, Err(XferError::Post(e.to_string())));
             return Err(e);

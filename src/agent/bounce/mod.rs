@@ -29,7 +29,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use crate::agent::{error::AgentError, xfer::XferOp, Agent, WeakAgent};
+use crate::agent::backend::{Backend, DevicePath, Posted};
+use crate::agent::{error::AgentError, xfer::Desc, xfer::XferOp, Agent, WeakAgent};
 use driver::State;
 use wire::Piece;
 
@@ -47,20 +48,7 @@ pub(crate) struct Post {
 
 pub use crate::agent::config::BounceConfig;
 
-/// Counters of an agent's host bounce since it started (`Agent::bounce_stats`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BounceStats {
-    /// Chunks WRITten into peers' staging slots.
-    pub chunks_sent: u64,
-    /// Bytes in them.
-    pub bytes_sent: u64,
-    /// Chunks received and placed (or refused) in local memory.
-    pub chunks_received: u64,
-    /// Most chunk WRITEs in flight at once (above 1: copies and RDMA overlapped).
-    pub max_in_flight: usize,
-    /// Bounce messages received that did not parse (dropped, never acted on).
-    pub malformed: u64,
-}
+pub use crate::agent::stats::BounceStats;
 
 pub(crate) struct Core {
     pub(crate) agent: WeakAgent,
@@ -188,5 +176,49 @@ impl crate::agent::core::NotifTap for Tap {
         }
         .incoming(from, bytes);
         None
+    }
+}
+
+impl Backend for Engine {
+    fn start(&self, x: Posted) -> Result<(), AgentError> {
+        let part = |d: &Desc| wire::Part {
+            region: d.region.0,
+            offset: d.offset,
+            len: d.len,
+        };
+        let pieces = x
+            .local
+            .iter()
+            .zip(x.remote.iter())
+            .map(|((_, l), r)| wire::Piece {
+                src: part(l),
+                dst: part(r),
+            })
+            .collect();
+        let req = Post {
+            id: x.id,
+            op: x.op,
+            peer: x.peer.to_string(),
+            pieces,
+            notif: x.notif,
+        };
+        // the caller posting holds the agent, so it is there
+        let agent = (self.core.agent.upgrade())
+            .ok_or_else(|| AgentError::Unsupported("bounce: the agent is gone".into()))?;
+        self.post(&agent, req)
+    }
+}
+
+impl DevicePath for Engine {
+    fn stats(&self) -> BounceStats {
+        Self::stats(self)
+    }
+
+    fn forget(&self, peer: &str) {
+        Self::forget(self, peer);
+    }
+
+    fn forget_xfer(&self, id: u64) {
+        Self::forget_xfer(self, id);
     }
 }

@@ -9,7 +9,6 @@ use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,9 +17,8 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::auth::{self, Verdict};
 use super::msg::Msg;
-use super::Shared;
+use super::Host;
 use crate::proto::frame::PREFIX;
-use crate::threads::lock;
 
 /// How long a new connection may take to send its first message.
 pub(crate) const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -55,9 +53,9 @@ enum Step {
 
 /// Run the loop until the agent shuts down. `attach` takes over attached connections.
 pub(crate) fn run(
-    shared: &Arc<Shared>,
+    shared: &Arc<dyn Host>,
     listener: TcpListener,
-    mut attach: impl FnMut(Arc<Shared>, TcpStream, Msg),
+    mut attach: impl FnMut(Arc<dyn Host>, TcpStream, Msg),
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     let mut poll = Poll::new()?;
@@ -78,19 +76,19 @@ pub(crate) fn run(
             }
             return Err(e);
         }
-        if shared.shutdown.load(Ordering::Acquire) {
+        if shared.stopping() {
             return Ok(());
         }
         for ev in &events {
             if ev.token() == LISTENER {
-                accept_all(shared, &listener, &poll, &mut pending, &mut next);
+                accept_all(&**shared, &listener, &poll, &mut pending, &mut next);
                 continue;
             }
             let Token(t) = ev.token();
             let Some(p) = pending.get_mut(&t) else {
                 continue;
             };
-            match step(shared, p, &poll, t) {
+            match step(&**shared, p, &poll, t) {
                 Step::Wait => {}
                 Step::Close => {
                     if let Some(p) = pending.remove(&t) {
@@ -124,7 +122,7 @@ pub(crate) fn run(
 }
 
 fn accept_all(
-    shared: &Shared,
+    shared: &dyn Host,
     listener: &TcpListener,
     poll: &Poll,
     pending: &mut HashMap<usize, Pending>,
@@ -140,7 +138,7 @@ fn accept_all(
                 return;
             }
         };
-        if shared.shutdown.load(Ordering::Acquire) {
+        if shared.stopping() {
             return;
         }
         if pending.len() >= MAX_PENDING {
@@ -177,7 +175,7 @@ fn accept_all(
                 s,
                 got: Vec::new(),
                 out: None,
-                auth: auth::Listen::start(shared.config.cluster_secret.as_ref()),
+                auth: auth::Listen::start(shared.config().cluster_secret.as_ref()),
                 deadline: Instant::now() + FIRST_MESSAGE_TIMEOUT,
             },
         );
@@ -185,7 +183,7 @@ fn accept_all(
 }
 
 /// Make progress on one connection.
-fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
+fn step(shared: &dyn Host, p: &mut Pending, poll: &Poll, t: usize) -> Step {
     loop {
         if let Some((out, at, close)) = &mut p.out {
             match write_out(&mut p.s, out, at) {
@@ -219,7 +217,7 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
             refuse(&mut p.s, why);
             return Step::Close;
         }
-        let m = match p.auth.take(shared.config.cluster_secret.as_ref(), m) {
+        let m = match p.auth.take(shared.config().cluster_secret.as_ref(), m) {
             Verdict::NotMine(m) => m,
             Verdict::Passed => continue,
             Verdict::Answer(a) => {
@@ -253,16 +251,15 @@ fn step(shared: &Shared, p: &mut Pending, poll: &Poll, t: usize) -> Step {
 /// Protected mode: an agent with no `cluster_secret` that is not `insecure` serves only
 /// peers on loopback. A peer beyond it is refused (counted, logged once per address, with
 /// the ways out); `None` lets the connection on.
-fn protected(shared: &Shared, p: &Pending) -> Option<&'static str> {
-    if shared.config.cluster_secret.is_some() || shared.config.insecure {
+fn protected(shared: &dyn Host, p: &Pending) -> Option<&'static str> {
+    if shared.config().cluster_secret.is_some() || shared.config().insecure {
         return None;
     }
     let ip = p.s.peer_addr().ok()?.ip();
     if auth::is_loopback(ip) {
         return None;
     }
-    shared.open_refused.fetch_add(1, Ordering::Relaxed);
-    if lock(&shared.open_refused_from).insert(ip) {
+    if shared.count_protected_refusal(ip) {
         tracing::warn!(agent = %shared.name, peer = %ip,
             "side channel: refused a peer beyond loopback: {}", auth::PROTECTED);
     }
@@ -270,15 +267,15 @@ fn protected(shared: &Shared, p: &Pending) -> Option<&'static str> {
 }
 
 /// A peer failed authentication: counted and logged with its address.
-fn refused(shared: &Shared, p: &Pending, why: &str) {
-    shared.auth_refused.fetch_add(1, Ordering::Relaxed);
+fn refused(shared: &dyn Host, p: &Pending, why: &str) {
+    shared.count_auth_refusal();
     tracing::warn!(agent = %shared.name, peer = ?p.s.peer_addr().ok(),
         error = %why, "side channel: authentication refused");
 }
 
 /// Read one whole frame (the prefix, then the body it announces) and decode it; `Err` says
 /// what the loop does instead (wait for more bytes, or close).
-fn read_frame(shared: &Shared, p: &mut Pending) -> Result<Msg, Step> {
+fn read_frame(shared: &dyn Host, p: &mut Pending) -> Result<Msg, Step> {
     loop {
         let want = if p.got.len() < PREFIX {
             PREFIX

@@ -30,9 +30,9 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::msg::{Msg, Reader};
+use super::Host;
 use super::Work;
 use crate::agent::tcp_batch::Batch;
-use crate::agent::Shared;
 use crate::threads::lock;
 
 /// The longest a pass keeps the connection's threads asleep: with a long budget, work
@@ -171,7 +171,7 @@ impl Driven {
     /// most [`WINDOW_MAX`]), send what is queued, read what answers are here. Returns how
     /// many answers it dispatched. A [`Pass::Look`] reads only if nobody did within
     /// [`LOOK_GAP`].
-    pub(crate) fn drive(&self, shared: &Shared, budget: Duration, pass: Pass) -> usize {
+    pub(crate) fn drive(&self, shared: &dyn Host, budget: Duration, pass: Pass) -> usize {
         let window = budget.min(WINDOW_MAX);
         let now = self.now();
         let end = now.saturating_add(nanos(window));
@@ -186,7 +186,7 @@ impl Driven {
         self.drive_in(shared)
     }
 
-    fn drive_out(&self, shared: &Shared) {
+    fn drive_out(&self, shared: &dyn Host) {
         let Ok(mut g) = self.out.try_lock() else {
             return; // the writer is at it
         };
@@ -235,7 +235,7 @@ impl Driven {
         }
     }
 
-    fn drive_in(&self, shared: &Shared) -> usize {
+    fn drive_in(&self, shared: &dyn Host) -> usize {
         let Ok(mut g) = self.inp.try_lock() else {
             return 0; // the reader is at it
         };

@@ -8,15 +8,16 @@ use std::sync::mpsc;
 
 use super::driven::Driven;
 use super::msg::{send, Msg, Reader};
+use super::Host;
 use super::{lock, Group, Work};
 use crate::agent::table::Ack;
-use crate::agent::{error::XferError, xfer::XferOp, Shared};
+use crate::agent::{error::XferError, xfer::XferOp};
 
 /// Sends this agent's transfers and notifications, in submission order. Small work queued
 /// together goes out in one send (`tcp_batch`): what is queued is gathered until the queue
 /// is empty, the batch is full, or other work comes (sent after the batch). While callers
 /// drive the connection (`driven`) it sleeps, and then first finishes what they left.
-pub(super) fn writer(shared: &Shared, d: &Driven, peer: &str, group: &Group) {
+pub(super) fn writer(shared: &dyn Host, d: &Driven, peer: &str, group: &Group) {
     let fail = |e: std::io::Error| {
         group.close();
         shared.fail_peer(peer, &format!("send failed: {e}"));
@@ -57,7 +58,7 @@ pub(super) fn writer(shared: &Shared, d: &Driven, peer: &str, group: &Group) {
 /// Send `first` and whatever is queued behind it, batching small work; false once every
 /// sender is gone.
 fn drain(
-    shared: &Shared,
+    shared: &dyn Host,
     o: &mut super::driven::Out,
     first: Work,
     sent: &std::sync::atomic::AtomicU64,
@@ -96,7 +97,7 @@ fn drain(
 }
 
 /// Send one item that does not go through the batch.
-fn send_one(shared: &Shared, w: &mut TcpStream, work: Work) -> std::io::Result<()> {
+fn send_one(shared: &dyn Host, w: &mut TcpStream, work: Work) -> std::io::Result<()> {
     match work {
         Work::Flush(done) => {
             let _ = done.send(());
@@ -135,7 +136,7 @@ fn send_one(shared: &Shared, w: &mut TcpStream, work: Work) -> std::io::Result<(
 
 /// Reads the target's answers to this agent's transfers (sleeping while callers drive the
 /// connection, then first what they left). Returns why the connection ended.
-pub(super) fn initiator_reader(shared: &Shared, d: &Driven) -> String {
+pub(super) fn initiator_reader(shared: &dyn Host, d: &Driven) -> String {
     loop {
         d.park(false);
         let mut g = lock(&d.inp);
@@ -158,7 +159,7 @@ pub(super) fn initiator_reader(shared: &Shared, d: &Driven) -> String {
 /// Handle one message from the target on `peer`'s connection; `Err` ends the connection
 /// with its reason.
 pub(super) fn answer(
-    shared: &Shared,
+    shared: &dyn Host,
     tx: Option<&mpsc::Sender<Work>>,
     peer: &str,
     m: Msg,
@@ -210,20 +211,20 @@ pub(super) fn answer(
         }
         #[cfg(feature = "verbs")]
         Msg::QpOpened { endpoints } => {
-            if let Some(v) = &shared.verbs {
+            if let Some(v) = shared.verbs() {
                 v.rebuilt(peer, Ok(endpoints));
             }
         }
         #[cfg(feature = "verbs")]
         Msg::ChanOpened { ep, frames } => {
-            if let Some(v) = &shared.verbs {
+            if let Some(v) = shared.verbs() {
                 let answer = super::qp_exchange::frames_agree(frames).map(|()| ep);
                 v.chan_rebuilt(peer, answer);
             }
         }
         #[cfg(feature = "verbs")]
         Msg::Refused { message } => {
-            if let Some(v) = &shared.verbs {
+            if let Some(v) = shared.verbs() {
                 v.rebuilt(peer, Err(message));
             }
         }

@@ -6,81 +6,18 @@ use super::*;
 
 impl Drop for Shutdown {
     fn drop(&mut self) {
-        // what was queued for peers (notifications, WRITE data) goes out first, bounded:
-        // the notification channels deliver theirs while the peers keep taking them (until
-        // FLUSH_ON_DROP passes without progress: then what is left on them goes over TCP),
-        // then the TCP writers send theirs
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.shared.verbs {
-            let (mut left, mut stall) = (usize::MAX, std::time::Instant::now());
-            loop {
-                let n = v.notifs_in_flight();
-                if n == 0 {
-                    break;
-                }
-                if stall.elapsed() > FLUSH_ON_DROP {
-                    tracing::warn!(
-                        agent = %self.shared.name, left = n,
-                        "dropped with notifications a channel did not deliver for \
-                         {FLUSH_ON_DROP:?}: they go over TCP"
-                    );
-                    let why =
-                        format!("no progress for {FLUSH_ON_DROP:?} while the agent was dropped");
-                    v.give_up_chans(&*self.shared, &why);
-                    break;
-                }
-                if n < left {
-                    (left, stall) = (n, std::time::Instant::now());
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-        // each TCP writer: flushed, or FLUSH_ON_DROP without one item sent (a peer that
-        // stopped taking them), never a fixed total that a slow peer or a loaded host misses
-        let writers: Vec<_> = (lock(&self.shared.peers).values())
-            .flat_map(|p| p.conn.writers())
-            .collect();
-        for (w, sent) in writers {
-            let (tx, rx) = mpsc::sync_channel(1);
-            if w.send(Work::Flush(tx)).is_err() {
-                continue;
-            }
-            let (mut seen, mut stall) = (sent.load(Ordering::Acquire), std::time::Instant::now());
-            while let Err(mpsc::RecvTimeoutError::Timeout) =
-                rx.recv_timeout(Duration::from_millis(50))
-            {
-                let now = sent.load(Ordering::Acquire);
-                if now != seen {
-                    (seen, stall) = (now, std::time::Instant::now());
-                } else if stall.elapsed() > FLUSH_ON_DROP {
-                    tracing::warn!(
-                        agent = %self.shared.name,
-                        "dropped with messages a peer did not take for {FLUSH_ON_DROP:?}: closing"
-                    );
-                    break;
-                }
-            }
-        }
-        // then peers learn from the store that this agent is gone (after what it queued for
-        // them arrived: they close their connections to it when they hear)
-        self.shared.withdraw();
-        self.shared.shutdown.store(true, Ordering::Release);
+        // what was queued for peers goes out first (bounded), then the agent stops
+        self.shared.flush_and_stop();
         let _ = TcpStream::connect_timeout(&self.wake, Duration::from_secs(1));
         for (_, c) in lock(&self.conns).drain() {
             let _ = c.shutdown(NetShutdown::Both);
         }
-        for (_, p) in std::mem::take(&mut *lock(&self.shared.peers)) {
-            p.conn.close();
-        }
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.shared.verbs {
-            v.wake();
-        }
+        self.shared.close_peers();
     }
 }
 
 pub(crate) fn serve(
-    shared: Arc<Shared>,
+    shared: Arc<dyn Host>,
     listener: TcpListener,
     local: SocketAddr,
 ) -> Result<Shutdown, AgentError> {
@@ -105,7 +42,7 @@ pub(crate) fn serve(
                 let mine = conns.clone();
                 let spawned = crate::threads::spawn("kvrail-serve", move || {
                     let _span = tracing::info_span!("agent", name = %shared.name).entered();
-                    if let Err(e) = target(&shared, s, first) {
+                    if let Err(e) = target(&*shared, s, first) {
                         tracing::warn!(agent = %shared.name, error = %e, "data connection");
                     }
                     lock(&mine).remove(&key);
@@ -129,7 +66,7 @@ pub(crate) fn serve(
 }
 
 /// Serve an attached peer's data connection (`first` is its Attach, read by the listener).
-pub(super) fn target(shared: &Shared, s: TcpStream, first: Msg) -> Result<(), String> {
+pub(super) fn target(shared: &dyn Host, s: TcpStream, first: Msg) -> Result<(), String> {
     let mut w = s.try_clone().map_err(|e| e.to_string())?;
     let mut r = Reader::new(s);
     let Msg::Attach { info } = first else {
@@ -137,9 +74,9 @@ pub(super) fn target(shared: &Shared, s: TcpStream, first: Msg) -> Result<(), St
     };
     let checked = crate::agent::metadata::check_name(&info.agent).and_then(|()| {
         handshake::check(
-            &shared.handshake,
+            shared.handshake(),
             &info,
-            shared.config.enforce_handshake_compat,
+            shared.config().enforce_handshake_compat,
         )
         .map_err(|e| e.to_string())
     });
@@ -154,12 +91,12 @@ pub(super) fn target(shared: &Shared, s: TcpStream, first: Msg) -> Result<(), St
     }
     send(&mut w, &Msg::Attached).map_err(|e| e.to_string())?;
     let from = info.agent;
-    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let conn = shared.new_conn();
     let res = target_loop(shared, &mut r, &mut w, &from, conn);
     // the channel first: what it still delivers is numbered on this connection
     #[cfg(feature = "verbs")]
-    if let Some(v) = &shared.verbs {
-        v.drop_in_chan(shared, conn);
+    if let Some(v) = shared.verbs() {
+        v.drop_in_chan(shared.lanes_host(), conn);
     }
     shared.forget_conn(conn);
     res
@@ -167,7 +104,7 @@ pub(super) fn target(shared: &Shared, s: TcpStream, first: Msg) -> Result<(), St
 
 /// Serve an attached initiator's requests until its connection ends.
 pub(super) fn target_loop(
-    shared: &Shared,
+    shared: &dyn Host,
     r: &mut Reader<TcpStream>,
     w: &mut TcpStream,
     from: &str,

@@ -28,15 +28,57 @@ use reply::no_answer;
 pub(crate) use reply::{conn_err, expect_reply, HANDSHAKE_TIMEOUT};
 pub(crate) use work::Work;
 
-use super::{error::AgentError, error::XferError, Shared};
+use super::config::AgentConfig;
+use super::core::Core;
+use super::metadata::AgentMetadata;
+use super::{error::AgentError, error::XferError};
 use crate::proto::handshake;
+use crate::proto::handshake::HandshakeInfo;
 use crate::threads::lock;
+
+/// What the control channel asks of the agent around it, which implements it: its core
+/// (transfers end, notifications arrive), what it says about itself (configuration,
+/// handshake, metadata), the verbs lanes when it runs on them, the waiting callers that
+/// drive a peer's first connection, and its orderly stop. The channel holds nothing else of
+/// the agent's.
+pub(crate) trait Host: std::ops::Deref<Target = Core> + Send + Sync {
+    /// The agent's configuration.
+    fn config(&self) -> &AgentConfig;
+    /// What it says about itself to peers (checked both ways when attaching).
+    fn handshake(&self) -> &HandshakeInfo;
+    /// Its metadata as the side channel serves it now.
+    fn metadata(&self) -> AgentMetadata;
+    /// The verbs lanes, when the agent runs on them.
+    #[cfg(feature = "verbs")]
+    fn verbs(&self) -> Option<&Arc<crate::agent::verbs::Verbs>>;
+    /// The agent as the verbs lanes see it.
+    #[cfg(feature = "verbs")]
+    fn lanes_host(&self) -> &dyn crate::agent::verbs::Host;
+    /// True once the agent is stopping (the listener ends).
+    fn stopping(&self) -> bool;
+    /// A new id for a served connection (numbered notifications are ordered per one).
+    fn new_conn(&self) -> u64;
+    /// Waiting callers may drive `d` (a peer's first connection) from now on.
+    fn drive(&self, d: &Arc<driven::Driven>);
+    /// `d` ended: nobody drives it any more.
+    fn undrive(&self, d: &Arc<driven::Driven>);
+    /// A side-channel connection was refused by authentication.
+    fn count_auth_refusal(&self);
+    /// A side-channel connection from `ip` was refused by protected mode; true the first
+    /// time for `ip` (the refusal is logged once per address).
+    fn count_protected_refusal(&self, ip: std::net::IpAddr) -> bool;
+    /// The agent is dropped: send what is queued for peers (bounded by [`FLUSH_ON_DROP`]
+    /// without progress), leave the metadata store, and stop.
+    fn flush_and_stop(&self);
+    /// Close every peer's connections (after `flush_and_stop`).
+    fn close_peers(&self);
+}
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a dropped agent waits for its queued messages without progress (notification
 /// channels and TCP writers alike).
-const FLUSH_ON_DROP: Duration = Duration::from_secs(2);
+pub(crate) const FLUSH_ON_DROP: Duration = Duration::from_secs(2);
 
 /// Get a peer's metadata bytes from its side channel.
 pub(crate) fn fetch_metadata(
@@ -118,7 +160,7 @@ struct Conn {
 pub(crate) struct PeerConn {
     /// The first, then the lanes (`AgentConfig::tcp_conns` in all on TCP; one on verbs).
     conns: Vec<Conn>,
-    shared: Arc<Shared>,
+    shared: Arc<dyn Host>,
     /// The peer's connections, closed together.
     group: Group,
     /// Which connection the next large transfer takes.
@@ -132,7 +174,7 @@ impl PeerConn {
     /// the TCP backend's further lanes. A lane that cannot be opened is logged and left out
     /// (the peer is served on fewer connections).
     pub(crate) fn connect(
-        shared: Arc<Shared>,
+        shared: Arc<dyn Host>,
         addr: SocketAddr,
         peer: &str,
         meta: &crate::agent::metadata::AgentMetadata,
@@ -142,11 +184,11 @@ impl PeerConn {
         // lanes only where the data goes over TCP (not to a peer served by queue pairs)
         #[cfg(feature = "verbs")]
         let on_tcp =
-            shared.verbs.is_none() || meta.backend != crate::agent::metadata::BackendKind::Verbs;
+            shared.verbs().is_none() || meta.backend != crate::agent::metadata::BackendKind::Verbs;
         #[cfg(not(feature = "verbs"))]
         let on_tcp = true;
         let lanes = if on_tcp {
-            shared.config.tcp_conns.saturating_sub(1)
+            shared.config().tcp_conns.saturating_sub(1)
         } else {
             0
         };
@@ -219,7 +261,7 @@ impl PeerConn {
 /// One connection of `group` to `peer`: attach, with the queue-pair exchange when `meta` is
 /// given (the first), and start its reader and writer threads.
 fn open(
-    shared: &Arc<Shared>,
+    shared: &Arc<dyn Host>,
     addr: SocketAddr,
     (peer, group): (&str, &Group),
     meta: Option<&crate::agent::metadata::AgentMetadata>,
@@ -235,13 +277,13 @@ fn open(
         .try_clone()
         .map_err(|e| conn_err("data connection", addr, e))?;
     let mut reader = Reader::new(rs);
-    if let Some(k) = &shared.config.cluster_secret {
+    if let Some(k) = &shared.config().cluster_secret {
         auth::prove(k, &mut w, &mut reader, addr)?;
     }
     send(
         &mut w,
         &Msg::Attach {
-            info: shared.handshake.clone(),
+            info: shared.handshake().clone(),
         },
     )
     .map_err(|e| conn_err("attach to", addr, e))?;
@@ -257,7 +299,7 @@ fn open(
     )?;
     #[cfg(feature = "verbs")]
     if let Some(meta) = meta {
-        qp_exchange::open_qps(shared, &mut w, &mut reader, (addr, peer), meta)?;
+        qp_exchange::open_qps(&**shared, &mut w, &mut reader, (addr, peer), meta)?;
     }
     #[cfg(not(feature = "verbs"))]
     let _ = meta;
@@ -286,12 +328,12 @@ fn open(
     let d = Arc::new(driven::Driven::new((out, inp), sent.clone(), peer));
     // the first connection's answers and small work may be driven by waiting callers
     if meta.is_some() {
-        shared.drive_tcp_conn(&d);
+        shared.drive(&d);
     }
     let (sh, d2, g) = (shared.clone(), d.clone(), group.clone());
-    spawn_for(shared, ("rd", peer), addr, move |name| {
-        let why = io::initiator_reader(&sh, &d2);
-        sh.undrive_tcp_conn(&d2);
+    spawn_for(&**shared, ("rd", peer), addr, move |name| {
+        let why = io::initiator_reader(&*sh, &d2);
+        sh.undrive(&d2);
         // Nothing will answer on this connection again: stop the group both ways, so the
         // writers fail (and fail what is queued) instead of sending into half-open sockets
         // whose answers nobody reads; then fail what is in flight.
@@ -299,8 +341,8 @@ fn open(
         sh.fail_peer(name, &why);
     })?;
     let (sh, g) = (shared.clone(), group.clone());
-    spawn_for(shared, ("wr", peer), addr, move |name| {
-        io::writer(&sh, &d, name, &g);
+    spawn_for(&**shared, ("wr", peer), addr, move |name| {
+        io::writer(&*sh, &d, name, &g);
     })?;
     Ok(Conn { tx, sent })
 }
@@ -308,7 +350,7 @@ fn open(
 /// Start a connection's `kind` thread ("rd", "wr") for `peer`, named after both and inside
 /// the peer's tracing span; `run` gets the peer's name.
 fn spawn_for(
-    shared: &Shared,
+    shared: &dyn Host,
     (kind, peer): (&str, &str),
     addr: SocketAddr,
     run: impl FnOnce(&str) + Send + 'static,
@@ -324,7 +366,7 @@ fn spawn_for(
 
 /// Stops the listener and every connection when the last agent handle drops.
 pub(crate) struct Shutdown {
-    shared: Arc<Shared>,
+    shared: Arc<dyn Host>,
     wake: SocketAddr,
     conns: Conns,
     /// The Prometheus endpoint, when configured (stops with the agent).

@@ -8,9 +8,10 @@ use std::net::{SocketAddr, TcpStream};
 
 use super::msg::{send, Msg, Reader};
 use super::reply::{conn_err, expect_reply};
+use super::Host;
+use crate::agent::error::AgentError;
 use crate::agent::metadata::{AgentMetadata, BackendKind};
 use crate::agent::verbs::{chan_connect_options, Verbs};
-use crate::agent::{error::AgentError, Shared};
 use crate::transport::notif::FRAME_FORMAT;
 use crate::transport::verbs::{Access, ConnectOptions, Endpoint, Qp};
 
@@ -18,13 +19,13 @@ use crate::transport::verbs::{Access, ConnectOptions, Endpoint, Qp};
 /// attach connection), then the notification channel on the first pair. Nothing to do
 /// unless both sides run verbs.
 pub(crate) fn open_qps(
-    shared: &Shared,
+    shared: &dyn Host,
     w: &mut TcpStream,
     reader: &mut Reader<TcpStream>,
     (addr, peer): (SocketAddr, &str),
     meta: &AgentMetadata,
 ) -> Result<(), AgentError> {
-    let Some(v) = &shared.verbs else {
+    let Some(v) = shared.verbs() else {
         return Ok(());
     };
     if meta.backend != BackendKind::Verbs {
@@ -126,7 +127,7 @@ impl TargetQps {
     /// `conn`; `None` when `m` is not one.
     pub(crate) fn answer(
         &mut self,
-        shared: &Shared,
+        shared: &dyn Host,
         conn: u64,
         from: &str,
         m: &Msg,
@@ -135,7 +136,7 @@ impl TargetQps {
             message: "this agent runs on TCP".into(),
         };
         Some(match m {
-            Msg::ChanOpen { rail, ep, frames } => match shared.verbs.as_ref() {
+            Msg::ChanOpen { rail, ep, frames } => match shared.verbs() {
                 None => tcp(),
                 Some(v) => match frames_agree(*frames)
                     .and_then(|()| v.accept_chan(conn, from, *rail, ep))
@@ -147,7 +148,7 @@ impl TargetQps {
                     Err(message) => Msg::Refused { message },
                 },
             },
-            Msg::QpOpen { pairs } => match shared.verbs.as_ref() {
+            Msg::QpOpen { pairs } => match shared.verbs() {
                 None => tcp(),
                 Some(v) => match open_target_qps(v, pairs) {
                     Ok((new, endpoints)) => {

@@ -3,7 +3,7 @@
 
 use std::io;
 
-use super::wr::OpKind;
+use super::op::OpKind;
 
 /// Why RDMA cannot be used on this host at all. The agent falls back to TCP on these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -29,6 +29,7 @@ mod device;
 mod dmabuf;
 mod error;
 mod mr;
+mod op;
 mod pd;
 mod qp;
 mod range_key;
