@@ -319,3 +319,6 @@ impl table::Held for Arc<Region> {
         self.id
     }
 }
+
+#[cfg(test)]
+mod tests;
