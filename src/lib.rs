@@ -21,21 +21,23 @@
 //! # Layers
 //!
 //! Each module uses only the layers below its own; `tests/layers.rs` reads every path in
-//! `src/` and fails on an import from a higher layer (and on a circle of files growing inside
-//! a module):
+//! `src/` and fails on an import from a higher layer, and on files that import each other in
+//! a circle across modules (a module split over its own files — a parent and its children —
+//! is one module):
 //!
 //! | layer | modules | what they hold |
 //! |---|---|---|
 //! | 5 | [`connector`] | the P/D connector's scheduler and worker, on the agent |
-//! | 4 | [`agent`] | the public `Agent` (a facade) over its core (registrations and their fencing, peers and metadata, the transfer table, notification order) and its drivers (TCP, verbs lanes and pollers, the control channel, the host bounce `agent::bounce`) |
+//! | 4 | [`agent`] | the public `Agent`, a facade (`Shared`: configuration, peers, threads) over a core without I/O (`agent/core.rs`: registrations, the transfer table, grants and their fencing, notification order and routes, counters) and drivers that report to the core and ask the facade only through traits (`control::Host`, `verbs::Host`, `backend::Backend` / `DevicePath`, `core::NotifTap`): the TCP data path, the verbs lanes and pollers, the control channel, the host bounce `agent::bounce`, the metadata store |
 //! | 3 | [`store`] | agent metadata in etcd (no knowledge of the agent) |
 //! | 2 | [`transport`] | verbs (devices, memory regions, queue pairs), the stripe planner, the notification channel |
 //! | 1 | [`proto`], [`mem`], [`rails`] | sans-IO protocol rules; host and NPU memory; RDMA port discovery and verdicts |
 //! | 0 | [`metrics`], [`threads`], `idhash` | counters and gauges; threads kvrail starts; hashing |
 //!
 //! Outside the layers: `kvrail-ffi` (the C ABI), `python/` (the Python package), `tools/`.
-//! The agent's own files still import each other in one circle (26 files; the test keeps
-//! it from growing): taking it apart into a core without I/O and drivers is under way.
+//! Inside the agent, the arrows run one way too: the facade (`mod.rs` and its `*_api.rs`
+//! method files) above the drivers, the drivers above the core, the core above the
+//! vocabulary (`xfer.rs`, `error.rs`, `region.rs`, `table.rs`, `metadata.rs`).
 //!
 //! The C ABI is the `kvrail-ffi` crate; the Python package (`kvrail`, `kvrail.nixl`,
 //! `kvrail.vllm`) is `python/`.

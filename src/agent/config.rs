@@ -182,7 +182,7 @@ pub const INSECURE_ENV: &str = "KVRAIL_INSECURE";
 /// How long deregistration waits by default for what still reaches a region — chunks of
 /// peers' transfers moving on TCP, a finished transfer's last references, work requests on
 /// verbs — before it gives up (the region stays registered; see
-/// [`AgentError::DeregisterTimeout`] and [`AgentConfig::deregister_wait`]).
+/// [`AgentError::DeregisterTimeout`](super::error::AgentError::DeregisterTimeout) and [`AgentConfig::deregister_wait`]).
 pub const DEREGISTER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How the agent stages device memory on verbs (`AgentConfig::bounce`).

@@ -12,7 +12,7 @@ use super::{error::AgentError, region::RemoteAccess};
 use crate::mem::{DeviceMemory, HostBuffer, HostOwner};
 
 /// Memory to register, built from the caller's memory (or kvrail's), then
-/// [`Agent::register_memory`].
+/// [`Agent::register_memory`](super::Agent::register_memory).
 ///
 /// ```
 /// # use kvrail::agent::{Agent, AgentConfig, MemRegion, RemoteAccess};
@@ -54,7 +54,7 @@ impl MemRegion {
         }
     }
 
-    /// The caller's vector, registered in place; [`Agent::deregister_memory`] gives it back.
+    /// The caller's vector, registered in place; [`Agent::deregister_memory`](super::Agent::deregister_memory) gives it back.
     ///
     /// # Errors
     /// [`AgentError::InvalidMemory`] for an empty vector.
@@ -62,7 +62,7 @@ impl MemRegion {
         Ok(Self::host(HostBuffer::from_vec(v).map_err(mem_err)?))
     }
 
-    /// The caller's mapping, registered in place; [`Agent::deregister_memory`] gives it back.
+    /// The caller's mapping, registered in place; [`Agent::deregister_memory`](super::Agent::deregister_memory) gives it back.
     ///
     /// # Errors
     /// [`AgentError::InvalidMemory`] for an empty mapping.
@@ -89,7 +89,7 @@ impl MemRegion {
         self
     }
 
-    /// Fenced: peers reach it only through grants ([`Agent::grant`]), each revocable on
+    /// Fenced: peers reach it only through grants ([`Agent::grant`](super::Agent::grant)), each revocable on
     /// its own, never through the region's own keys. `access` is then the most a grant
     /// may give. Host memory only.
     pub fn fenced(mut self) -> Self {
@@ -189,7 +189,7 @@ impl MemRegion {
     }
 }
 
-/// Memory given back by [`Agent::deregister_memory`].
+/// Memory given back by [`Agent::deregister_memory`](super::Agent::deregister_memory).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum RegisteredMemory {

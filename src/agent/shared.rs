@@ -1,5 +1,7 @@
-//! The state every part of the agent shares ([`Shared`]): regions and their deregistration,
-//! the metadata it serves, transfers ending, notifications delivered, peers failing.
+//! The facade's state ([`Shared`]) at work: deregistration (the region fenced, its keys
+//! gone), the metadata it serves, and the traits the drivers ask it through —
+//! `control::Host` (the side channel and peer connections) and `verbs::Host` (the verbs
+//! lanes): queue pairs and notifications over the peers' connections, the orderly stop.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
