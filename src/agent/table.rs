@@ -401,4 +401,4 @@ impl<R: Held> XferTable<R> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

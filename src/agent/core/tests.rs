@@ -13,11 +13,10 @@ use std::time::Duration;
 
 use super::*;
 use crate::agent::backend::{Backend, Posted};
-use crate::agent::metadata::{AgentMetadata, BackendKind, MemKind, VERSION};
+use crate::agent::metadata::{AgentMetadata, MemKind};
 use crate::agent::region::{Layers, RegionMemory, RemoteAccess};
 use crate::agent::xfer::{XferId, XferOp, XferStatus};
 use crate::mem::HostBuffer;
-use crate::proto::handshake::{CompatHash, HandshakeInfo};
 
 /// A data path that only records what it was handed (the test plays the driver).
 #[derive(Default)]
@@ -44,23 +43,7 @@ fn region(core: &Core, id: u32, len: usize) -> Arc<Region> {
 }
 
 fn peer_meta() -> Arc<AgentMetadata> {
-    Arc::new(AgentMetadata {
-        version: VERSION,
-        handshake: HandshakeInfo {
-            agent: "prefill-0".into(),
-            compat_hash: CompatHash(1),
-            kv_layout: "HND".into(),
-            block_size: 16,
-            layers: vec![],
-            requires_layers: false,
-            physical_per_logical: 1,
-        },
-        backend: BackendKind::Tcp,
-        side_channel: "127.0.0.1:1".into(),
-        rails: vec![],
-        tcp_data: None,
-        regions: vec![],
-    })
+    Arc::new(crate::agent::table::tests::meta(&[]))
 }
 
 /// Create and post a transfer the way the facade does (regions held busy, handed to the

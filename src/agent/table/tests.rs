@@ -36,7 +36,9 @@ impl Held for Mem {
     }
 }
 
-fn meta(regions: &[(u32, u64)]) -> AgentMetadata {
+/// The metadata of peer `prefill-0` on TCP, with host regions `(id, len)` (also the agent
+/// core's tests' peer).
+pub(crate) fn meta(regions: &[(u32, u64)]) -> AgentMetadata {
     AgentMetadata {
         version: VERSION,
         handshake: HandshakeInfo {
