@@ -72,6 +72,13 @@ impl Core {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// A bounce message from `from`, for the driver.
+    fn incoming(&self, from: &str, bytes: Vec<u8>) {
+        let mut q = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        q.push_back((from.to_owned(), bytes));
+        self.wake.notify_all();
+    }
 }
 
 /// The agent's host-bounce engine (one per verbs agent), with its driver thread.
@@ -111,13 +118,6 @@ impl Engine {
     /// (those that start with [`wire::MAGIC`]).
     pub(crate) fn tap(&self) -> Arc<dyn crate::agent::core::NotifTap> {
         Arc::new(Tap(self.core.clone()))
-    }
-
-    /// A bounce message from `from` (the agent routes every message with the prefix here).
-    pub(crate) fn incoming(&self, from: &str, bytes: Vec<u8>) {
-        let mut q = self.core.inbox.lock().unwrap_or_else(|p| p.into_inner());
-        q.push_back((from.to_owned(), bytes));
-        self.core.wake.notify_all();
     }
 
     /// Move an agent transfer through the staging slots. The agent learns the outcome
@@ -171,10 +171,8 @@ impl crate::agent::core::NotifTap for Tap {
         if !bytes.starts_with(wire::MAGIC) {
             return Some(bytes);
         }
-        Engine {
-            core: self.0.clone(),
-        }
-        .incoming(from, bytes);
+        // the engine's state, not an `Engine`: dropping one stops the driver
+        self.0.incoming(from, bytes);
         None
     }
 }
@@ -220,5 +218,53 @@ impl DevicePath for Engine {
 
     fn forget_xfer(&self, id: u64) {
         Self::forget_xfer(self, id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    use crate::agent::config::AgentConfig;
+
+    /// The tap hands the engine's messages to its driver and leaves the engine running (it
+    /// once wrapped the state in a throwaway `Engine`, whose drop stopped the driver at the
+    /// first message: every device-memory transfer on verbs then stalled for 30 s).
+    #[test]
+    fn the_tap_takes_the_engines_messages_and_leaves_it_running() {
+        let cfg = AgentConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            backend: crate::agent::BackendChoice::Tcp,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new("bounce-tap", cfg).unwrap();
+        let engine = Engine::start(agent.downgrade(), BounceConfig::default()).unwrap();
+        let tap = engine.tap();
+        let other = b"done:req-1".to_vec();
+        assert_eq!(
+            tap.take("peer", other.clone()),
+            Some(other),
+            "not the engine's"
+        );
+        for _ in 0..3 {
+            let mut junk = wire::MAGIC.to_vec();
+            junk.extend_from_slice(b"\xff not a bounce message");
+            assert_eq!(tap.take("peer", junk), None, "the engine's: taken");
+            assert!(
+                !engine.core.stop.load(Ordering::Acquire),
+                "the tap stopped the engine"
+            );
+        }
+        // the driver reads all three (and drops them as malformed, never acting on them)
+        let t0 = std::time::Instant::now();
+        while engine.stats().malformed < 3 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                engine.stats()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
