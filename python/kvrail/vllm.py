@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _kvrail
+from ._amx import request_amx_permission
 from ._kv_layout import describe
 
 logger = logging.getLogger("kvrail.vllm")
@@ -81,6 +82,9 @@ def _follow_vllm_logging() -> None:
     from ._logging import set_log_level
 
     set_log_level()
+
+# vLLM's CPU attention uses AMX tiles without asking Linux for them (see kvrail._amx)
+request_amx_permission()
 
 try:  # vLLM's base classes when vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore

@@ -1,0 +1,317 @@
+"""A P/D deployment of real vLLM on this host, as operators run one: N prefill and M decode
+``vllm serve`` engines (vLLM's OpenAI server) with kvrail.vllm as their KV connector, behind
+vLLM's own router (``vllm-router --vllm-pd-disaggregation``), with agent metadata through a
+real etcd when N + M > 2 (each engine publishes; D loads P's ranks by engine name).
+
+    python tools/pd/cluster.py --prefill 2 --decode 2 --mode pull      # start, serve until Ctrl-C
+    python tools/pd/cluster.py --prefill 1 --decode 1 --check          # start, 8 requests, stop
+
+Every engine runs ``kv_role`` ``kv_both`` (the router picks which one prefills and which one
+decodes, as with vLLM's NixlConnector). The router speaks NIXL's protocol for both kvrail
+modes: it sends the prompt to a P with ``max_tokens`` 1 and ``kv_transfer_params``
+``{"do_remote_decode": true}``, then to a D with what P answered. Pull (D READs P's blocks)
+and push (P WRITEs into the blocks D registers when the request reaches it) both fit that
+sequence: in push, P holds the prompt's KV under its lease until D's registration arrives.
+``push_stream`` (P writes blocks while it still prefills) needs D's registration before P's
+prefill ends, which a router that calls P and D one after the other never gives; there it
+does what push does.
+
+Standard library only, plus the processes it starts: the engines from the vLLM venv
+(``python/tests/vllm/run.sh`` makes ``target/vllm-venv``), the router from
+``target/router-venv`` (``pip install vllm-router``), etcd from Debian's ``etcd-server``.
+Logs in ``--logs`` (``target/pd-cluster``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Dict, List, Optional
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+CONNECTORS = {"pull": "KvrailPullConnector", "push": "KvrailPushConnector"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 5) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def post(url: str, body: dict, timeout: float = 300):
+    """(status, JSON answer); an HTTP error's body as ``{"error": ...}``."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {"error": e.read().decode(errors="replace")[:2000]}
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` in a Prometheus exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {"):
+            total += float(line.split()[-1])
+    return total
+
+
+class Proc:
+    """A child process in its own session, its output in a log file."""
+
+    def __init__(self, cmd: List[str], log_path: str, env: Optional[Dict[str, str]] = None):
+        self.cmd, self.log_path = cmd, log_path
+        self.env = env
+        self.p: Optional[subprocess.Popen] = None
+
+    def start(self) -> "Proc":
+        self.log = open(self.log_path, "a")
+        self.p = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                  start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.p is not None and self.p.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """``sig`` to the whole process group (vLLM's engine core is a child)."""
+        if self.alive():
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait()
+
+    def log_text(self) -> str:
+        try:
+            return open(self.log_path, errors="replace").read()
+        except OSError:
+            return ""
+
+
+class Etcd(Proc):
+    """A real etcd (Debian's ``etcd-server``) on free loopback ports, data in a temp dir."""
+
+    def __init__(self, logs: str):
+        exe = shutil.which("etcd") or "/usr/bin/etcd"
+        self.dir = tempfile.mkdtemp(prefix="kvrail-pd-etcd-")
+        self.port, peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__([exe, "--data-dir", self.dir, "--listen-client-urls", self.url, "--advertise-client-urls",
+                          self.url, "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
+                          f"http://127.0.0.1:{peer}", "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+                         os.path.join(logs, "etcd.log"))
+
+    def wait(self, limit: float = 30) -> "Etcd":
+        t = time.time()
+        while time.time() - t < limit:
+            try:
+                get(self.url + "/health")
+                return self
+            except Exception:
+                time.sleep(0.2)
+        raise RuntimeError(f"etcd not up in {limit} s; see {self.log_path}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        super().kill(sig)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Engine(Proc):
+    """One ``vllm serve`` engine (``kv_both``) with kvrail.vllm."""
+
+    def __init__(self, python: str, model: str, name: str, mode: str, logs: str, store: Optional[str] = None,
+                 extra: Optional[dict] = None, args: Optional[List[str]] = None, port: Optional[int] = None):
+        self.name = name
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
+        agent = {"listen": "127.0.0.1:0", "metrics_listen": f"127.0.0.1:{self.metrics_port}"}
+        ex = {"kvrail_agent_config": agent}
+        if store:
+            ex["metadata_store"] = store
+            ex["metadata_namespace"] = "kvrail-pd"
+            ex["metadata_lease_ttl_s"] = 3
+        ex.update(extra or {})
+        policy = ex.pop("kv_load_failure_policy", "fail")
+        kv = {"kv_connector": CONNECTORS[mode], "kv_connector_module_path": "kvrail.vllm", "kv_role": "kv_both",
+              "kv_buffer_device": "cpu", "engine_id": name, "kv_connector_extra_config": ex,
+              "kv_load_failure_policy": policy}
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "m",
+               "--enforce-eager", "--max-model-len", "2048", "--port", str(self.port),
+               "--kv-transfer-config", json.dumps(kv)] + list(args or [])
+        # vLLM's CPU worker pins itself to cores it picks alone: engines sharing a small
+        # host would starve each other's steps; a deployment gives each its own cores
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+        super().__init__(cmd, os.path.join(logs, f"{name}.log"), env)
+
+    def wait(self, limit: float = 300) -> "Engine":
+        t = time.time()
+        while time.time() - t < limit:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited {self.p.returncode}; see {self.log_path}")
+            try:
+                get(self.url + "/health")
+                return self
+            except Exception:
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not up in {limit} s; see {self.log_path}")
+
+    def metrics(self) -> str:
+        return get(self.url + "/metrics")
+
+    def kvrail_metrics(self) -> str:
+        return get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+
+
+class Router(Proc):
+    """vLLM's router in P/D mode in front of the engines."""
+
+    def __init__(self, exe: str, prefill: List[Engine], decode: List[Engine], logs: str, port: Optional[int] = None,
+                 timeout_s: int = 120):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.prometheus_port = free_port()
+        cmd = [exe, "--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
+               "--kv-connector", "nixl", "--policy", "round_robin", "--request-timeout-secs", str(timeout_s),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
+               "--worker-startup-timeout-secs", "600", "--log-level", "info"]
+        for e in prefill:
+            cmd += ["--prefill", e.url]
+        for e in decode:
+            cmd += ["--decode", e.url]
+        super().__init__(cmd, os.path.join(logs, "router.log"))
+
+    def wait(self, limit: float = 120) -> "Router":
+        t = time.time()
+        while time.time() - t < limit:
+            if not self.alive():
+                raise RuntimeError(f"the router exited; see {self.log_path}")
+            try:
+                get(self.url + "/health")
+                return self
+            except Exception:
+                time.sleep(0.5)
+        raise RuntimeError(f"the router not up in {limit} s; see {self.log_path}")
+
+
+class Cluster:
+    """etcd (when N + M > 2 or asked), N P and M D engines, the router; ``stop()`` ends all."""
+
+    def __init__(self, n_prefill: int = 1, n_decode: int = 1, mode: str = "pull", model: Optional[str] = None,
+                 python: Optional[str] = None, router: Optional[str] = None, logs: Optional[str] = None,
+                 etcd: Optional[bool] = None, extra: Optional[dict] = None, args: Optional[List[str]] = None):
+        self.mode = mode
+        self.python = python or os.path.join(ROOT, "target", "vllm-venv", "bin", "python")
+        self.router_exe = router or os.path.join(ROOT, "target", "router-venv", "bin", "vllm-router")
+        self.model = model or os.path.join(ROOT, "target", "vllm-model")
+        self.logs = logs or os.path.join(ROOT, "target", "pd-cluster")
+        os.makedirs(self.logs, exist_ok=True)
+        self.extra, self.args = dict(extra or {}), list(args or [])
+        self.etcd = Etcd(self.logs) if (etcd if etcd is not None else n_prefill + n_decode > 2) else None
+        self.prefill = [self._engine(f"prefill-{i}") for i in range(n_prefill)]
+        self.decode = [self._engine(f"decode-{i}") for i in range(n_decode)]
+        self.router: Optional[Router] = None
+
+    def _engine(self, name: str, port: Optional[int] = None) -> Engine:
+        store = f"etcd://127.0.0.1:{self.etcd.port}" if self.etcd else None
+        return Engine(self.python, self.model, name, self.mode, self.logs, store, self.extra, self.args, port)
+
+    def engines(self) -> List[Engine]:
+        return self.prefill + self.decode
+
+    def start(self) -> "Cluster":
+        if self.etcd:
+            self.etcd.start().wait()
+        for e in self.engines():
+            e.start()
+        for e in self.engines():
+            e.wait()
+        self.router = Router(self.router_exe, self.prefill, self.decode, self.logs).start().wait()
+        return self
+
+    def restart(self, engine: Engine) -> Engine:
+        """A killed engine again, under its name and port (the router keeps its URL)."""
+        engine.kill()
+        fresh = self._engine(engine.name, engine.port)
+        group = self.prefill if engine in self.prefill else self.decode
+        group[group.index(engine)] = fresh
+        fresh.start()
+        return fresh
+
+    def complete(self, prompt, max_tokens: int = 8, timeout: float = 300, request_id: Optional[str] = None):
+        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+        if request_id:
+            body["request_id"] = request_id
+        return post(self.router.url + "/v1/completions", body, timeout)
+
+    def stop(self) -> None:
+        for p in ([self.router] if self.router else []) + self.engines() + ([self.etcd] if self.etcd else []):
+            p.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill", type=int, default=1, help="prefill engines (1)")
+    ap.add_argument("--decode", type=int, default=1, help="decode engines (1)")
+    ap.add_argument("--mode", choices=sorted(CONNECTORS), default="pull")
+    ap.add_argument("--model", help="model directory (target/vllm-model, made if missing)")
+    ap.add_argument("--etcd", action="store_true", help="metadata through etcd even for 1 P + 1 D")
+    ap.add_argument("--port", type=int, default=0, help="the router's port (a free one)")
+    ap.add_argument("--logs", help="log directory (target/pd-cluster)")
+    ap.add_argument("--check", action="store_true", help="send 8 requests through the router and stop")
+    a = ap.parse_args()
+    c = Cluster(a.prefill, a.decode, a.mode, a.model, logs=a.logs, etcd=True if a.etcd else None)
+    if not os.path.exists(os.path.join(c.model, "config.json")):
+        subprocess.run([c.python, os.path.join(ROOT, "python", "tests", "vllm", "tiny_model.py"), c.model], check=True,
+                       stdout=subprocess.DEVNULL)
+    try:
+        c.start()
+        if a.port:
+            pass
+        print(f"P/D up ({a.mode}): router {c.router.url}; P {[e.url for e in c.prefill]}; D {[e.url for e in c.decode]}"
+              f"{'; etcd ' + c.etcd.url if c.etcd else ''}; logs in {c.logs}", flush=True)
+        if a.check:
+            bad = 0
+            for i in range(8):
+                ids = [(k * 37 + i * 101) % 499 + 3 for k in range(40 + 90 * i)]
+                status, r = c.complete(ids)
+                ok = status == 200
+                bad += not ok
+                print(f"request {i}: {len(ids)} prompt tokens -> {r['choices'][0]['token_ids'] if ok else r}")
+            external = sum(metric(e.metrics(), "vllm:external_prefix_cache_hits_total") for e in c.decode)
+            print(f"D's prompt tokens loaded from P (vLLM's metric): {external:.0f}")
+            return 1 if bad else 0
+        print("serving; Ctrl-C stops", flush=True)
+        while all(p.alive() for p in c.engines() + [c.router]):
+            time.sleep(1)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        c.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
