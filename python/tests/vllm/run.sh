@@ -46,6 +46,13 @@ PYEOF
     touch "$MARK"
     echo "=== vllm: venv made in $(( $(date +%s) - T0 )) s"
 fi
+# vLLM's router (a Rust binary on PyPI) for the deployment behind it (test_router.py,
+# tools/pd/cluster.py), in a venv of its own: ~10 s fresh
+ROUTER_VENV=target/router-venv
+if [ ! -x "$ROUTER_VENV/bin/vllm-router" ]; then
+    "$PY" -m venv "$ROUTER_VENV"
+    "$ROUTER_VENV/bin/pip" install -q --disable-pip-version-check vllm-router==0.1.17
+fi
 WHEEL=$(ls target/wheels/kvrail-*.whl 2>/dev/null | head -n 1 || true)
 if [ -z "$WHEEL" ]; then
     "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps -w target/wheels ./python
