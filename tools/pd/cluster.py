@@ -233,6 +233,7 @@ class Cluster:
         self.prefill = [self._engine(f"prefill-{i}") for i in range(n_prefill)]
         self.decode = [self._engine(f"decode-{i}") for i in range(n_decode)]
         self.router: Optional[Router] = None
+        self.router_port: Optional[int] = None
 
     def _engine(self, name: str, port: Optional[int] = None) -> Engine:
         store = f"etcd://127.0.0.1:{self.etcd.port}" if self.etcd else None
@@ -248,13 +249,14 @@ class Cluster:
             e.start()
         for e in self.engines():
             e.wait()
-        self.router = Router(self.router_exe, self.prefill, self.decode, self.logs).start().wait()
+        self.router = Router(self.router_exe, self.prefill, self.decode, self.logs,
+                             self.router_port).start().wait()
         return self
 
     def restart(self, engine: Engine) -> Engine:
         """A killed engine again, under its name and port (the router keeps its URL)."""
         engine.kill()
-        fresh = self._engine(engine.name, engine.port)
+        fresh = self._engine(engine.name, engine.port or None)
         group = self.prefill if engine in self.prefill else self.decode
         group[group.index(engine)] = fresh
         fresh.start()
@@ -283,13 +285,12 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="send 8 requests through the router and stop")
     a = ap.parse_args()
     c = Cluster(a.prefill, a.decode, a.mode, a.model, logs=a.logs, etcd=True if a.etcd else None)
+    c.router_port = a.port or None
     if not os.path.exists(os.path.join(c.model, "config.json")):
         subprocess.run([c.python, os.path.join(ROOT, "python", "tests", "vllm", "tiny_model.py"), c.model], check=True,
                        stdout=subprocess.DEVNULL)
     try:
         c.start()
-        if a.port:
-            pass
         print(f"P/D up ({a.mode}): router {c.router.url}; P {[e.url for e in c.prefill]}; D {[e.url for e in c.decode]}"
               f"{'; etcd ' + c.etcd.url if c.etcd else ''}; logs in {c.logs}", flush=True)
         if a.check:
