@@ -71,22 +71,22 @@ def make(path: str, seed: int = 1234) -> str:
 
 def tokenizer(path: str) -> str:
     """A word-level tokenizer over the model's vocabulary, written with the ``tokenizers``
-    library (no hub): token ``k`` is the word ``tK`` (0-2: ``<unk>``, ``<s>``, ``</s>``),
-    words split on whitespace, so a text of such words encodes to exactly its ids and ids
-    decode to such a text. It lets engines serve text prompts and ``vllm bench serve`` count
-    tokens; engines started with ``--skip-tokenizer-init`` ignore it. Written once."""
+    library (no hub): token ``k`` is the word ``tK``, words split on whitespace, so a text of
+    such words encodes to exactly its ids and ids decode to such a text. No token is declared
+    special: a decoded text keeps every token (``<unk>``-like specials are skipped when text
+    is decoded, and a reply's text would then hide tokens the model chose; the model's
+    ``eos_token_id`` still comes from its config). It lets engines serve text prompts and
+    ``vllm bench serve`` count tokens; engines started with ``--skip-tokenizer-init`` ignore
+    it. Written once."""
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    special = ["<unk>", "<s>", "</s>"]
-    vocab = {w: k for k, w in enumerate(special)}
-    vocab.update({f"t{k}": k for k in range(len(special), CONFIG["vocab_size"])})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    vocab = {f"t{k}": k for k in range(CONFIG["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
     return path
 
 
