@@ -12,10 +12,11 @@
 //! The peer accepts a grant only around the post that uses it (the posted transfer keeps
 //! its keys), so nothing is kept per request on the using side.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::layout::{KvLayout, LayerAt};
+use super::recent::Recent;
 use crate::agent::{Agent, Desc, RemoteAccess, XferId, XferOp};
 use crate::proto::kvmsg::{GrantMsg, GrantNone, GrantReq};
 
@@ -46,7 +47,7 @@ pub(crate) struct Fence {
     /// Requests whose grant could not be made, and why.
     failed: HashMap<String, String>,
     asked: Vec<Asked>,
-    freed: (VecDeque<String>, HashSet<String>),
+    freed: Recent,
 }
 
 /// Every byte of `blocks` (physical ids) in every layer: all planes of each block.
@@ -70,7 +71,7 @@ impl Fence {
             made: HashMap::new(),
             failed: HashMap::new(),
             asked: Vec::new(),
-            freed: (VecDeque::new(), HashSet::new()),
+            freed: Recent::new(FREED_MEMORY),
         }
     }
 
@@ -156,7 +157,7 @@ impl Fence {
         if let Some(why) = self.failed.get(request) {
             return Some(none(request, &format!("no grant could be made: {why}")));
         }
-        if self.freed.1.contains(request) {
+        if self.freed.contains(request) {
             return Some(none(request, "its blocks were given back (lease over)"));
         }
         None
@@ -194,15 +195,7 @@ impl Fence {
             if let Err(e) = agent.revoke(grant) {
                 tracing::error!(request = %id, error = %e, "grant not revoked");
             }
-            let (order, set) = &mut self.freed;
-            if set.insert(id.clone()) {
-                order.push_back(id.clone());
-                if order.len() > FREED_MEMORY {
-                    if let Some(old) = order.pop_front() {
-                        set.remove(&old);
-                    }
-                }
-            }
+            self.freed.insert(id);
         }
     }
 

@@ -79,6 +79,7 @@ mod layout;
 pub mod linkwatch;
 mod meta;
 pub mod placement;
+mod recent;
 mod scheduler;
 pub mod tp;
 mod worker;

@@ -309,6 +309,13 @@ impl Scheduler {
 
     /// The workers' report: P frees `sending` (the engine returns the blocks); D stops
     /// heartbeating and watching what arrived or failed.
+    ///
+    /// D, push: a receive that ended in the same step as the engine finished its request
+    /// needs no withdrawal. vLLM fails a request whose KV did not load (policy `fail`) and
+    /// calls [`Scheduler::request_finished`] before it reads this report, so the request
+    /// looked aborted with its registration out. The report frees it in vLLM: a `sending`
+    /// for it later would name a request vLLM no longer has, and vLLM asserts on that (a D
+    /// behind vllm-router died so when a P was killed under load).
     pub fn update_connector_output(&mut self, f: &Finished) {
         for id in &f.sending {
             self.sending.remove(id);
@@ -317,6 +324,9 @@ impl Scheduler {
         for id in f.recving.iter().chain(&f.failed_recving) {
             self.hb.untrack(id);
             self.watchdog.remove(id);
+            if self.cancelling.remove(id) {
+                self.cancels.retain(|c| c != id);
+            }
         }
     }
 

@@ -18,6 +18,7 @@ use super::fence::{post, Fence, Post};
 use super::layout::{peer_kv, physical, KvLayout, LayerAt, Select};
 use super::linkwatch::{exit_process, LinkDownAction, LinkMonitor};
 use super::meta::{ConnectorMetadata, Finished, RecvReq};
+use super::recent::Recent;
 use super::tp::{head_slices, rank_agent_name, HeadSlice};
 use super::writer::{Writer, WriterEvent};
 use crate::agent::{Agent, AgentError, RegionId, RemoteAccess, XferId, XferOp, XferStatus};
@@ -27,6 +28,9 @@ use crate::proto::lease::{LeaseEvent, Leases};
 use crate::proto::push::PushReceiver;
 use crate::proto::select::chunk_tokens;
 use crate::rails::SysfsRoot;
+
+/// Receives remembered as reported to the engine (a withdrawal after one reports nothing).
+const REPORTED_MEMORY: usize = 4096;
 
 /// A finished handshake: the peer agent, and the outcome.
 type Handshake = (String, Result<(), String>);
@@ -112,6 +116,10 @@ pub struct Worker {
     /// D, push: aborted requests whose registration is being withdrawn, with the time after
     /// which their blocks are given back unconfirmed (P unreachable).
     cancels: HashMap<String, (Instant, Withdrawn)>,
+    /// D: receives already reported to the engine (arrived or failed). A withdrawal of one
+    /// of them (the engine finished it in the step that reported it) reports nothing more:
+    /// vLLM freed the request on that report and asserts on any later one.
+    reported: Recent,
     /// Notifications dropped: they did not parse, or a `PUSH_REG` named another engine.
     pub malformed: u64,
 }
@@ -240,6 +248,7 @@ impl Worker {
             read_bytes: 0,
             links: None,
             cancels: HashMap::new(),
+            reported: Recent::new(REPORTED_MEMORY),
             malformed: 0,
         };
         w.watch_links(SysfsRoot::system(), Duration::from_secs(1), exit_process());
@@ -455,6 +464,9 @@ impl Worker {
             malformed: self.malformed,
         };
         self.stats.step(&step);
+        for id in self.done.recving.iter().chain(&self.done.failed_recving) {
+            self.reported.insert(id);
+        }
         std::mem::take(&mut self.done)
     }
 

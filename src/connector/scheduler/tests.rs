@@ -197,3 +197,36 @@ fn transfer_params_from_json_name_the_bad_key() {
         assert!(e.starts_with(want), "{json}: {e}");
     }
 }
+
+#[test]
+fn a_push_receive_that_ended_as_the_engine_finished_it_is_not_withdrawn() {
+    // vLLM (policy fail) finishes a request whose KV did not load, then reads the report
+    // that named it failed: no withdrawal may follow, its `sending` would name a request
+    // vLLM already freed (vLLM asserts on it)
+    let t0 = Instant::now();
+    let mut d = sched("Push", "kv_consumer");
+    let r = remote_prefill("r1");
+    d.update_state_after_alloc(&r, vec![4, 5], 100, t0);
+    let _ = d.build_connector_meta(t0);
+    let (delay, _) = d.request_finished(&r, &[4, 5]);
+    assert!(delay, "looked aborted with its registration out");
+    d.update_connector_output(&Finished {
+        recving: vec!["r1".into()],
+        ..Finished::default()
+    });
+    let m = d.build_connector_meta(t0);
+    assert!(
+        m.cancel_registrations.is_empty(),
+        "withdrew a receive the engine freed"
+    );
+    assert!(!d.has_pending_push_work());
+    // an abort whose receive goes on is withdrawn as before
+    let r2 = remote_prefill("r2");
+    d.update_state_after_alloc(&r2, vec![6], 100, t0);
+    let _ = d.build_connector_meta(t0);
+    assert!(d.request_finished(&r2, &[6]).0);
+    assert_eq!(
+        d.build_connector_meta(t0).cancel_registrations,
+        vec!["r2".to_string()]
+    );
+}

@@ -108,6 +108,14 @@ impl Worker {
 
     /// A withdrawn registration is over on every P rank (confirmed, or past the bound).
     pub(super) fn withdrawn(&mut self, id: String, how: Withdrawn) {
+        let ended = self.reported.contains(&id)
+            || self.done.recving.contains(&id)
+            || self.done.failed_recving.contains(&id);
+        if ended {
+            // its receive was reported already (the engine freed it then): once is all
+            tracing::debug!(request = %id, "withdrawn after its receive ended; nothing more to report");
+            return;
+        }
         match how {
             Withdrawn::Aborted => self.done.sending.push(id),
             Withdrawn::Expired => self.done.failed_recving.push(id),
