@@ -73,11 +73,14 @@ def metric(text: str, name: str) -> float:
 
 
 class Proc:
-    """A child process in its own session, its output in a log file."""
+    """A child process in its own session, its output in a log file; ``url`` is where it
+    answers ``/health`` once up."""
 
-    def __init__(self, cmd: List[str], log_path: str, env: Optional[Dict[str, str]] = None):
+    def __init__(self, cmd: List[str], log_path: str, env: Optional[Dict[str, str]] = None, name: str = "",
+                 url: str = ""):
         self.cmd, self.log_path = cmd, log_path
         self.env = env
+        self.name, self.url = name or os.path.basename(cmd[0]), url
         self.p: Optional[subprocess.Popen] = None
 
     def start(self) -> "Proc":
@@ -88,6 +91,20 @@ class Proc:
 
     def alive(self) -> bool:
         return self.p is not None and self.p.poll() is None
+
+    def wait(self, limit: float = 300) -> "Proc":
+        """Until ``url/health`` answers; an error naming the log when the process exits first
+        or ``limit`` seconds pass."""
+        t = time.time()
+        while time.time() - t < limit:
+            if self.p is not None and not self.alive():
+                raise RuntimeError(f"{self.name} exited {self.p.returncode}; see {self.log_path}")
+            try:
+                get(self.url + "/health")
+                return self
+            except Exception:
+                time.sleep(0.3)
+        raise RuntimeError(f"{self.name} not up in {limit} s; see {self.log_path}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """``sig`` to the whole process group (vLLM's engine core is a child)."""
@@ -116,21 +133,11 @@ class Etcd(Proc):
         exe = shutil.which("etcd") or "/usr/bin/etcd"
         self.dir = tempfile.mkdtemp(prefix="kvrail-pd-etcd-")
         self.port, peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__([exe, "--data-dir", self.dir, "--listen-client-urls", self.url, "--advertise-client-urls",
-                          self.url, "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
+        url = f"http://127.0.0.1:{self.port}"
+        super().__init__([exe, "--data-dir", self.dir, "--listen-client-urls", url, "--advertise-client-urls",
+                          url, "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
                           f"http://127.0.0.1:{peer}", "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
-                         os.path.join(logs, "etcd.log"))
-
-    def wait(self, limit: float = 30) -> "Etcd":
-        t = time.time()
-        while time.time() - t < limit:
-            try:
-                get(self.url + "/health")
-                return self
-            except Exception:
-                time.sleep(0.2)
-        raise RuntimeError(f"etcd not up in {limit} s; see {self.log_path}")
+                         os.path.join(logs, "etcd.log"), name="etcd", url=url)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         super().kill(sig)
@@ -142,9 +149,7 @@ class Engine(Proc):
 
     def __init__(self, python: str, model: str, name: str, mode: str, logs: str, store: Optional[str] = None,
                  extra: Optional[dict] = None, args: Optional[List[str]] = None, port: Optional[int] = None):
-        self.name = name
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_port = free_port()
         agent = {"listen": "127.0.0.1:0", "metrics_listen": f"127.0.0.1:{self.metrics_port}"}
         ex = {"kvrail_agent_config": agent}
@@ -164,19 +169,7 @@ class Engine(Proc):
         # host would starve each other's steps; a deployment gives each its own cores
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
-        super().__init__(cmd, os.path.join(logs, f"{name}.log"), env)
-
-    def wait(self, limit: float = 300) -> "Engine":
-        t = time.time()
-        while time.time() - t < limit:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited {self.p.returncode}; see {self.log_path}")
-            try:
-                get(self.url + "/health")
-                return self
-            except Exception:
-                time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not up in {limit} s; see {self.log_path}")
+        super().__init__(cmd, os.path.join(logs, f"{name}.log"), env, name, f"http://127.0.0.1:{self.port}")
 
     def metrics(self) -> str:
         return get(self.url + "/metrics")
@@ -191,29 +184,21 @@ class Router(Proc):
     def __init__(self, exe: str, prefill: List[Engine], decode: List[Engine], logs: str, port: Optional[int] = None,
                  timeout_s: int = 120):
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.prometheus_port = free_port()
         cmd = [exe, "--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
                "--kv-connector", "nixl", "--policy", "round_robin", "--request-timeout-secs", str(timeout_s),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
-               "--worker-startup-timeout-secs", "600", "--log-level", "info"]
+               "--worker-startup-timeout-secs", "600", "--log-level", "info",
+               # a dead engine is out of the rotation within ~2 s (the default checks every 60 s:
+               # every request round robin gave a killed P failed until the load ended)
+               "--health-check-interval-secs", "1", "--health-check-timeout-secs", "2",
+               "--health-failure-threshold", "1", "--health-success-threshold", "1"]
         for e in prefill:
             cmd += ["--prefill", e.url]
         for e in decode:
             cmd += ["--decode", e.url]
-        super().__init__(cmd, os.path.join(logs, "router.log"))
-
-    def wait(self, limit: float = 120) -> "Router":
-        t = time.time()
-        while time.time() - t < limit:
-            if not self.alive():
-                raise RuntimeError(f"the router exited; see {self.log_path}")
-            try:
-                get(self.url + "/health")
-                return self
-            except Exception:
-                time.sleep(0.5)
-        raise RuntimeError(f"the router not up in {limit} s; see {self.log_path}")
+        super().__init__(cmd, os.path.join(logs, "router.log"), name="vllm-router",
+                         url=f"http://127.0.0.1:{self.port}")
 
 
 class Cluster:

@@ -22,13 +22,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import Cluster, Proc, free_port, get, metric, post  # noqa: E402
+from cluster import Cluster, Proc, free_port, metric, post  # noqa: E402
 
 # vllm bench serve, recording the prompts its dataset made (argv[1]: where)
 BENCH = """
@@ -141,22 +140,39 @@ def open_files(e: Proc) -> int:
 def plain_engine(python: str, model: str, logs: str) -> Proc:
     """A plain engine (no KV connector) serving the same model: the tokens to expect."""
     port = free_port()
-    e = Proc([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "m",
-              "--enforce-eager", "--max-model-len", "2048", "--port", str(port)], os.path.join(logs, "plain.log"),
-             dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind"))
-    e.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    return e
+    return Proc([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "m",
+                 "--enforce-eager", "--max-model-len", "2048", "--port", str(port)], os.path.join(logs, "plain.log"),
+                dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind"), "plain",
+                f"http://127.0.0.1:{port}")
 
 
-def wait_health(url: str, limit: float = 300) -> None:
-    t = time.time()
-    while time.time() - t < limit:
+def served(engines) -> float:
+    """Requests the engines finished (vLLM's ``vllm:request_success_total``; a dead one
+    counts 0)."""
+    total = 0.0
+    for e in engines:
         try:
-            get(url + "/health")
-            return
-        except Exception:
-            time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy in {limit} s")
+            total += metric(e.metrics(), "vllm:request_success_total")
+        except OSError:
+            pass
+    return total
+
+
+def kill_under_load(c: Cluster, victim, at: float, restart_after: Optional[float] = 3.0, limit: float = 300) -> None:
+    """``kill -9`` ``victim`` ``at`` seconds after the load reached the engines (the first
+    request a P finished: the bench client takes seconds to start), then start it again
+    ``restart_after`` seconds later (None: leave it dead)."""
+    base, t = served(c.prefill), time.time()
+    while served(c.prefill) <= base:
+        if time.time() - t > limit:
+            raise RuntimeError(f"no request reached a P in {limit} s")
+        time.sleep(0.2)
+    time.sleep(at)
+    print(f"kill -9 {victim.name} {at:.0f} s into the load", flush=True)
+    victim.kill()
+    if restart_after is not None:
+        time.sleep(restart_after)
+        c.restart(victim)
 
 
 def main() -> int:
@@ -178,21 +194,14 @@ def main() -> int:
     try:
         plain.start()
         c.start()
-        wait_health(plain.url)
+        plain.wait()
         want = bench(c.python, plain.url, c.model, out, a.prompts, a.rate, a.input_len, a.output_len)
         print("plain engine:", summary(want), flush=True)
         fds = {e.name: open_files(e) for e in c.engines()}
         faults = []
         for at, group in ((a.kill_prefill, c.prefill), (a.kill_decode, c.decode)):
             if at is not None:
-                def fault(at=at, group=group):
-                    time.sleep(at)
-                    victim = group[0]
-                    print(f"kill -9 {victim.name} at {at:.0f} s", flush=True)
-                    victim.kill()
-                    time.sleep(3)
-                    c.restart(victim)
-                faults.append(threading.Thread(target=fault, daemon=True))
+                faults.append(threading.Thread(target=kill_under_load, args=(c, group[0], at), daemon=True))
         for f in faults:
             f.start()
         t = time.time()

@@ -3,7 +3,6 @@ attention runs AMX kernels on any CPU whose flags say amx_tile without asking, a
 first tile instruction of a process that did not ask dies with SIGILL (every D step over
 KV loaded from P did, on this project's CI machine)."""
 
-import ctypes
 import subprocess
 import sys
 
