@@ -119,12 +119,6 @@ class Proc:
                 os.killpg(self.p.pid, signal.SIGKILL)
                 self.p.wait()
 
-    def log_text(self) -> str:
-        try:
-            return open(self.log_path, errors="replace").read()
-        except OSError:
-            return ""
-
 
 class Etcd(Proc):
     """A real etcd (Debian's ``etcd-server``) on free loopback ports, data in a temp dir."""
@@ -206,7 +200,8 @@ class Cluster:
 
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, mode: str = "pull", model: Optional[str] = None,
                  python: Optional[str] = None, router: Optional[str] = None, logs: Optional[str] = None,
-                 etcd: Optional[bool] = None, extra: Optional[dict] = None, args: Optional[List[str]] = None):
+                 etcd: Optional[bool] = None, extra: Optional[dict] = None, args: Optional[List[str]] = None,
+                 router_port: Optional[int] = None):
         self.mode = mode
         self.python = python or os.path.join(ROOT, "target", "vllm-venv", "bin", "python")
         self.router_exe = router or os.path.join(ROOT, "target", "router-venv", "bin", "vllm-router")
@@ -218,7 +213,7 @@ class Cluster:
         self.prefill = [self._engine(f"prefill-{i}") for i in range(n_prefill)]
         self.decode = [self._engine(f"decode-{i}") for i in range(n_decode)]
         self.router: Optional[Router] = None
-        self.router_port: Optional[int] = None
+        self.router_port = router_port
 
     def _engine(self, name: str, port: Optional[int] = None) -> Engine:
         store = f"etcd://127.0.0.1:{self.etcd.port}" if self.etcd else None
@@ -241,16 +236,14 @@ class Cluster:
     def restart(self, engine: Engine) -> Engine:
         """A killed engine again, under its name and port (the router keeps its URL)."""
         engine.kill()
-        fresh = self._engine(engine.name, engine.port or None)
+        fresh = self._engine(engine.name, engine.port)
         group = self.prefill if engine in self.prefill else self.decode
         group[group.index(engine)] = fresh
         fresh.start()
         return fresh
 
-    def complete(self, prompt, max_tokens: int = 8, timeout: float = 300, request_id: Optional[str] = None):
+    def complete(self, prompt, max_tokens: int = 8, timeout: float = 300):
         body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-        if request_id:
-            body["request_id"] = request_id
         return post(self.router.url + "/v1/completions", body, timeout)
 
     def stop(self) -> None:
@@ -269,9 +262,10 @@ def main() -> int:
     ap.add_argument("--logs", help="log directory (target/pd-cluster)")
     ap.add_argument("--check", action="store_true", help="send 8 requests through the router and stop")
     a = ap.parse_args()
-    c = Cluster(a.prefill, a.decode, a.mode, a.model, logs=a.logs, etcd=True if a.etcd else None)
-    c.router_port = a.port or None
-    if not os.path.exists(os.path.join(c.model, "config.json")):
+    c = Cluster(a.prefill, a.decode, a.mode, a.model, logs=a.logs, etcd=True if a.etcd else None,
+                router_port=a.port or None)
+    # (a model made before the tokenizer was: tiny_model.py adds it and keeps the weights)
+    if not os.path.exists(os.path.join(c.model, "tokenizer.json")):
         subprocess.run([c.python, os.path.join(ROOT, "python", "tests", "vllm", "tiny_model.py"), c.model], check=True,
                        stdout=subprocess.DEVNULL)
     try:
