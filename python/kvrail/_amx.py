@@ -6,8 +6,10 @@ process that did not ask dies with SIGILL. vLLM 0.32's CPU attention picks its A
 (``cpu_attn_amx``) on any CPU whose flags say ``amx_tile`` and never asks: on such a host
 (found on this project's CI machine, kernel 6.18) a decode over KV that was not computed in
 the same step — every step of a D whose prompt came from P, or a prefix-cache hit — killed
-the engine's worker with SIGILL. kvrail.vllm asks when it is imported, in every process that
-builds a connector (vLLM's workers among them), before the model runs.
+the engine's worker with SIGILL. kvrail.vllm and kvrail.nixl (which vLLM's own NixlConnector
+runs on, through the compat package) ask when they are imported, in every process that
+builds a connector (vLLM's workers among them), before the model runs. Real NIXL inside
+vLLM on such a host meets the same SIGILL; that is vLLM's to fix.
 """
 
 from __future__ import annotations

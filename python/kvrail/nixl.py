@@ -24,6 +24,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _kvrail
+from ._amx import request_amx_permission
 from ._kvrail import KvrailError, MisuseError, PeerConnectionError, PeerError
 from ._nixl_bindings import (
     _dlist,
@@ -52,6 +53,10 @@ logger = logging.getLogger("kvrail.nixl")
 
 _NIXL_BACKENDS = ("UCX", "UCX_MO", "LIBFABRIC", "UCCL", "Mooncake", "MOONCAKE", "GPUNETIO")
 _TRUE, _FALSE = ("y", "yes", "on", "1", "true"), ("n", "no", "off", "0", "false")
+
+# vLLM's NixlConnector runs on this module (the compat package): vLLM's CPU attention uses AMX
+# tiles without asking Linux for them (see kvrail._amx)
+request_amx_permission()
 
 
 def _name(agent: Union[str, bytes]) -> str:

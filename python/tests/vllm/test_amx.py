@@ -16,8 +16,8 @@ def perm():
     assert libc.syscall(158, 0x1022, ctypes.byref(v)) == 0
     return bool(v.value >> 18 & 1)
 before = perm()
-if sys.argv[1] == "import":
-    import kvrail.vllm  # noqa: F401
+if sys.argv[1] != "no":
+    __import__(sys.argv[1])
 print(before, perm())
 """
 
@@ -31,8 +31,10 @@ def amx_host():
 
 
 @pytest.mark.skipif(not amx_host(), reason="no AMX on this CPU: nothing to ask for")
-def test_importing_kvrail_vllm_gives_the_process_amx_tile_data():
+@pytest.mark.parametrize("module", ["kvrail.vllm", "nixl._api"])
+def test_importing_kvrails_connectors_gives_the_process_amx_tile_data(module):
+    """kvrail.vllm, and kvrail.nixl through the compat package vLLM's NixlConnector imports."""
     plain = subprocess.run([sys.executable, "-c", CHECK, "no"], capture_output=True, text=True, check=True)
     assert plain.stdout.split() == ["False", "False"], "a fresh process had AMX already: the test shows nothing"
-    out = subprocess.run([sys.executable, "-c", CHECK, "import"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CHECK, module], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr

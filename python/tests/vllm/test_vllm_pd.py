@@ -77,15 +77,44 @@ def disaggregate(p, d, prompts, tokens=TOKENS):
     return pr, dr, external_hits(d) - before
 
 
+# One prompt token's K and V in one layer of the tiny model (2 KV heads of 64, bf16)
+TOKEN_KV_BYTES = 2 * 2 * 64 * 2
+
+
 def kv_sums(p, d, pr, dr, prompts):
-    """(P's, D's) checksums of each request's prompt KV, layer by layer, block by block."""
+    """(P's, D's) checksums of each request's prompt KV, layer by layer, block by block, and
+    (P's, D's) block ids."""
     n = [len(x) for x in prompts]
     pblocks = [kp["remote_block_ids"] for kp in pr["kv_params"]]
     # NixlConnector names them per KV-cache group ([[ids]]); one group here
     pblocks = [b[0] if b and isinstance(b[0], list) else b for b in pblocks]
     dblocks = d.call(op="blocks", ids=dr["ids"])["blocks"]
     assert all(dblocks), f"D names no blocks for {dr['ids']}"
-    return p.call(op="kv", blocks=pblocks, tokens=n)["sums"], d.call(op="kv", blocks=dblocks, tokens=n)["sums"]
+    sums = p.call(op="kv", blocks=pblocks, tokens=n)["sums"], d.call(op="kv", blocks=dblocks, tokens=n)["sums"]
+    return sums, (pblocks, dblocks)
+
+
+def assert_ps_kv(p, d, pr, dr, prompts, what):
+    """Every byte of every block D attends to is P's, but for the one token D computes itself.
+    vLLM computes a prompt's last token again on D (its logits give the first output token)
+    and writes that token's K and V into the last block. Where D's kernels round as P's did,
+    those bytes are P's too; with vLLM's AMX attention (an AMX host) the layers after the first
+    get them from attention computed by another kernel, and up to one token's worth of the
+    last block's bytes differ (180 of 512 measured)."""
+    (ps, ds), (pblocks, dblocks) = kv_sums(p, d, pr, dr, prompts)
+    for r, (pr_sums, dr_sums) in enumerate(zip(ps, ds)):
+        for layer, (a, b) in enumerate(zip(pr_sums, dr_sums)):
+            last = len(a) - 1
+            for k, (x, y) in enumerate(zip(a, b)):
+                if x == y:
+                    continue
+                assert k == last, f"{what}: block {k} of layer {layer} (prompt {r}) is not the block P computed"
+                px = bytes.fromhex(p.call(op="raw", layer=layer, block=pblocks[r][k])["hex"])
+                dx = bytes.fromhex(d.call(op="raw", layer=layer, block=dblocks[r][k])["hex"])
+                differ = sum(u != v for u, v in zip(px, dx))
+                assert differ <= TOKEN_KV_BYTES, (
+                    f"{what}: {differ} bytes of the last block of layer {layer} (prompt {r}) are not P's: "
+                    f"more than the {TOKEN_KV_BYTES} of the token D computes itself")
 
 
 def check_every_group(p, d, plain, label, external_on_decode=True):
@@ -96,8 +125,7 @@ def check_every_group(p, d, plain, label, external_on_decode=True):
         pr, dr, hits = disaggregate(p, d, prompts, tokens=1)
         total = sum(len(x) for x in prompts)
         assert hits >= 0.9 * total, f"{label} {group}: {hits} of {total} prompt tokens external"
-        ps, ds = kv_sums(p, d, pr, dr, prompts)
-        assert ps == ds, f"{label} {group}: the KV D attends to is not the KV P computed"
+        assert_ps_kv(p, d, pr, dr, prompts, f"{label} {group}")
         _, dr, hits = disaggregate(p, d, prompts)
         assert dr["tokens"] == plain[group], f"{label} {group}: D's tokens differ from a plain engine's"
         if external_on_decode:
