@@ -40,6 +40,11 @@ from typing import Dict, List, Optional
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CONNECTORS = {"pull": "KvrailPullConnector", "push": "KvrailPushConnector"}
+# vLLM's own NixlConnector, unchanged: on the real NIXL 1.5.1 (UCX; from target/vllm-nixl,
+# put first on the engine's PYTHONPATH; python/tests/vllm/run.sh installs it there), or on
+# kvrail's NIXL compat package (the vLLM venv's own ``nixl``; kvrail's TCP transport)
+NIXL_MODES = ("nixl", "nixl-on-kvrail")
+NIXL_DIR = os.path.join(ROOT, "target", "vllm-nixl")
 
 
 def free_port() -> int:
@@ -139,30 +144,34 @@ class Etcd(Proc):
 
 
 class Engine(Proc):
-    """One ``vllm serve`` engine (``kv_both``) with kvrail.vllm."""
+    """One ``vllm serve`` engine (``kv_both``) with kvrail.vllm (``mode`` pull or push) or vLLM's
+    NixlConnector (``mode`` in ``NIXL_MODES``)."""
 
     def __init__(self, python: str, model: str, name: str, mode: str, logs: str, store: Optional[str] = None,
-                 extra: Optional[dict] = None, args: Optional[List[str]] = None, port: Optional[int] = None):
+                 extra: Optional[dict] = None, args: Optional[List[str]] = None, port: Optional[int] = None,
+                 env_extra: Optional[Dict[str, str]] = None):
         self.port = port or free_port()
         self.metrics_port = free_port()
-        agent = {"listen": "127.0.0.1:0", "metrics_listen": f"127.0.0.1:{self.metrics_port}"}
-        ex = {"kvrail_agent_config": agent}
-        if store:
-            ex["metadata_store"] = store
-            ex["metadata_namespace"] = "kvrail-pd"
-            ex["metadata_lease_ttl_s"] = 3
-        ex.update(extra or {})
-        policy = ex.pop("kv_load_failure_policy", "fail")
-        kv = {"kv_connector": CONNECTORS[mode], "kv_connector_module_path": "kvrail.vllm", "kv_role": "kv_both",
-              "kv_buffer_device": "cpu", "engine_id": name, "kv_connector_extra_config": ex,
-              "kv_load_failure_policy": policy}
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "m",
-               "--enforce-eager", "--max-model-len", "2048", "--port", str(self.port),
-               "--kv-transfer-config", json.dumps(kv)] + list(args or [])
         # vLLM's CPU worker pins itself to cores it picks alone: engines sharing a small
         # host would starve each other's steps; a deployment gives each its own cores
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+        env.update(env_extra or {})
+        ex = dict(extra or {})
+        policy = ex.pop("kv_load_failure_policy", "fail")
+        if mode in NIXL_MODES:
+            kv = nixl_config(name, mode, env)
+        else:
+            agent = {"listen": "127.0.0.1:0", "metrics_listen": f"127.0.0.1:{self.metrics_port}"}
+            ex = {"kvrail_agent_config": agent, **ex}
+            if store:
+                ex.update(metadata_store=store, metadata_namespace="kvrail-pd", metadata_lease_ttl_s=3)
+            kv = {"kv_connector": CONNECTORS[mode], "kv_connector_module_path": "kvrail.vllm",
+                  "kv_connector_extra_config": ex}
+        kv.update(kv_role="kv_both", kv_buffer_device="cpu", engine_id=name, kv_load_failure_policy=policy)
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "m",
+               "--enforce-eager", "--max-model-len", "2048", "--port", str(self.port),
+               "--kv-transfer-config", json.dumps(kv)] + list(args or [])
         super().__init__(cmd, os.path.join(logs, f"{name}.log"), env, name, f"http://127.0.0.1:{self.port}")
 
     def metrics(self) -> str:
@@ -170,6 +179,35 @@ class Engine(Proc):
 
     def kvrail_metrics(self) -> str:
         return get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+
+
+def nixl_config(name: str, mode: str, env: Dict[str, str]) -> dict:
+    """vLLM's NixlConnector for one engine; ``env`` gets its handshake port (each engine on a
+    host needs its own) and which ``nixl`` it imports."""
+    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+    if mode == "nixl":
+        if not os.path.isdir(NIXL_DIR):
+            raise RuntimeError(f"no real NIXL at {NIXL_DIR}: run python/tests/vllm/run.sh first")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [amx_site(), NIXL_DIR, env.get("PYTHONPATH")]))
+    else:
+        env.setdefault("KVRAIL_AGENT_CONFIG", '{"backend": "tcp", "listen": "127.0.0.1:0"}')
+    return {"kv_connector": "NixlConnector"}
+
+
+def amx_site() -> str:
+    """A directory whose ``sitecustomize`` asks Linux for AMX tile data in every Python process
+    started with it on PYTHONPATH (python/kvrail/_amx.py, loaded by path: nothing else of
+    kvrail). vLLM 0.32's CPU attention uses AMX without asking; on an AMX host D's worker then
+    dies with SIGILL on its first step over loaded KV, with the real NIXL too (seen: vLLM's
+    NixlConnector on NIXL 1.5.1, "Worker proc VllmWorker-0 died unexpectedly"). kvrail's
+    modules ask when imported; engines on the real NIXL get the same from here."""
+    site = os.path.join(ROOT, "target", "pd-amx-site")
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write("import importlib.util as u\n"
+                f"s = u.spec_from_file_location('_amx', {os.path.join(ROOT, 'python', 'kvrail', '_amx.py')!r})\n"
+                "m = u.module_from_spec(s)\ns.loader.exec_module(m)\nm.request_amx_permission()\n")
+    return site
 
 
 class Router(Proc):
@@ -196,13 +234,14 @@ class Router(Proc):
 
 
 class Cluster:
-    """etcd (when N + M > 2 or asked), N P and M D engines, the router; ``stop()`` ends all."""
+    """etcd (when N + M > 2 or asked), N P and M D engines, the router; ``stop()`` ends all.
+    ``env``: more environment for the engines (``UCX_TLS`` for NIXL, say)."""
 
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, mode: str = "pull", model: Optional[str] = None,
                  python: Optional[str] = None, router: Optional[str] = None, logs: Optional[str] = None,
                  etcd: Optional[bool] = None, extra: Optional[dict] = None, args: Optional[List[str]] = None,
-                 router_port: Optional[int] = None):
-        self.mode = mode
+                 router_port: Optional[int] = None, env: Optional[Dict[str, str]] = None):
+        self.mode, self.env = mode, dict(env or {})
         self.python = python or os.path.join(ROOT, "target", "vllm-venv", "bin", "python")
         self.router_exe = router or os.path.join(ROOT, "target", "router-venv", "bin", "vllm-router")
         self.model = model or os.path.join(ROOT, "target", "vllm-model")
@@ -217,7 +256,8 @@ class Cluster:
 
     def _engine(self, name: str, port: Optional[int] = None) -> Engine:
         store = f"etcd://127.0.0.1:{self.etcd.port}" if self.etcd else None
-        return Engine(self.python, self.model, name, self.mode, self.logs, store, self.extra, self.args, port)
+        return Engine(self.python, self.model, name, self.mode, self.logs, store, self.extra, self.args, port,
+                      self.env)
 
     def engines(self) -> List[Engine]:
         return self.prefill + self.decode
@@ -255,7 +295,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", type=int, default=1, help="prefill engines (1)")
     ap.add_argument("--decode", type=int, default=1, help="decode engines (1)")
-    ap.add_argument("--mode", choices=sorted(CONNECTORS), default="pull")
+    ap.add_argument("--mode", choices=sorted(CONNECTORS) + list(NIXL_MODES), default="pull",
+                    help="kvrail.vllm pull or push, or vLLM's NixlConnector on NIXL or on kvrail's compat package")
     ap.add_argument("--model", help="model directory (target/vllm-model, made if missing)")
     ap.add_argument("--etcd", action="store_true", help="metadata through etcd even for 1 P + 1 D")
     ap.add_argument("--port", type=int, default=0, help="the router's port (a free one)")
