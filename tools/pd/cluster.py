@@ -39,7 +39,7 @@ import urllib.request
 from typing import Dict, List, Optional
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-CONNECTORS = {"pull": "KvrailPullConnector", "push": "KvrailPushConnector"}
+CONNECTORS = {"pull": "KvrailPullConnector", "push": "KvrailPushConnector", "push_stream": "KvrailPushConnector"}
 # vLLM's own NixlConnector, unchanged: on the real NIXL 1.5.1 (UCX; from target/vllm-nixl,
 # put first on the engine's PYTHONPATH; python/tests/vllm/run.sh installs it there), or on
 # kvrail's NIXL compat package (the vLLM venv's own ``nixl``; kvrail's TCP transport)
@@ -164,6 +164,8 @@ class Engine(Proc):
         else:
             agent = {"listen": "127.0.0.1:0", "metrics_listen": f"127.0.0.1:{self.metrics_port}"}
             ex = {"kvrail_agent_config": agent, **ex}
+            if mode == "push_stream":
+                ex["push_stream"] = True
             if store:
                 ex.update(metadata_store=store, metadata_namespace="kvrail-pd", metadata_lease_ttl_s=3)
             kv = {"kv_connector": CONNECTORS[mode], "kv_connector_module_path": "kvrail.vllm",

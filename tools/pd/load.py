@@ -12,7 +12,9 @@ external (vLLM's ``vllm:external_prefix_cache_hits_total``), P's leased blocks b
 and no engine's open files grown. ``--kill-prefill S`` / ``--kill-decode S`` ``kill -9`` one
 engine S seconds into the load and start it again; then requests may fail, and the checks
 are that none hangs past the bound, none answers other tokens than the plain engine's, and
-the router serves again through the restarted engine.
+the router serves again through the restarted engine. ``--pause-prefill AT:SECS`` stops
+prefill-0's engine core and workers (its side channel with them) for SECS seconds;
+``--loads 2`` runs the load twice on the same engines and counts open files after each.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -175,17 +178,55 @@ def kill_under_load(c: Cluster, victim, at: float, restart_after: Optional[float
         c.restart(victim)
 
 
+def group_pids(e: Proc) -> List[int]:
+    """The processes of an engine's group but its leader (the API server): vLLM's engine core
+    and its workers, where kvrail's agent and side channel live."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != e.p.pid:
+            try:
+                if os.getpgid(int(pid)) == e.p.pid:
+                    out.append(int(pid))
+            except (OSError, ProcessLookupError):
+                pass
+    return out
+
+
+def pause_under_load(c: Cluster, victim, at: float, secs: float, limit: float = 300) -> None:
+    """Stop (SIGSTOP) ``victim``'s engine core and workers ``at`` seconds into the load, for
+    ``secs`` seconds, then let them go on (SIGCONT): its side channel and data path answer
+    nothing meanwhile, while its API server still takes requests and answers health checks."""
+    base, t = served(c.prefill), time.time()
+    while served(c.prefill) <= base:
+        if time.time() - t > limit:
+            raise RuntimeError(f"no request reached a P in {limit} s")
+        time.sleep(0.2)
+    time.sleep(at)
+    pids = group_pids(victim)
+    print(f"SIGSTOP {victim.name}'s engine core and workers {pids} {at:.0f} s into the load, for {secs:.0f} s",
+          flush=True)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(secs)
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+    print(f"SIGCONT {victim.name}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
-    ap.add_argument("--mode", choices=["pull", "push"], default="pull")
+    ap.add_argument("--mode", choices=["pull", "push", "push_stream"], default="pull")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--rate", type=float, default=2.0, help="requests/s (Poisson)")
     ap.add_argument("--input-len", type=int, default=600, help="prompt tokens (+-50 %%; blocks are 128 tokens)")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--kill-prefill", type=float, default=None, help="kill -9 prefill-0 this many s in, restart it")
     ap.add_argument("--kill-decode", type=float, default=None, help="kill -9 decode-0 this many s in, restart it")
+    ap.add_argument("--pause-prefill", default=None, metavar="AT:SECS",
+                    help="stop prefill-0's engine core and workers AT s into the load for SECS s (SIGSTOP)")
+    ap.add_argument("--loads", type=int, default=1, help="run the load this many times (open files after each)")
     ap.add_argument("--logs", default=None)
     a = ap.parse_args()
     c = Cluster(a.prefill, a.decode, a.mode, logs=a.logs, extra={"kv_lease_duration": 10})
@@ -202,6 +243,9 @@ def main() -> int:
         for at, group in ((a.kill_prefill, c.prefill), (a.kill_decode, c.decode)):
             if at is not None:
                 faults.append(threading.Thread(target=kill_under_load, args=(c, group[0], at), daemon=True))
+        if a.pause_prefill:
+            at, secs = (float(x) for x in a.pause_prefill.split(":"))
+            faults.append(threading.Thread(target=pause_under_load, args=(c, c.prefill[0], at, secs), daemon=True))
         for f in faults:
             f.start()
         t = time.time()
@@ -212,6 +256,11 @@ def main() -> int:
             f.join()
         for e in c.engines():
             e.wait()
+        after = [{e.name: open_files(e) for e in c.engines()}]
+        for n in range(1, a.loads):
+            again = bench(c.python, c.router.url, c.model, out, a.prompts, a.rate, a.input_len, a.output_len)
+            print(f"load {n + 1}:", summary(again), flush=True)
+            after.append({e.name: open_files(e) for e in c.engines()})
         v = compare(got, want, plain.url)
         print(f"the plain engine's tokens: {len(v['same'])}; its greedy choices up to a near tie (index, nats): "
               f"{v['near']}; other tokens (index, nats): {v['other']}; failed: {v['failed']}")
@@ -223,8 +272,8 @@ def main() -> int:
         time.sleep(2)
         leases = sum(metric(e.kvrail_metrics(), "kvrail_connector_leases_held") for e in c.prefill)
         print(f"P's leased requests after the run: {leases:.0f}")
-        grown = {e.name: (fds.get(e.name), open_files(e)) for e in c.engines()}
-        print(f"open files (before, after): {grown}")
+        grown = {e.name: [fds.get(e.name)] + [x.get(e.name) for x in after] for e in c.engines()}
+        print(f"open files (before the load, after each load): {grown}")
         return 0 if not v["other"] and (faults or not v["failed"]) and leases == 0 else 1
     finally:
         plain.kill()

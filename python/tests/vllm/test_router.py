@@ -19,13 +19,14 @@ pytest.importorskip("vllm")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tools", "pd"))
-from cluster import Cluster, metric  # noqa: E402
+from cluster import Cluster, Engine, metric, post  # noqa: E402
 import load  # noqa: E402
 from load import NEAR_TIE, bench, compare, greedy_margin, ids, kill_under_load, plain_engine  # noqa: E402
 
 LOGS = os.environ.get("KVRAIL_VLLM_LOGS", "/tmp/kvrail-vllm-logs")
 ROUTER = os.environ.get("KVRAIL_VLLM_ROUTER") or os.path.join(ROOT, "target", "router-venv", "bin", "vllm-router")
 PROMPTS, RATE, INPUT, OUTPUT = 16, 3.0, 600, 16  # ~6 s of load; prompts of 300-900 tokens (3-8 blocks)
+REGISTRATION_S = 20  # push: how long D waits for P's WRITEs into a registration
 
 pytestmark = pytest.mark.skipif(not os.path.exists(ROUTER), reason=f"no vllm-router at {ROUTER}")
 
@@ -64,11 +65,11 @@ def test_the_greedy_check_tells_wrong_tokens_from_near_ties(plain):
     assert greedy_margin(e.url, prompt, wrong) > 4 * NEAR_TIE
 
 
-def cluster(model, n_p, n_d, mode, tag):
+def cluster(model, n_p, n_d, mode, tag, **extra):
     logs = os.path.join(LOGS, "router", tag)
     shutil.rmtree(logs, ignore_errors=True)
     return Cluster(n_p, n_d, mode, model=model, python=sys.executable, router=ROUTER, logs=logs,
-                   extra={"kv_lease_duration": 10})
+                   extra={"kv_lease_duration": 10, **extra})
 
 
 def check(got, want, plain_url, faults=False):
@@ -80,22 +81,101 @@ def check(got, want, plain_url, faults=False):
     return v
 
 
+def new_log(engine, since: int) -> str:
+    with open(engine.log_path, errors="replace") as f:
+        return f.read()[since:]
+
+
+def log_size(engine) -> int:
+    return os.path.getsize(engine.log_path)
+
+
+def served_or_refused(d, prompt, params, plain_url, reason, limit=25.0):
+    """One request straight to D with ``params`` as its ``kv_transfer_params`` (what a router
+    or a client that mangled them would send): it ends within ``limit`` seconds, either
+    computed by D itself (the plain engine's greedy tokens) or failed (vLLM's 500 under
+    ``kv_load_failure_policy`` fail); D's log names ``reason`` (None: D may also have loaded
+    P's KV, and then need not say anything). Returns the status."""
+    since = log_size(d)
+    t = time.time()
+    status, r = post(d.url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                 "return_token_ids": True, "kv_transfer_params": params}, limit + 30)
+    took = time.time() - t
+    assert took < limit, f"{params}: {took:.0f} s"
+    assert status in (200, 500), (status, r)
+    if status == 200:
+        assert greedy_margin(plain_url, prompt, r["choices"][0]["token_ids"]) <= NEAR_TIE, (params, r)
+    time.sleep(0.5)
+    if reason is not None:
+        assert reason in new_log(d, since), f"D's log does not say {reason!r} for {params}"
+    return status
+
+
+def strangers(model, logs):
+    """D engines that do not match the deployment's P: another model (same shape, other
+    weights, another path) and another block size (64 tokens; P's are 128)."""
+    from tiny_model import make
+
+    other = make(os.path.join(os.path.dirname(model), "vllm-model-other"), seed=99)
+    return [Engine(sys.executable, other, "decode-other-model", "pull", logs, extra={"kv_lease_duration": 10}),
+            Engine(sys.executable, model, "decode-block-64", "pull", logs, extra={"kv_lease_duration": 10},
+                   args=["--block-size", "64"])]
+
+
+def p_params(c, prompt):
+    """What P answers the router for ``prompt`` (its ``kv_transfer_params`` for D)."""
+    status, r = post(c.prefill[0].url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1,
+                                                            "temperature": 0,
+                                                            "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200, r
+    return r["kv_transfer_params"]
+
+
 def test_one_p_one_d_behind_vllm_router_under_load(model, plain):
+    """1 P + 1 D, pull, under the bench: every answer the plain engine's (up to near ties),
+    D's prompt tokens external, P's leases back to zero. Then bad input on D's leg, each
+    bounded, named in D's log, and D still serving: kv_transfer_params a router or client
+    mangled, and D engines of another model or block size given P's real ones."""
     e, want = plain
     c = cluster(model, 1, 1, "pull", "1p1d")
+    odd = strangers(model, c.logs)
     try:
+        for s in odd:
+            s.start()
         c.start()
+        for s in odd:
+            s.wait()
         got = bench(sys.executable, c.router.url, model, os.path.join(c.logs, "bench"), PROMPTS, RATE, INPUT, OUTPUT)
         v = check(got, want, e.url)
         answered = v["same"] + [i for i, _ in v["near"]]
         tokens = sum(got["input_lens"][i] for i in answered)
         external = metric(c.decode[0].metrics(), "vllm:external_prefix_cache_hits_total")
         assert external >= 0.9 * tokens, f"D: {external} of {tokens} prompt tokens external"
+
+        d, prompt = c.decode[0], ids(want["prompts"][0])
+        good = p_params(c, prompt)
+        for params, reason in [
+            (dict(good, remote_engine_id="no-such-engine"), 'expected "no-such-engine"'),
+            (dict(good, remote_block_ids=[10**6] * len(good["remote_block_ids"])), "out of range"),
+            (dict(good, remote_block_ids="abc"), "is not a list of block ids"),
+            # (D knows prefill-0 by name by now, and may keep its connection: then it loads)
+            (dict(good, remote_port=1), None),
+            ({"do_remote_prefill": True}, "needs P's remote_engine_id"),
+        ]:
+            served_or_refused(d, prompt, params, e.url, reason)
+        for s, reason in zip(odd, ["compatibility hash mismatch", "block_size mismatch"]):
+            assert served_or_refused(s, prompt, p_params(c, prompt), e.url, reason) == 500
+        # D is whole: P's real parameters load and answer
+        since = metric(d.metrics(), "vllm:external_prefix_cache_hits_total")
+        assert served_or_refused(d, prompt, p_params(c, prompt), e.url, None) == 200
+        assert metric(d.metrics(), "vllm:external_prefix_cache_hits_total") > since, "D did not load P's KV"
         t = time.time()
         while metric(c.prefill[0].kvrail_metrics(), "kvrail_connector_leases_held") > 0:
             assert time.time() - t < 30, "P still holds leased blocks 30 s after the load"
             time.sleep(0.5)
     finally:
+        for s in odd:
+            s.kill()
         c.stop()
 
 
@@ -105,10 +185,13 @@ def test_two_p_through_etcd_one_killed_under_load_and_started_again(model, plain
     none hangs (the bench ends), none answers other tokens; prefill-1 goes on serving;
     prefill-0, started again under its name, publishes new metadata and D serves from it."""
     e, want = plain
-    c = cluster(model, 2, 1, "push", "2p1d-kill")
+    # D's bound on a registration P never writes to (default decoder_kv_blocks_ttl, 480 s)
+    c = cluster(model, 2, 1, "push", "2p1d-kill", push_registration_timeout=REGISTRATION_S)
     try:
         c.start()
         victim = c.prefill[0]
+        # P's answer for a prompt, kept to be sent again once this P is dead and started anew
+        stale = p_params(c, ids(want["prompts"][1]))
         k = threading.Thread(target=kill_under_load, args=(c, victim, 2.0, None))
         k.start()
         t = time.time()
@@ -128,6 +211,9 @@ def test_two_p_through_etcd_one_killed_under_load_and_started_again(model, plain
             # port (the router's URL) with a new metrics port
             fresh = c.restart(fresh)
             fresh.wait()
+        # the router puts it back in its round robin at its next health check (every 1 s);
+        # before that, every request goes to prefill-1 (seen: 4 of 4)
+        time.sleep(3)
         # the restarted P serves: the router's round robin reaches it within two requests
         served = 0
         for i in range(4):
@@ -141,5 +227,11 @@ def test_two_p_through_etcd_one_killed_under_load_and_started_again(model, plain
         assert "metadata published in the store" in open(fresh.log_path, errors="replace").read().split(
             "kvrail agent up")[-1], "the restarted P did not publish its metadata"
         assert load.served([fresh]) >= 1, "the router sent the restarted P nothing"
+        # the dead incarnation's parameters (its metadata is gone from etcd, its blocks with
+        # it): the new prefill-0 holds no such prefill and never writes; D gives up after
+        # push_registration_timeout and says so, never decoding from blocks nobody wrote
+        status = served_or_refused(c.decode[0], ids(want["prompts"][1]), stale, e.url,
+                                   "push registration saw no completion in time", REGISTRATION_S + 20)
+        assert status == 500, "D answered from a dead P's parameters"
     finally:
         c.stop()
