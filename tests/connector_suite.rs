@@ -801,6 +801,47 @@ fn engine_id_must_name_the_workers_agent() {
     assert!(engine_cache("prefill-a", json, false, layout(), Cache::Agent).is_ok());
 }
 
+/// Push: D registers for a prefill P does not hold (P restarted under its name, or the
+/// parameters were made up). P refuses the registration once it has waited a lease for its
+/// prefill; D withdraws it and fails the receive then, not after
+/// `push_registration_timeout` (60 s here), and nothing lands in D's blocks.
+#[test]
+fn a_registration_for_a_prefill_p_does_not_hold_fails_within_a_lease() {
+    let json = |role: &str| {
+        format!(
+            r#"{{"kv_connector":"KvrailPushConnector","kv_role":"{role}","kv_buffer_device":"rbln",
+            "kv_connector_extra_config":{{"kv_lease_duration":2,"push_registration_timeout":60}}}}"#
+        )
+    };
+    let mut p = engine("prefill-unheld", &json("kv_producer"), false);
+    let mut d = engine("decode-unheld", &json("kv_consumer"), true);
+    let addr = p.worker.agent().side_channel_addr();
+    let params = KvTransferParams {
+        do_remote_prefill: true,
+        remote_engine_id: "prefill-unheld".into(),
+        remote_host: addr.ip().to_string(),
+        remote_port: addr.port(),
+        remote_request_id: "cmpl-never-0".into(),
+        tp_size: 1,
+        ..KvTransferParams::default()
+    };
+    let t0 = Instant::now();
+    let blocks = d.admit("cmpl-never-0-d", 40, params, t0);
+    let mut failed = false;
+    run(&mut p, &mut d, |_, fd| {
+        assert!(fd.recving.is_empty(), "D received what P never had: {fd:?}");
+        failed |= fd.failed_recving.contains(&"cmpl-never-0-d".to_string());
+        failed || t0.elapsed() > Duration::from_secs(40)
+    });
+    let took = t0.elapsed();
+    println!("    refused and failed after {:.2} s", took.as_secs_f64());
+    assert!(failed, "D still waits after {took:?}");
+    // a lease (2 s) and the withdrawal's round trip, far inside the 60 s timeout
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    assert!(!d.sched.has_pending_push_work());
+    d.check_layers(7, &blocks, &[], None); // all zeros
+}
+
 /// Push: D aborts a request while its registration is out. P drops the registration and
 /// confirms; only then does D report the request (its blocks may be freed). P's prefill,
 /// finished afterwards, writes nothing into D's blocks. With no P to confirm, D gives the

@@ -206,13 +206,23 @@ impl Worker {
             let bs = u64::from(layout.block_size);
             chunk_tokens(bs, cfg.chunk_tokens.unwrap_or(cfg.max_num_batched_tokens))
         });
+        // P: how long a registration waits for its prefill. With push_stream D may register
+        // before P starts it; otherwise D had its parameters from P's finished prefill,
+        // which P holds under its lease: a registration that found none within a lease
+        // finds none (D is told, instead of waiting out push_registration_timeout)
+        let reg_ttl = if cfg.push_stream {
+            cfg.push_registration_timeout_s
+        } else {
+            cfg.lease_duration_s
+                .clamp(1, cfg.push_registration_timeout_s.max(1))
+        };
         let writer = (cfg.direction == Direction::Push).then(|| {
             Writer::start(
                 agent.clone(),
                 layout.clone(),
                 layers.clone(),
                 (tp_rank, tp_size),
-                Duration::from_secs(cfg.push_registration_timeout_s),
+                Duration::from_secs(reg_ttl),
                 Select {
                     chunk,
                     swa: cfg.swa_window_mode,

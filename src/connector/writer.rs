@@ -19,7 +19,7 @@ use super::layout::{peer_kv, KvLayout, LayerAt, Select};
 use super::meta::RecvReq;
 use super::tp::{head_slices, rank_agent_name};
 use crate::agent::{Agent, AgentError, XferId, XferOp, XferStatus};
-use crate::proto::kvmsg::{Completion, KvMsg, PushCancel, PushCancelled, PushReg};
+use crate::proto::kvmsg::{Completion, GrantNone, KvMsg, PushCancel, PushCancelled, PushReg};
 use crate::proto::push::{PushAction, PushMatcher};
 use crate::threads::lock;
 
@@ -261,6 +261,9 @@ struct Loop {
     /// P: withdrawals to confirm once no WRITE into them is in flight (D rank agent, D
     /// request id, D's side channel).
     cancelling: Vec<(String, String, String)>,
+    /// P: registrations that found no prefill here, to refuse to D (D rank agent, D request
+    /// id, D's side channel, why).
+    refusing: Vec<(String, String, String, String)>,
     /// P: streamed matches (more than one WRITE): D is told once all of them landed.
     streamed: HashMap<PairKey, Streamed>,
     /// P: each finished request's prompt tokens.
@@ -280,6 +283,7 @@ impl Loop {
             sent_to: HashMap::new(),
             withdrawing: HashMap::new(),
             cancelling: Vec::new(),
+            refusing: Vec::new(),
             streamed: HashMap::new(),
             tokens: HashMap::new(),
         }
@@ -373,6 +377,7 @@ impl Loop {
                     // P: withdrawals of this D cannot be confirmed (D gives its blocks back
                     // after its timeout)
                     self.cancelling.retain(|(d, ..)| d != &engine);
+                    self.refusing.retain(|(d, ..)| d != &engine);
                 }
             }
             // D: registrations that waited for this P rank go once every rank they go to is
@@ -498,6 +503,16 @@ impl Loop {
         }
         let before = self.matcher.dropped;
         self.matcher.handle_timeout(now);
+        for r in std::mem::take(&mut self.matcher.expired) {
+            let why = format!(
+                "{} holds no prefill {:?} (it never ran here, or its lease ended)",
+                self.sh.agent.name(),
+                r.remote_request_id
+            );
+            tracing::warn!(peer = %r.engine_id, request = %r.request_id, "PUSH_REG refused: {why}");
+            let addr = format!("{}:{}", r.host, r.port);
+            self.refusing.push((r.engine_id, r.request_id, addr, why));
+        }
         self.sh
             .dropped
             .fetch_add(self.matcher.dropped - before, Ordering::Relaxed);
@@ -570,6 +585,7 @@ impl Loop {
             }
         }
         self.confirm_cancels();
+        self.refuse_unheld();
     }
 
     fn all_up(&self, peers: &[String]) -> bool {

@@ -787,3 +787,26 @@ fn withdrawals_round_trip_and_drop_a_registration_wherever_it_is() {
     assert_eq!(m.poll_action(), None);
     assert!(!m.cancel("decode-0", "d1"), "twice: nothing left");
 }
+
+#[test]
+fn a_registration_that_finds_no_prefill_expires_for_the_writer_to_refuse() {
+    let t0 = Instant::now();
+    let mut m = PushMatcher::new(secs(10));
+    m.on_registration(reg("d-1", "p-gone", vec![5]), t0);
+    m.on_registration(reg("d-2", "p-late", vec![6]), t0 + secs(5));
+    m.handle_timeout(t0 + secs(9));
+    assert!(m.expired.is_empty(), "inside its TTL it waits");
+    m.handle_timeout(t0 + secs(10));
+    let gone: Vec<String> = m.expired.drain(..).map(|r| r.request_id).collect();
+    assert_eq!(
+        gone,
+        vec!["d-1".to_string()],
+        "the first expired, named by D's id"
+    );
+    assert_eq!((m.pending_registrations(), m.dropped), (1, 1));
+    // the other one still matches when its prefill comes
+    m.on_finished("p-late", vec![60]);
+    assert!(!drain_push(&mut m).is_empty());
+    m.handle_timeout(t0 + secs(100));
+    assert!(m.expired.is_empty(), "a matched registration never expires");
+}

@@ -91,6 +91,9 @@ pub struct PushMatcher {
     actions: VecDeque<PushAction>,
     /// Work dropped: a handshake or WRITE failed, or a registration expired unmatched.
     pub dropped: u64,
+    /// Registrations that found no prefill within `reg_ttl`, for the writer to refuse to D
+    /// (drained by it).
+    pub expired: Vec<PushReg>,
 }
 
 impl PushMatcher {
@@ -108,6 +111,7 @@ impl PushMatcher {
             active: Vec::new(),
             actions: VecDeque::new(),
             dropped: 0,
+            expired: Vec::new(),
         }
     }
 
@@ -343,19 +347,20 @@ impl PushMatcher {
         self.active.retain(|a| a.request_id != request_id);
     }
 
-    /// Drop unmatched registrations older than the TTL (counted in `dropped`).
+    /// Drop unmatched registrations older than the TTL (counted in `dropped`, and kept in
+    /// `expired` for the writer to refuse).
     pub fn handle_timeout(&mut self, now: Instant) {
         let ttl = self.reg_ttl;
         let arrived = &mut self.arrived;
-        let before = self.regs.len();
-        self.regs.retain(|r| {
-            let keep = arrived.get(&r.request_id).is_none_or(|t| now < *t + ttl);
-            if !keep {
-                arrived.remove(&r.request_id);
-            }
-            keep
-        });
-        self.dropped += (before - self.regs.len()) as u64;
+        let (keep, gone): (Vec<PushReg>, Vec<PushReg>) = std::mem::take(&mut self.regs)
+            .into_iter()
+            .partition(|r| arrived.get(&r.request_id).is_none_or(|t| now < *t + ttl));
+        for r in &gone {
+            arrived.remove(&r.request_id);
+        }
+        self.regs = keep;
+        self.dropped += gone.len() as u64;
+        self.expired.extend(gone);
     }
 
     /// When the oldest unmatched registration expires.

@@ -46,7 +46,12 @@ def engines(py, model, name, logs):
     if name == "nixl":
         if not os.path.isdir(NIXL_DIR):
             sys.exit(f"no real NIXL at {NIXL_DIR}: run python/tests/vllm/run.sh first")
-        path = os.path.abspath(NIXL_DIR)
+        # vLLM's CPU attention on an AMX host needs the tile data kvrail's modules ask for;
+        # the real NIXL's engines get it from tools/pd's sitecustomize (else D dies with SIGILL)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tools", "pd"))
+        from cluster import amx_site
+
+        path = os.pathsep.join([amx_site(), os.path.abspath(NIXL_DIR)])
         env_p = {**UCX, "PYTHONPATH": path, "VLLM_NIXL_SIDE_CHANNEL_PORT": "15701"}
         env_d = {**UCX, "PYTHONPATH": path, "VLLM_NIXL_SIDE_CHANNEL_PORT": "15711"}
     elif name == "nixl-on-kvrail":

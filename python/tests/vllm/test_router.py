@@ -26,7 +26,7 @@ from load import NEAR_TIE, bench, compare, greedy_margin, ids, kill_under_load, 
 LOGS = os.environ.get("KVRAIL_VLLM_LOGS", "/tmp/kvrail-vllm-logs")
 ROUTER = os.environ.get("KVRAIL_VLLM_ROUTER") or os.path.join(ROOT, "target", "router-venv", "bin", "vllm-router")
 PROMPTS, RATE, INPUT, OUTPUT = 16, 3.0, 600, 16  # ~6 s of load; prompts of 300-900 tokens (3-8 blocks)
-REGISTRATION_S = 20  # push: how long D waits for P's WRITEs into a registration
+LEASE_S = 10  # kv_lease_duration of every engine here
 
 pytestmark = pytest.mark.skipif(not os.path.exists(ROUTER), reason=f"no vllm-router at {ROUTER}")
 
@@ -65,11 +65,11 @@ def test_the_greedy_check_tells_wrong_tokens_from_near_ties(plain):
     assert greedy_margin(e.url, prompt, wrong) > 4 * NEAR_TIE
 
 
-def cluster(model, n_p, n_d, mode, tag, **extra):
+def cluster(model, n_p, n_d, mode, tag):
     logs = os.path.join(LOGS, "router", tag)
     shutil.rmtree(logs, ignore_errors=True)
     return Cluster(n_p, n_d, mode, model=model, python=sys.executable, router=ROUTER, logs=logs,
-                   extra={"kv_lease_duration": 10, **extra})
+                   extra={"kv_lease_duration": LEASE_S})
 
 
 def check(got, want, plain_url, faults=False):
@@ -117,8 +117,8 @@ def strangers(model, logs):
     from tiny_model import make
 
     other = make(os.path.join(os.path.dirname(model), "vllm-model-other"), seed=99)
-    return [Engine(sys.executable, other, "decode-other-model", "pull", logs, extra={"kv_lease_duration": 10}),
-            Engine(sys.executable, model, "decode-block-64", "pull", logs, extra={"kv_lease_duration": 10},
+    return [Engine(sys.executable, other, "decode-other-model", "pull", logs, extra={"kv_lease_duration": LEASE_S}),
+            Engine(sys.executable, model, "decode-block-64", "pull", logs, extra={"kv_lease_duration": LEASE_S},
                    args=["--block-size", "64"])]
 
 
@@ -185,8 +185,7 @@ def test_two_p_through_etcd_one_killed_under_load_and_started_again(model, plain
     none hangs (the bench ends), none answers other tokens; prefill-1 goes on serving;
     prefill-0, started again under its name, publishes new metadata and D serves from it."""
     e, want = plain
-    # D's bound on a registration P never writes to (default decoder_kv_blocks_ttl, 480 s)
-    c = cluster(model, 2, 1, "push", "2p1d-kill", push_registration_timeout=REGISTRATION_S)
+    c = cluster(model, 2, 1, "push", "2p1d-kill")
     try:
         c.start()
         victim = c.prefill[0]
@@ -228,10 +227,11 @@ def test_two_p_through_etcd_one_killed_under_load_and_started_again(model, plain
             "kvrail agent up")[-1], "the restarted P did not publish its metadata"
         assert load.served([fresh]) >= 1, "the router sent the restarted P nothing"
         # the dead incarnation's parameters (its metadata is gone from etcd, its blocks with
-        # it): the new prefill-0 holds no such prefill and never writes; D gives up after
-        # push_registration_timeout and says so, never decoding from blocks nobody wrote
+        # it): the new prefill-0 holds no such prefill and refuses the registration after a
+        # lease (before the fix D waited out push_registration_timeout, 480 s); D fails
+        # the request and says why, never decoding from blocks nobody wrote
         status = served_or_refused(c.decode[0], ids(want["prompts"][1]), stale, e.url,
-                                   "push registration saw no completion in time", REGISTRATION_S + 20)
+                                   "refused the registration", LEASE_S + 20)
         assert status == 500, "D answered from a dead P's parameters"
     finally:
         c.stop()

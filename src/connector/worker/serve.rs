@@ -70,9 +70,18 @@ impl Worker {
                 }
             }
             Ok(KvMsg::Grant(g)) => self.granted(from, &g.request_id, Granted::Token(g.token)),
-            Ok(KvMsg::GrantNone(g)) => {
-                self.granted(from, &g.request_id, Granted::Refused(g.reason));
-            }
+            Ok(KvMsg::GrantNone(g)) => match self.cfg.direction {
+                Direction::Pull => self.granted(from, &g.request_id, Granted::Refused(g.reason)),
+                // push: a P rank holds no prefill for our registration, so no WRITE comes;
+                // withdrawn from every rank it went to before the receive is reported failed
+                Direction::Push if self.receiver.is_pending(&g.request_id) => {
+                    let why = format!("{from} refused the registration: {}", g.reason);
+                    tracing::warn!(request = %g.request_id, error = %why, "KV receive failed");
+                    self.receiver.cancel(&g.request_id);
+                    self.withdraw(&g.request_id, Withdrawn::Expired, now);
+                }
+                Direction::Push => {}
+            },
             Ok(KvMsg::Heartbeat(ids)) => {
                 self.stats.heartbeats_in.inc();
                 self.leases.handle_heartbeat(&ids, now);

@@ -82,6 +82,29 @@ impl Loop {
         }
     }
 
+    /// P: tell D that registrations which found no prefill here get no WRITE (`GRANT_NONE`
+    /// naming D's request id), connecting to D first where this P never wrote to it; D
+    /// then withdraws them and fails their receives instead of waiting out
+    /// `push_registration_timeout`.
+    pub(super) fn refuse_unheld(&mut self) {
+        for (d, id, addr, why) in std::mem::take(&mut self.refusing) {
+            if self.conns.get(&d) != Some(&Conn::Up) {
+                self.handshake(&d, addr.clone()); // once; a failure forgets the connection
+                if self.conns.contains_key(&d) {
+                    self.refusing.push((d, id, addr, why)); // told once connected
+                }
+                continue;
+            }
+            let no = GrantNone {
+                request_id: id.clone(),
+                reason: why,
+            };
+            if let Err(e) = self.sh.agent.send_notif(&d, no.encode()) {
+                tracing::warn!(request = %id, peer = %d, error = %e, "GRANT_NONE not sent");
+            }
+        }
+    }
+
     pub(super) fn send_reg(&self, peer: &str, r: RecvReq, grant: Option<&[u8]>) {
         if r.local_block_ids.is_empty() {
             // P refuses a registration without blocks: say so here instead of timing out
