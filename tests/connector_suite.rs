@@ -842,6 +842,52 @@ fn a_registration_for_a_prefill_p_does_not_hold_fails_within_a_lease() {
     d.check_layers(7, &blocks, &[], None); // all zeros
 }
 
+/// Push: P dies after D's registration reached it and before it wrote. D fails the receive
+/// as soon as it sees P's connection end, not after a lease or `push_registration_timeout`
+/// (30 s and 60 s here); nothing lands in D's blocks.
+#[test]
+fn a_registration_out_to_a_p_that_died_fails_when_its_connection_ends() {
+    let json = |role: &str| {
+        format!(
+            r#"{{"kv_connector":"KvrailPushConnector","kv_role":"{role}","kv_buffer_device":"rbln",
+            "kv_connector_extra_config":{{"kv_lease_duration":30,"push_registration_timeout":60}}}}"#
+        )
+    };
+    let mut p = engine("prefill-dies", &json("kv_producer"), false);
+    let mut d = engine("decode-orphan", &json("kv_consumer"), true);
+    let addr = p.worker.agent().side_channel_addr();
+    let params = KvTransferParams {
+        do_remote_prefill: true,
+        remote_engine_id: "prefill-dies".into(),
+        remote_host: addr.ip().to_string(),
+        remote_port: addr.port(),
+        remote_request_id: "cmpl-orphan-0".into(),
+        tp_size: 1,
+        ..KvTransferParams::default()
+    };
+    let t0 = Instant::now();
+    let blocks = d.admit("cmpl-orphan-0-d", 40, params, t0);
+    // the registration reaches P, which holds no prefill yet and waits for it
+    run(&mut p, &mut d, |_, _| {
+        t0.elapsed() > Duration::from_millis(500)
+    });
+    drop(p);
+    let t1 = Instant::now();
+    let mut failed = false;
+    while !failed && t1.elapsed() < Duration::from_secs(40) {
+        let f = d.step(Instant::now());
+        assert!(f.recving.is_empty(), "D received from a dead P: {f:?}");
+        failed = f.failed_recving.contains(&"cmpl-orphan-0-d".to_string());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let took = t1.elapsed();
+    println!("    failed {:.2} s after P died", took.as_secs_f64());
+    assert!(failed, "D still waits {took:?} after P died");
+    assert!(took < Duration::from_secs(15), "{took:?}");
+    assert!(!d.sched.has_pending_push_work());
+    d.check_layers(7, &blocks, &[], None); // all zeros
+}
+
 /// Push: D aborts a request while its registration is out. P drops the registration and
 /// confirms; only then does D report the request (its blocks may be freed). P's prefill,
 /// finished afterwards, writes nothing into D's blocks. With no P to confirm, D gives the

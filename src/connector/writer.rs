@@ -50,6 +50,8 @@ struct Inbox {
     evict: VecDeque<String>,
     /// D: registrations to withdraw (request id, report the confirmation).
     cancel: VecDeque<(String, bool)>,
+    /// D: receives that ended (done or failed): their registrations are no longer watched.
+    ended: VecDeque<String>,
     handshakes: VecDeque<(String, Result<(), String>)>,
 }
 
@@ -151,6 +153,12 @@ impl Writer {
     /// `report`, [`WriterEvent::Cancelled`] once all of them confirmed.
     pub(crate) fn cancel(&self, id: &str, report: bool) {
         self.push(|i| i.cancel.push_back((id.to_owned(), report)));
+    }
+
+    /// D: receive `id` ended (its WRITEs landed, or it failed): stop watching the P ranks
+    /// its registration went to.
+    pub(crate) fn ended(&self, id: &str) {
+        self.push(|i| i.ended.push_back(id.to_owned()));
     }
 
     pub(crate) fn wake(&self) {
@@ -586,6 +594,10 @@ impl Loop {
         }
         self.confirm_cancels();
         self.refuse_unheld();
+        for id in w.ended.drain(..) {
+            self.sent_to.remove(&id);
+        }
+        self.fail_orphaned();
     }
 
     fn all_up(&self, peers: &[String]) -> bool {

@@ -227,6 +227,11 @@ impl Worker {
         }
         // push receives
         let (ok, failed) = self.receiver.get_finished();
+        if let Some(w) = &self.writer {
+            for id in ok.iter().chain(&failed) {
+                w.ended(id);
+            }
+        }
         self.done.recving.extend(ok);
         self.done.failed_recving.extend(failed);
         // leases

@@ -105,6 +105,30 @@ impl Loop {
         }
     }
 
+    /// D: registrations out to a P rank whose connection ended (it crashed or stopped, its
+    /// metadata left the store, or it came back as another process) fail now: that rank
+    /// writes nothing more into them, and D's grant over their blocks is revoked when the
+    /// engine takes them back. Without this D waited out `push_registration_timeout`
+    /// (480 s by default; the router's client had given up long before).
+    pub(super) fn fail_orphaned(&mut self) {
+        let agent = &self.sh.agent;
+        let gone: Vec<(String, String)> = self
+            .sent_to
+            .iter()
+            .filter_map(|(id, peers)| {
+                let dead = peers.iter().find(|p| !agent.peer_connected(p))?;
+                Some((id.clone(), dead.clone()))
+            })
+            .collect();
+        for (id, peer) in gone {
+            self.sent_to.remove(&id);
+            self.event(WriterEvent::RegistrationFailed(
+                id,
+                format!("{peer} went away before it wrote (its connection ended: crashed, stopped or restarted)"),
+            ));
+        }
+    }
+
     pub(super) fn send_reg(&self, peer: &str, r: RecvReq, grant: Option<&[u8]>) {
         if r.local_block_ids.is_empty() {
             // P refuses a registration without blocks: say so here instead of timing out

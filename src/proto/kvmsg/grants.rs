@@ -37,10 +37,12 @@ pub struct GrantMsg {
     pub token: Vec<u8>,
 }
 
-/// P holds no blocks of `request_id` (P's id) to grant, and why.
+/// P holds no blocks of `request_id` to grant (pull), or no prefill for a registration
+/// (push), and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GrantNone {
-    /// P's request id.
+    /// The request as the asker named it: P's id for a grant question (pull), D's id for a
+    /// push registration.
     pub request_id: String,
     /// Why (lease over, never held).
     pub reason: String,
