@@ -1,7 +1,8 @@
-"""The names NIXL's Python users take from ``nixl._bindings``, on kvrail: descriptor lists
-and their constructors, memory segment and status constants, the exception types and
-``nixlXferTelemetry``. :mod:`kvrail.nixl` uses them; the ``nixl`` compat package
-(:mod:`kvrail.nixl_compat`) exposes them as ``nixl._bindings``.
+"""The vocabulary of ``nixl._bindings`` on kvrail: descriptor lists and their
+constructors, memory segment and status constants, the exception types and
+``nixlXferTelemetry``. The bindings-level agent (:mod:`kvrail._nixl_bind_agent`) and
+:mod:`kvrail.nixl` use them; :mod:`kvrail._nixl_bindings` gathers both, and the ``nixl``
+compat package (:mod:`kvrail.nixl_compat`) is that module under the name ``nixl._bindings``.
 
 Each NIXL exception is also a :class:`kvrail.KvrailError` of the matching fault group.
 """
@@ -186,6 +187,41 @@ class _DList:
     def __getitem__(self, i):
         return self.descs[i]
 
+    def __setitem__(self, i, desc) -> None:
+        self.descs[i] = self._entry(desc)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.mem_type == self.mem_type and other.descs == self.descs
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as NIXL's
+
+    def index(self, desc) -> int:
+        """Where ``desc`` is in the list (``ValueError`` where it is not)."""
+        return self.descs.index(self._entry(desc))
+
+    def append(self, desc) -> None:
+        """Add one descriptor (``addDesc`` in NIXL)."""
+        self.descs.append(self._entry(desc))
+
+    def addDesc(self, desc) -> None:
+        """Add one descriptor (``append``)."""
+        self.append(desc)
+
+    def print(self) -> None:
+        """Write the list to standard output, one descriptor a line, as NIXL's ``print``."""
+        print(f"DescList of mem type {int(self.getType())}")
+        for d in self.descs:
+            print("  " + ", ".join(f"{x:#x}" if i == 0 else str(x) for i, x in enumerate(d)))
+
+    def _entry(self, desc) -> tuple:
+        raise NotImplementedError
+
+    def __getstate__(self):
+        return {"mem_type": self.mem_type, "descs": list(self.descs)}
+
+    def __setstate__(self, st):
+        self.mem_type, self.descs = st["mem_type"], list(st["descs"])
+
 
 def _rows(descs: Any) -> Iterable:
     """Entries of a list, or the rows of an array; none for NIXL's ``init_size`` integer."""
@@ -206,18 +242,16 @@ class nixlRegDList(_DList):
             self.append(d)
         self._owners = list(owners)  # objects whose memory this is: kept alive
 
-    def append(self, desc) -> None:
-        """Add one descriptor (``addDesc`` in NIXL)."""
+    def _entry(self, desc) -> tuple:
+        if len(desc) not in (3, 4):
+            raise nixlInvalidParamError(f"descriptor {desc!r}: (address, length, device id, meta) expected")
         a, n, d = (int(x) for x in desc[:3])
-        self.descs.append((a, n, d, str(desc[3]) if len(desc) > 3 else ""))
-
-    addDesc = append
-
-    def __getstate__(self):
-        return {"mem_type": self.mem_type, "descs": self.descs}
+        meta = desc[3] if len(desc) > 3 else ""
+        return (a, n, d, meta.decode() if isinstance(meta, (bytes, bytearray)) else str(meta))
 
     def __setstate__(self, st):
-        self.mem_type, self.descs, self._owners = st["mem_type"], st["descs"], []
+        super().__setstate__(st)
+        self._owners = []
 
     def trim(self) -> "nixlXferDList":
         """The same memory as a transfer descriptor list."""
@@ -237,15 +271,35 @@ class nixlXferDList(_DList):
         for d in _rows(descs):
             self.append(d)
 
-    def append(self, desc) -> None:
-        """Add one descriptor (``addDesc`` in NIXL)."""
-        a, n, d = (int(x) for x in desc[:3])
-        self.descs.append((a, n, d))
-
-    addDesc = append
+    def _entry(self, desc) -> tuple:
+        if len(desc) != 3:
+            raise nixlInvalidParamError(f"descriptor {desc!r}: (address, length, device id) expected")
+        a, n, d = (int(x) for x in desc)
+        return (a, n, d)
 
     def __repr__(self) -> str:
         return f"nixlXferDList({self.mem_type}, {len(self.descs)} descriptors)"
+
+
+class nixlRemoteDList(_DList):
+    """A descriptor list in a peer's memory: ``(address, length, device id, agent name)``
+    entries, ``nixlRemoteDList(DRAM_SEG, [...])`` as in NIXL."""
+
+    def __init__(self, mem_type: Any, descs: Any = 0):
+        self.mem_type = mem_kind(mem_type)
+        self.descs: List[Tuple[int, int, int, str]] = []
+        for d in _rows(descs):
+            self.append(d)
+
+    def _entry(self, desc) -> tuple:
+        if len(desc) != 4:
+            raise nixlInvalidParamError(f"descriptor {desc!r}: (address, length, device id, agent name) expected")
+        a, n, d = (int(x) for x in desc[:3])
+        name = desc[3]
+        return (a, n, d, name.decode() if isinstance(name, (bytes, bytearray)) else str(name))
+
+    def __repr__(self) -> str:
+        return f"nixlRemoteDList({self.mem_type}, {len(self.descs)} descriptors)"
 
 
 # ---- telemetry -----------------------------------------------------------------------------

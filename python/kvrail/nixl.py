@@ -3,12 +3,18 @@ unchanged when its import is swapped::
 
     from kvrail.nixl import nixl_agent, nixl_agent_config
 
-Descriptors are NIXL's: ``(address, length, device id[, meta])`` in memory registered with
-the agent, "DRAM" or "VRAM" (NPU memory through the RBLN runtime). NIXL backend names
-("UCX", …) are accepted and mapped to kvrail's own transport choice — RDMA verbs where a
-usable rail exists, TCP otherwise — with a log line. kvrail's own agent keys can be given as
+``nixl_agent`` is built on the bindings-level ``nixlAgent`` (:mod:`kvrail._nixl_bindings`,
+looked up there when an agent is made), as NIXL's is. Descriptors are NIXL's:
+``(address, length, device id[, meta])`` in memory registered with the agent, "DRAM" or
+"VRAM" (NPU memory through the RBLN runtime). NIXL backend names ("UCX", …) are accepted and
+mapped to kvrail's own transport choice — RDMA verbs where a usable rail exists, TCP
+otherwise — with a log line. kvrail's own agent keys can be given as
 ``nixl_agent_config(kvrail_config={...})`` or as JSON in the ``KVRAIL_AGENT_CONFIG``
 environment variable (e.g. ``{"side_channel_host": "10.0.0.5"}`` for peers on other hosts).
+
+Metadata is exchanged as NIXL's examples do: as bytes, through a peer's listener
+(``fetch_remote_metadata``/``send_local_metadata``/``invalidate_local_metadata`` with an
+address), or through etcd (``NIXL_ETCD_ENDPOINTS``), whole or partial.
 
 Errors are NIXL's exception names (``nixlNotFoundError`` for an unknown peer, …), each also a
 :class:`kvrail.KvrailError` of the matching fault group.
@@ -16,21 +22,20 @@ Errors are NIXL's exception names (``nixlNotFoundError`` for an unknown peer, �
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import pickle
-import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
-from . import _kvrail
+from . import _nixl_bindings as _bind
 from ._amx import request_amx_permission
-from ._kvrail import KvrailError, MisuseError, PeerConnectionError, PeerError
-from ._nixl_bindings import (
+from ._kvrail import KvrailError, MisuseError
+from ._nixl_bind_agent import translate as _translate
+from ._nixl_types import (
     _dlist,
     _op,
     DEFAULT_COMM_PORT,
     NIXL_INIT_AGENT,
+    NIXL_SUCCESS,
     nixl_thread_sync_t,
     nixlBackendError,
     nixlCancelledError,
@@ -42,6 +47,7 @@ from ._nixl_bindings import (
     nixlNotPostedError,
     nixlNotSupportedError,
     nixlRegDList,
+    nixlRemoteDList,
     nixlRemoteDisconnectError,
     nixlRepostActiveError,
     nixlUnknownError,
@@ -50,9 +56,6 @@ from ._nixl_bindings import (
 )
 
 logger = logging.getLogger("kvrail.nixl")
-
-_NIXL_BACKENDS = ("UCX", "UCX_MO", "LIBFABRIC", "UCCL", "Mooncake", "MOONCAKE", "GPUNETIO")
-_TRUE, _FALSE = ("y", "yes", "on", "1", "true"), ("n", "no", "off", "0", "false")
 
 # vLLM's NixlConnector runs on this module (the compat package): vLLM's CPU attention uses AMX
 # tiles without asking Linux for them (see kvrail._amx)
@@ -64,29 +67,28 @@ def _name(agent: Union[str, bytes]) -> str:
     return agent.decode() if isinstance(agent, (bytes, bytearray)) else str(agent)
 
 
-def _telemetry_on(conf: "nixl_agent_config") -> bool:
-    """NIXL's rule: ``NIXL_TELEMETRY_ENABLE`` (y/n) when set, else ``capture_telemetry``."""
-    env = os.environ.get("NIXL_TELEMETRY_ENABLE", "").strip().lower()
-    if env in _TRUE:
-        return True
-    if env in _FALSE:
-        return False
-    return bool(conf.capture_telemetry)
-
-
 class nixl_prepped_dlist_handle:
     """A descriptor list prepared for ``make_prepped_xfer`` (``prep_xfer_dlist``)."""
 
-    __slots__ = ("_agent", "_peer", "_descs", "_released")
+    __slots__ = ("_agent", "_handle", "_released")
 
-    def __init__(self, agent: "nixl_agent", peer: str, descs: List[Tuple[int, int]]):
-        self._agent, self._peer, self._descs, self._released = agent, peer, descs, False
+    def __init__(self, agent: "nixl_agent", value: int):
+        self._agent, self._handle, self._released = agent, int(value), False
 
     def release(self) -> None:
-        self._released = True
+        if not self._released:
+            self._agent.agent.releasedDlistH(self._handle)
+            self._released = True
+
+    def __del__(self):
+        if not getattr(self, "_released", True):
+            try:
+                self.release()
+            except Exception:  # the agent is gone
+                pass
 
     def __repr__(self) -> str:
-        return f"nixl_prepped_dlist_handle({self._peer or 'local'}, {len(self._descs)}, released={self._released})"
+        return f"nixl_prepped_dlist_handle({self._handle}, released={self._released})"
 
 
 class nixl_xfer_handle:
@@ -99,7 +101,7 @@ class nixl_xfer_handle:
 
     def release(self) -> None:
         if not self._released:
-            self._agent._release_xfer(self._handle)
+            self._agent.agent.releaseXferReq(self._handle)
             self._released = True
 
     def __del__(self):
@@ -146,31 +148,9 @@ class nixl_agent_config:
         self.kvrail_config = dict(kvrail_config or {})
 
 
-def _translate(e: Exception) -> Exception:
-    """A kvrail error as NIXL's exception of the same meaning."""
-    msg = str(e)
-    if isinstance(e, _kvrail.ConfigError):
-        return e  # names the key; NIXL has no configuration error of its own
-    if isinstance(e, MisuseError):
-        if any(k in msg for k in ("unknown peer", "no transfer", "no registered region", "not inside memory", "no agent ")):
-            return nixlNotFoundError(msg)
-        if "in progress" in msg:
-            return nixlRepostActiveError(msg)
-        return nixlInvalidParamError(msg)
-    if isinstance(e, PeerConnectionError):
-        return nixlRemoteDisconnectError(msg)
-    if isinstance(e, PeerError):
-        return nixlMismatchError(msg)
-    if isinstance(e, _kvrail.UnavailableError):
-        return nixlNotSupportedError(msg)
-    if isinstance(e, KvrailError):
-        return nixlBackendError(msg)
-    return e
-
-
 class nixl_agent:
     """A NIXL agent on kvrail: register memory, exchange metadata, READ and WRITE
-    descriptor lists with notifications."""
+    descriptor lists with notifications. ``agent`` is its bindings-level ``nixlAgent``."""
 
     def __init__(
         self,
@@ -184,26 +164,20 @@ class nixl_agent:
         if nixl_conf is not None and instantiate_all:
             logger.warning("Ignoring instantiate_all based on the provided config in agent creation.")
             instantiate_all = False
-        cfg: Dict[str, Any] = {}
-        env = os.environ.get("KVRAIL_AGENT_CONFIG")
-        if env:
-            try:
-                cfg.update(json.loads(env))
-            except ValueError as e:
-                raise _kvrail.ConfigError(f"KVRAIL_AGENT_CONFIG: not JSON: {e}") from None
-        cfg.update(conf.kvrail_config)
-        # NIXL's etcd metadata server settings: kvrail's metadata store
-        etcd = os.environ.get("NIXL_ETCD_ENDPOINTS")
-        if etcd and "metadata_store" not in cfg:
-            hosts = [e.strip().split("://", 1)[-1].rstrip("/") for e in etcd.split(",") if e.strip()]
-            cfg["metadata_store"] = "etcd://" + ",".join(hosts)
-            ns = os.environ.get("NIXL_ETCD_NAMESPACE")
-            if ns and "metadata_namespace" not in cfg:
-                cfg["metadata_namespace"] = ns.strip("/")
-        if "listen" not in cfg:
-            cfg["listen"] = f"0.0.0.0:{conf.port if conf.enable_listen else 0}"
+        # NIXL's rule: a listening agent is thread safe by default
+        default_sync = (
+            nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if conf.enable_listen else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+        )
+        bc = _bind.nixlAgentConfig(
+            conf.enable_pthread,
+            conf.enable_listen,
+            conf.port,
+            (conf.sync_mode or default_sync).value,
+            captureTelemetry=conf.capture_telemetry,
+        )
+        bc.kvrailConfig = dict(conf.kvrail_config)
         try:
-            self._agent = _kvrail.Agent(agent_name, json.dumps(cfg))
+            self.agent = _bind.nixlAgent(agent_name, bc)
         except KvrailError as e:
             raise _translate(e) from e
         self.name = agent_name
@@ -211,19 +185,22 @@ class nixl_agent:
         self.backends: Dict[str, int] = {}
         self.backend_mems: Dict[str, List[str]] = {}
         self.backend_options: Dict[str, Dict[str, str]] = {}
-        self.plugin_list = list(_NIXL_BACKENDS)
-        # (addr, len) of each registered descriptor -> (region id, owners)
-        self._regs: Dict[Tuple[int, int], int] = {}
-        self._owners: Dict[Tuple[int, int], Any] = {}
-        self._xfers: Dict[int, str] = {}  # transfer -> peer
-        self._telemetry_on = _telemetry_on(conf)
-        self._telemetry: Dict[int, nixlXferTelemetry] = {}  # transfer -> what it did
+        self.plugin_list = self.agent.getAvailPlugins()
+        self._owners: Dict[Any, Any] = {}  # (addr, len) -> the objects whose memory it is
         for b in self.plugin_list if instantiate_all else conf.backends:
             if b in self.plugin_list:
                 self.create_backend(b, {})
             else:
                 logger.warning("Skipping backend registration %s due to the missing plugin.", b)
-        logger.info("Initialized kvrail agent %s (backend %s)", agent_name, self._agent.backend)
+        logger.info("Initialized kvrail agent %s (backend %s)", agent_name, self.agent.kvrail.backend)
+
+    def _handles(self, backends: Sequence[str]) -> List[int]:
+        out = []
+        for b in backends:
+            if b not in self.backends:
+                raise nixlNotFoundError(f"backend {b!r}: not created on this agent")
+            out.append(self.backends[b])
+        return out
 
     # ---- backends ----------------------------------------------------------------------
 
@@ -236,12 +213,13 @@ class nixl_agent:
         if backend not in self.plugin_list:
             logger.warning("Plugin %s is not available to get its supported mem types.", backend)
             return []
-        return ["DRAM", "VRAM"]
+        return self.agent.getPluginParams(backend)[1]
 
     def get_plugin_params(self, backend: str) -> Dict[str, str]:
         if backend not in self.plugin_list:
             logger.warning("Plugin %s is not available to get its parameters.", backend)
-        return {}
+            return {}
+        return self.agent.getPluginParams(backend)[0]
 
     def get_backend_mem_types(self, backend: str) -> List[str]:
         if backend not in self.backend_mems:
@@ -261,14 +239,9 @@ class nixl_agent:
             raise nixlNotFoundError(
                 f"backend: {backend!r} is not a NIXL backend kvrail stands in for ({', '.join(self.plugin_list)})"
             )
-        if backend in self.backends:
-            return
-        self.backends[backend] = len(self.backends) + 1
-        self.backend_mems[backend] = ["DRAM", "VRAM"]
-        self.backend_options[backend] = {str(k): str(v) for k, v in (initParams or {}).items()}
-        logger.info(
-            "NIXL backend %s maps to kvrail's own transport: %s", backend, self._agent.backend
-        )
+        h = self.agent.createBackend(backend, initParams or {})
+        self.backends[backend] = h
+        self.backend_options[backend], self.backend_mems[backend] = self.agent.getBackendParams(h)
 
     # ---- memory ------------------------------------------------------------------------
 
@@ -282,116 +255,118 @@ class nixl_agent:
         or buffer, a list of those, or a nixlXferDList."""
         return _dlist(descs, mem_type, nixlXferDList, nixlRegDList, strict=False)
 
+    def get_remote_descs(self, descs, mem_type: Optional[str] = None) -> Optional[nixlRemoteDList]:
+        """A list in peers' memory from ``(addr, len, dev, agent name)`` 4-tuples (with
+        ``mem_type``) or a nixlRemoteDList; None (logged) otherwise, as in NIXL."""
+        if isinstance(descs, nixlRemoteDList):
+            return descs
+        if isinstance(descs, (list, tuple)) and descs and isinstance(descs[0], tuple) and len(descs[0]) == 4:
+            if mem_type is None:
+                logger.error("Please specify a mem type for a remote descriptor list")
+                return None
+            return nixlRemoteDList(mem_type, descs)
+        logger.error("A remote descriptor list needs (addr, len, dev, agent name) 4-tuples")
+        return None
+
     def register_memory(self, reg_list, mem_type: Optional[str] = None, backends: Sequence[str] = ()) -> nixlRegDList:
         """Register memory in place (kvrail never copies it on RDMA); returns the list for
         ``deregister_memory``. The objects given stay referenced until then."""
         reg = _dlist(reg_list, mem_type, nixlRegDList, nixlXferDList, strict=True)
-        done: List[Tuple[int, int]] = []
-        try:
-            for a, n, d, _ in reg.descs:
-                rid = self._agent.register(a, n, reg.mem_type, d)
-                self._regs[(a, n)] = rid
-                done.append((a, n))
-        except KvrailError as e:
-            for k in done:
-                self._agent.deregister(self._regs.pop(k))
-            raise _translate(e) from e
-        for k in done:
-            self._owners[k] = reg._owners
+        self.agent.registerMem(reg, self._handles(backends))
+        for a, n, _, _ in reg.descs:
+            self._owners[(a, n)] = reg._owners
         return reg
 
     def deregister_memory(self, dereg_list: nixlRegDList, backends: Sequence[str] = ()) -> None:
         """Deregister what ``register_memory`` registered (refused while a transfer uses it)."""
+        self.agent.deregisterMem(dereg_list, self._handles(backends))
         for a, n, _, _ in dereg_list.descs:
-            rid = self._regs.get((a, n))
-            if rid is None:
-                raise nixlNotFoundError(f"dereg_list: [{a:#x}, +{n}) is not registered")
-            try:
-                self._agent.deregister(rid)
-            except KvrailError as e:
-                raise _translate(e) from e
-            del self._regs[(a, n)]
             self._owners.pop((a, n), None)
 
     def query_memory(self, reg_list, backend: str, mem_type: Optional[str] = None) -> List[Optional[Dict[str, str]]]:
         reg = self.get_reg_descs(reg_list, mem_type)
-        return [{} if (a, n) in self._regs else None for a, n, _, _ in reg.descs]
+        if reg is None:
+            raise nixlInvalidParamError("reg_list: not a registration list (see get_reg_descs)")
+        return self.agent.queryMem(reg, self.backends.get(backend, 0))
 
     # ---- metadata and peers ------------------------------------------------------------
 
     def get_agent_metadata(self) -> bytes:
-        return self._agent.metadata()
+        return self.agent.getLocalMD()
+
+    def get_partial_agent_metadata(self, descs, inc_conn_info: bool, backends: Sequence[str] = ()) -> bytes:
+        """Metadata naming only the regions ``descs`` (a registration list) lie in."""
+        return self.agent.getLocalPartialMD(self._reg(descs), inc_conn_info, self._handles(backends))
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
-        """Load a peer's metadata (from its ``get_agent_metadata``) and connect; returns the
-        peer's name as bytes, as NIXL does (every call takes it as bytes or str)."""
-        try:
-            return self._agent.load_remote(bytes(metadata)).encode()
-        except KvrailError as e:
-            raise _translate(e) from e
+        """Load a peer's metadata (whole or partial) and connect; returns the peer's name as
+        bytes, as NIXL does (every call takes it as bytes or str)."""
+        return self.agent.loadRemoteMD(metadata)
 
     def remove_remote_agent(self, agent: Union[str, bytes]) -> None:
         """Forget a peer (its connection closes); an unknown name is ignored, as in NIXL."""
-        name = _name(agent)
-        if not self._agent.has_peer(name):
-            logger.warning("remove_remote_agent: no peer %r", name)
-            return
-        try:
-            self._agent.invalidate(name)
-        except KvrailError as e:
-            raise _translate(e) from e
+        if self.agent.invalidateRemoteMD(_name(agent)) != NIXL_SUCCESS:
+            logger.warning("remove_remote_agent: no peer %r", _name(agent))
 
     def make_connection(self, remote_agent: Union[str, bytes], backends: Sequence[str] = ()) -> None:
         """kvrail connects when the metadata is loaded: only checks the peer is known."""
-        remote_agent = _name(remote_agent)
-        if not self._agent.has_peer(remote_agent):
-            raise nixlNotFoundError(f"unknown peer {remote_agent!r}: load its metadata first")
-
-    def fetch_remote_metadata(self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = "") -> None:
-        """Load the metadata of the peer listening (``enable_listen_thread``) at ip:port, or
-        with no address, by name from the metadata store (etcd: ``NIXL_ETCD_ENDPOINTS`` or
-        the ``metadata_store`` key)."""
-        if not ip_addr:
-            if self._agent.store_up() is None:
-                raise nixlNotSupportedError(
-                    "ip_addr: no metadata store configured (NIXL_ETCD_ENDPOINTS or metadata_store); give the peer's address"
-                )
-            try:
-                self._agent.load_by_name(_name(remote_agent))
-            except KvrailError as e:
-                raise _translate(e) from e
-            return
-        try:
-            got = self._agent.load_remote_addr(f"{ip_addr}:{port}")
-        except KvrailError as e:
-            raise _translate(e) from e
-        if remote_agent and got != remote_agent:
-            logger.warning("fetched metadata of %s at %s:%d, expected %s", got, ip_addr, port, remote_agent)
+        self.agent.makeConnection(_name(remote_agent), self._handles(backends))
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
-        """With a metadata store and no address: nothing to do (the agent keeps its metadata
-        published there). Otherwise kvrail peers fetch it from this agent's side channel."""
-        if not ip_addr and self._agent.store_up() is not None:
-            return
-        raise nixlNotSupportedError(
-            "send_local_metadata: kvrail peers fetch metadata (fetch_remote_metadata) from the side channel"
-        )
+        """Send this agent's metadata to the peer listening at ip:port (it loads it and
+        connects back), or with no address publish it in the metadata store."""
+        self.agent.sendLocalMD(ip_addr, port)
+
+    def send_partial_agent_metadata(
+        self,
+        descs,
+        inc_conn_info: bool = False,
+        backends: Sequence[str] = (),
+        ip_addr: str = "",
+        port: int = DEFAULT_COMM_PORT,
+        label: str = "",
+    ) -> None:
+        """``get_partial_agent_metadata`` sent to the peer listening at ip:port."""
+        self.agent.sendLocalPartialMD(self._reg(descs), inc_conn_info, self._handles(backends), ip_addr, port, label)
+
+    def fetch_remote_metadata(self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = "") -> None:
+        """Load the metadata of the peer listening at ip:port, or with no address, by name
+        from the metadata store (``NIXL_ETCD_ENDPOINTS`` or the ``metadata_store`` key)."""
+        self.agent.fetchRemoteMD(_name(remote_agent), ip_addr, port, label)
+
+    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Tell the peer listening at ip:port to forget this agent, or with no address
+        withdraw this agent's metadata from the metadata store."""
+        self.agent.invalidateLocalMD(ip_addr, port)
 
     def check_remote_metadata(self, agent: Union[str, bytes], descs=None) -> bool:
-        return self._agent.has_peer(_name(agent))
+        """Whether the peer's metadata is loaded and covers ``descs`` (a transfer list in
+        the peer's memory; none: the peer alone)."""
+        if descs is None:
+            descs = nixlXferDList("DRAM")
+        elif not isinstance(descs, nixlXferDList):
+            descs = self.get_xfer_descs(descs)
+            if descs is None:
+                raise nixlInvalidParamError("descs: not a transfer list (see get_xfer_descs)")
+        return self.agent.checkRemoteMD(_name(agent), descs) == NIXL_SUCCESS
+
+    def _reg(self, descs) -> nixlRegDList:
+        reg = descs if isinstance(descs, nixlRegDList) else self.get_reg_descs(descs)
+        if reg is None:
+            raise nixlInvalidParamError("descs: not a registration list (see get_reg_descs)")
+        return reg
 
     # ---- transfers ---------------------------------------------------------------------
 
     def prep_xfer_dlist(self, agent_name: Union[str, bytes], xfer_list, mem_type: Optional[str] = None, backends: Sequence[str] = ()) -> nixl_prepped_dlist_handle:
         """Prepare a descriptor list: local for "NIXL_INIT_AGENT" or "", else the peer's."""
-        agent_name = _name(agent_name)
-        local = agent_name in ("NIXL_INIT_AGENT", "")
-        if not local and agent_name != self.name and not self._agent.has_peer(agent_name):
-            raise nixlNotFoundError(f"unknown peer {agent_name!r}: load its metadata first")
+        name = _name(agent_name)
         dl = self.get_xfer_descs(xfer_list, mem_type)
         if dl is None:
             raise nixlInvalidParamError("xfer_list: not a transfer list (see get_xfer_descs)")
-        return nixl_prepped_dlist_handle(self, "" if local else agent_name, [(a, n) for a, n, _ in dl.descs])
+        local = name in ("NIXL_INIT_AGENT", NIXL_INIT_AGENT)
+        h = self.agent.prepXferDlist(NIXL_INIT_AGENT if local else name, dl, self._handles(backends))
+        return nixl_prepped_dlist_handle(self, h)
 
     def make_prepped_xfer(
         self,
@@ -407,14 +382,19 @@ class nixl_agent:
         """A transfer of the chosen entries of two prepared lists."""
         _op(operation)
         for h, what in ((local_xfer_side, "local_xfer_side"), (remote_xfer_side, "remote_xfer_side")):
-            if h._released:
-                raise nixlInvalidParamError(f"{what}: released")
-        try:
-            local = [local_xfer_side._descs[int(i)] for i in local_indices]
-            remote = [remote_xfer_side._descs[int(i)] for i in remote_indices]
-        except IndexError:
-            raise nixlInvalidParamError("indices: outside the prepared list") from None
-        return self._create(operation, local, remote_xfer_side._peer, remote, notif_msg)
+            if not isinstance(h, nixl_prepped_dlist_handle) or h._released:
+                raise nixlInvalidParamError(f"{what}: not a prepared list, or released")
+        x = self.agent.makeXferReq(
+            operation,
+            local_xfer_side._handle,
+            list(local_indices),
+            remote_xfer_side._handle,
+            list(remote_indices),
+            notif_msg,
+            self._handles(backends),
+            skip_desc_merge,
+        )
+        return nixl_xfer_handle(self, x)
 
     def initialize_xfer(
         self,
@@ -431,82 +411,41 @@ class nixl_agent:
         r = self.get_xfer_descs(remote_descs)
         if l is None or r is None:
             raise nixlInvalidParamError("descs: not transfer lists (see get_xfer_descs)")
-        return self._create(
-            operation, [(a, n) for a, n, _ in l.descs], _name(remote_agent), [(a, n) for a, n, _ in r.descs], notif_msg
-        )
-
-    def _create(self, op, local, peer, remote, notif_msg) -> nixl_xfer_handle:
-        _op(op)
-        if isinstance(notif_msg, str):
-            notif_msg = notif_msg.encode()
-        try:
-            x = self._agent.create_xfer(op, local, peer, remote, bytes(notif_msg) or None)
-        except KvrailError as e:
-            raise _translate(e) from e
-        self._xfers[x] = peer
-        tel = nixlXferTelemetry()
-        tel.descCount, tel.totalBytes = len(local), sum(n for _, n in local)
-        tel.backendName = next(iter(self.backends), "UCX")
-        self._telemetry[x] = tel
+        x = self.agent.createXferReq(operation, l, r, _name(remote_agent), notif_msg, self._handles(backends))
         return nixl_xfer_handle(self, x)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
         """Post a transfer (again, once done); "PROC", "DONE" or "ERR"."""
-        if isinstance(notif_msg, str):
-            notif_msg = notif_msg.encode()
-        t0 = time.time_ns()
         try:
-            if notif_msg:
-                self._agent.set_notif(handle._handle, bytes(notif_msg))
-            self._agent.post(handle._handle)
-        except MisuseError as e:
-            raise _translate(e) from e
+            st = self.agent.postXferReq(handle._handle, notif_msg)
+        except MisuseError:
+            raise
         except KvrailError as e:
             logger.error("transfer failed to post: %s", e)
             return "ERR"
-        tel = self._telemetry.get(handle._handle)
-        if tel is not None:
-            tel.startTime = t0 // 1000
-            tel.postDuration = max(1, (time.time_ns() - t0) // 1000)
-            tel.xferDuration = 0
-        return self.check_xfer_state(handle)
+        return "DONE" if st == NIXL_SUCCESS else "PROC"
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
-        """"DONE", "PROC" or "ERR"."""
+        """"DONE", "PROC" or "ERR" (the reason logged; ``get_xfer_error`` gives it)."""
         try:
-            st = self._agent.status(handle._handle)
+            st = self.agent.getXferStatus(handle._handle)
+        except MisuseError:
+            raise
         except KvrailError as e:
-            raise _translate(e) from e
-        if st == "ERR":
-            logger.error("transfer 0x%x failed: %s", handle._handle, self._agent.error(handle._handle))
-        elif st == "DONE":
-            tel = self._telemetry.get(handle._handle)
-            if tel is not None and tel.startTime and not tel.xferDuration:
-                tel.xferDuration = max(tel.postDuration, time.time_ns() // 1000 - tel.startTime)
-        return "PROC" if st == "NOT_POSTED" else st
+            logger.error("transfer 0x%x failed: %s", handle._handle, e)
+            return "ERR"
+        return "DONE" if st == NIXL_SUCCESS else "PROC"
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlXferTelemetry:
         """What the transfer did, in NIXL's fields (:class:`nixlXferTelemetry`); needs
         ``capture_telemetry`` (or ``NIXL_TELEMETRY_ENABLE=y``), else
         :class:`nixlNoTelemetryError`. ``xferDuration`` is 0 until the completion is seen by
         ``check_xfer_state``."""
-        if not self._telemetry_on:
-            raise nixlNoTelemetryError(
-                "telemetry is off: nixl_agent_config(capture_telemetry=True) or NIXL_TELEMETRY_ENABLE=y"
-            )
-        tel = self._telemetry.get(handle._handle)
-        if tel is None or handle._released:
-            raise nixlNotFoundError(f"no transfer {handle._handle:#x} (released?)")
-        if not tel.startTime:
-            raise nixlNotPostedError(f"transfer {handle._handle:#x} was not posted")
-        out = nixlXferTelemetry()
-        for k in nixlXferTelemetry.__slots__:
-            setattr(out, k, getattr(tel, k))
-        return out
+        return self.agent.getXferTelemetry(handle._handle)
 
     def get_xfer_error(self, handle: nixl_xfer_handle) -> Optional[Exception]:
         """(kvrail) Why a transfer is in "ERR": its exception, else None."""
-        return self._agent.error(handle._handle)
+        return self.agent.xfer_error(handle._handle)
 
     def release_xfer_handle(self, handle: nixl_xfer_handle) -> None:
         handle.release()
@@ -514,32 +453,28 @@ class nixl_agent:
     def release_dlist_handle(self, handle: nixl_prepped_dlist_handle) -> None:
         handle.release()
 
-    def _release_xfer(self, x: int) -> None:
-        try:
-            self._agent.release(x)
-        except KvrailError as e:
-            raise _translate(e) from e
-        self._xfers.pop(x, None)
-        self._telemetry.pop(x, None)
-
-    def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> Tuple[int, int, str]:
-        raise nixlNotSupportedError("estimate_xfer_cost: kvrail has no cost model")
+    def estimate_xfer_cost(self, req_handle: nixl_xfer_handle):
+        return self.agent.estimateXferCost(req_handle._handle)
 
     def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
-        return next(iter(self.backends), "UCX")
+        h = self.agent.queryXferBackend(handle._handle)
+        return next((n for n, v in self.backends.items() if v == h), "UCX")
+
+    def prep_mem_view(self, descs, backends: Sequence[str] = ()) -> int:
+        return self.agent.prepMemView(descs)
+
+    def release_mem_view(self, mvh: int) -> None:
+        self.agent.releaseMemView(mvh)
 
     # ---- notifications -----------------------------------------------------------------
 
     def get_new_notifs(self, backends: Sequence[str] = ()) -> Dict[str, List[bytes]]:
         """Notifications that arrived since the last call: peer name -> list of bytes."""
-        out: Dict[str, List[bytes]] = {}
-        for peer, msg in self._agent.get_new_notifs():
-            out.setdefault(peer, []).append(msg)
-        return out
+        return self.agent.getNotifs({}, self._handles(backends))
 
     def update_notifs(self, backends: Sequence[str] = ()) -> Dict[str, List[bytes]]:
         """Add new notifications to ``self.notifs`` and return it."""
-        for peer, msgs in self.get_new_notifs().items():
+        for peer, msgs in self.get_new_notifs(backends).items():
             self.notifs.setdefault(peer, []).extend(msgs)
         return self.notifs
 
@@ -547,7 +482,7 @@ class nixl_agent:
         """Whether a notification from the peer starting with (or containing) the tag
         arrived; removes that one notification."""
         remote_agent_name = _name(remote_agent_name)
-        self.update_notifs()
+        self.update_notifs(backends)
         msgs = self.notifs.get(remote_agent_name, [])
         for i, m in enumerate(msgs):
             if (tag_is_prefix and m.startswith(lookup_tag)) or (not tag_is_prefix and lookup_tag in m):
@@ -556,13 +491,7 @@ class nixl_agent:
         return False
 
     def send_notif(self, remote_agent_name: Union[str, bytes], notif_msg: bytes, backend: Optional[str] = None) -> None:
-        remote_agent_name = _name(remote_agent_name)
-        if isinstance(notif_msg, str):
-            notif_msg = notif_msg.encode()
-        try:
-            self._agent.send_notif(remote_agent_name, bytes(notif_msg))
-        except KvrailError as e:
-            raise _translate(e) from e
+        self.agent.genNotif(_name(remote_agent_name), notif_msg, self._handles([backend] if backend else []))
 
     # ---- descriptor serialization ------------------------------------------------------
 
@@ -584,6 +513,7 @@ __all__ = [
     "nixl_xfer_handle",
     "nixlRegDList",
     "nixlXferDList",
+    "nixlRemoteDList",
     "nixlXferTelemetry",
     "nixlNotFoundError",
     "nixlInvalidParamError",

@@ -9,7 +9,8 @@ It is opt-in, written on purpose into one environment::
     python -m kvrail.nixl_compat uninstall    # (or: pip uninstall kvrail-nixl-compat)
 
 The package it writes has NIXL's module names — ``nixl._api`` (:mod:`kvrail.nixl`),
-``nixl._bindings`` (descriptor lists, constants, exceptions, ``nixlXferTelemetry``),
+``nixl._bindings`` (:mod:`kvrail._nixl_bindings` itself: ``nixlAgent``, descriptor lists,
+constants, exceptions, ``nixlXferTelemetry``),
 ``nixl._utils`` and ``nixl.logging`` — each re-exporting kvrail's. ``install`` refuses
 where a real NIXL is installed (its ``nixl`` package or its distributions ``nixl``,
 ``nixl-cu12``, ``nixl-cu13``, ``nixl-rocm``), and the package refuses to import next to one:
@@ -47,14 +48,14 @@ SHIM: Dict[str, str] = {
     + "from ._utils import *  # noqa: E402,F401,F403\n"
     + "from ._api import *  # noqa: E402,F401,F403\n",
     "_api.py": _HEAD.format(what="nixl._api (the agent and its config)") + "from kvrail.nixl import *  # noqa: F401,F403\n",
-    "_bindings.py": _HEAD.format(what="nixl._bindings (descriptor lists, constants, errors, telemetry)")
-    + "from kvrail._nixl_bindings import *  # noqa: F401,F403\n",
+    "_bindings.py": _HEAD.format(what="nixl._bindings (the bindings-level agent, descriptor lists, constants, errors)")
+    + "import sys\n\n"
+    + "import kvrail._nixl_bindings\n\n"
+    + "# this module is kvrail's: what a program sets on nixl._bindings, nixl_agent sees\n"
+    + "sys.modules[__name__] = kvrail._nixl_bindings\n",
     "_utils.py": _HEAD.format(what="nixl._utils") + "from kvrail._nixl_utils import *  # noqa: F401,F403\n",
     "logging.py": _HEAD.format(what="nixl.logging")
-    + "import logging as _logging\n\n\n"
-    + "def get_logger(name):\n"
-    + '    """The logger NIXL\'s modules use: Python\'s logger of that name."""\n'
-    + "    return _logging.getLogger(name)\n",
+    + "from kvrail._nixl_logging import *  # noqa: F401,F403\n",
 }
 
 _warned = False

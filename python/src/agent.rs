@@ -48,6 +48,15 @@ fn place(spans: &[Span], list: &[(u64, u64)], side: &str, owner: &str) -> PyResu
         .collect()
 }
 
+/// "ip:port" as a socket address (a host name is resolved).
+fn sock(addr: &str) -> PyResult<std::net::SocketAddr> {
+    use std::net::ToSocketAddrs;
+    addr.to_socket_addrs()
+        .map_err(|e| errors::misuse("addr", format!("{addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| errors::misuse("addr", format!("{addr:?}: no address")))
+}
+
 fn op(s: &str) -> PyResult<XferOp> {
     match s {
         "WRITE" => Ok(XferOp::Write),
@@ -203,9 +212,7 @@ impl Agent {
 
     /// Load a peer's metadata from its side channel at "ip:port". Returns its name.
     fn load_remote_addr(&self, py: Python<'_>, addr: &str) -> PyResult<String> {
-        let a = addr
-            .parse()
-            .map_err(|e| errors::misuse("addr", format!("{addr:?}: {e}")))?;
+        let a = sock(addr)?;
         let core = self.core.clone();
         py.allow_threads(move || core.load_remote(a))
             .map_err(errors::agent)
@@ -218,6 +225,80 @@ impl Agent {
         let (core, name) = (self.core.clone(), name.to_owned());
         py.allow_threads(move || core.load_by_name(&name))
             .map_err(errors::agent)
+    }
+
+    /// This agent's metadata naming only the regions that hold the (addr, len) ranges
+    /// (NIXL's partial metadata; none: the connection details alone).
+    fn partial_metadata<'py>(
+        &self,
+        py: Python<'py>,
+        ranges: Vec<(u64, u64)>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let m = self
+            .core
+            .partial_metadata(&ranges)
+            .map_err(errors::agent)?
+            .encode()
+            .map_err(|e| errors::PeerError::new_err(e.to_string()))?;
+        Ok(PyBytes::new(py, &m))
+    }
+
+    /// Load partial metadata: its regions are added to what is known of the peer; an
+    /// unknown peer is connected only when `connect_unknown`. Returns its name.
+    fn load_partial(
+        &self,
+        py: Python<'_>,
+        metadata: &[u8],
+        connect_unknown: bool,
+    ) -> PyResult<String> {
+        let bytes = metadata.to_vec();
+        let core = self.core.clone();
+        py.allow_threads(move || core.load_partial_metadata(&bytes, connect_unknown))
+            .map_err(errors::agent)
+    }
+
+    /// Whether `peer`'s loaded metadata holds every (addr, len) range.
+    fn covers(&self, peer: &str, ranges: Vec<(u64, u64)>) -> bool {
+        self.core.remote_covers(peer, &ranges)
+    }
+
+    /// Send this agent's metadata (or `partial`, from `partial_metadata`) to the agent
+    /// listening at "ip:port", which loads it and connects back (it needs
+    /// `accept_sent_metadata`). Returns the name it answered with.
+    #[pyo3(signature = (addr, partial = None))]
+    fn send_metadata(
+        &self,
+        py: Python<'_>,
+        addr: &str,
+        partial: Option<&[u8]>,
+    ) -> PyResult<String> {
+        let a = sock(addr)?;
+        let partial = partial
+            .map(kvrail::agent::metadata::AgentMetadata::decode)
+            .transpose()
+            .map_err(|e| errors::misuse("partial", e.to_string()))?;
+        let core = self.core.clone();
+        py.allow_threads(move || core.send_metadata(a, partial))
+            .map_err(errors::agent)
+    }
+
+    /// Tell the agent listening at "ip:port" to forget this one.
+    fn send_invalidate(&self, py: Python<'_>, addr: &str) -> PyResult<()> {
+        let a = sock(addr)?;
+        let core = self.core.clone();
+        py.allow_threads(move || core.send_forget(a))
+            .map_err(errors::agent)
+    }
+
+    /// Write this agent's metadata to the metadata store now.
+    fn publish_metadata(&self) {
+        self.core.publish_metadata();
+    }
+
+    /// Take this agent's metadata out of the metadata store (published again by the next
+    /// registration change).
+    fn withdraw_metadata(&self) {
+        self.core.withdraw_metadata();
     }
 
     /// Whether the metadata store answers (None: no store configured).

@@ -213,7 +213,7 @@ def initiator(conn, impl):
     except Exception as e:
         ck(type(e).__name__ == "nixlNotFoundError", f"removed peer: {type(e).__name__}")
     if impl == "kvrail":  # what carried it (kvrail only; NIXL has no such call)
-        k = agent._agent
+        k = agent.agent.kvrail
         print(f"[initiator] kvrail backend {k.backend}; rail bytes {k.rail_bytes()}; "
               f"payload bytes copied {k.payload_bytes_copied()}", flush=True)
     agent.deregister_memory(reg)

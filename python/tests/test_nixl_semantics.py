@@ -65,8 +65,9 @@ def test_unknown_plugins_and_backends_give_empty_answers():
     a = agent()
     assert a.get_plugin_mem_types("UVX") == [] and a.get_plugin_params("UVX") == {}
     assert a.get_backend_mem_types("UVX") == [] and a.get_backend_params("UVX") == {}
-    assert a.get_plugin_mem_types("UCX") == ["DRAM", "VRAM"]
-    assert a.get_backend_mem_types("UCX") == ["DRAM", "VRAM"]
+    # NIXL 1.5.1 names them as its bindings do (getPluginParams: ['DRAM_SEG', 'VRAM_SEG'])
+    assert a.get_plugin_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
+    assert a.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
     with pytest.raises(bindings.nixlNotFoundError):
         a.create_backend("UVX")
     # a config naming an unknown backend skips it with a warning, as NIXL does

@@ -120,6 +120,11 @@ pub struct AgentConfig {
     /// before it gives up and the region stays registered (default
     /// [`DEREGISTER_WAIT`], 10 s).
     pub deregister_wait: std::time::Duration,
+    /// `accept_sent_metadata`: load metadata a peer sends to the side channel (NIXL's
+    /// `sendLocalMD(ip, port)`) and connect back to it, and forget a peer when it says so
+    /// from its own address (`invalidateLocalMD(ip, port)`). Default false: peers' metadata
+    /// is only fetched (or loaded by name from the store) by this agent's own caller.
+    pub accept_sent_metadata: bool,
 }
 
 impl Default for AgentConfig {
@@ -157,6 +162,7 @@ impl Default for AgentConfig {
             metrics_listen: None,
             metadata_store: None,
             deregister_wait: DEREGISTER_WAIT,
+            accept_sent_metadata: false,
         }
     }
 }

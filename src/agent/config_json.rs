@@ -35,6 +35,7 @@ struct ConfigJson {
     metadata_namespace: Option<String>,
     metadata_lease_ttl_s: Option<u64>,
     deregister_wait_ms: Option<u64>,
+    accept_sent_metadata: Option<bool>,
 }
 
 fn bad(key: &str, why: impl std::fmt::Display) -> ConfigError {
@@ -58,7 +59,8 @@ impl AgentConfig {
     /// `tcp_conns` (1 to 16, see [`AgentConfig::tcp_conns`]); `progress_spin_us` (see
     /// [`AgentConfig::progress_spin_us`]); `metadata_store` ("etcd://HOST:PORT[,…]"),
     /// `metadata_namespace`, `metadata_lease_ttl_s` (see [`AgentConfig::metadata_store`]);
-    /// `deregister_wait_ms` (see [`AgentConfig::deregister_wait`]).
+    /// `deregister_wait_ms` (see [`AgentConfig::deregister_wait`]); `accept_sent_metadata`
+    /// (see [`AgentConfig::accept_sent_metadata`]).
     ///
     /// # Errors
     /// [`ConfigError`] naming the key: an unknown key, a value of the wrong type, a bad
@@ -171,6 +173,9 @@ impl AgentConfig {
         .map_err(|(k, why)| bad(k, why))?;
         if let Some(b) = j.insecure {
             c.insecure = b;
+        }
+        if let Some(b) = j.accept_sent_metadata {
+            c.accept_sent_metadata = b;
         }
         if let Some(k) = j.cluster_secret {
             c.cluster_secret = Some(

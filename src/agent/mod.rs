@@ -63,6 +63,7 @@ mod xfer;
 mod notif_api;
 mod peers_api;
 mod rails_api;
+mod sent_api;
 mod shared;
 mod start;
 mod xfer_api;
@@ -79,6 +80,7 @@ pub use error::{AgentError, Fault, XferError};
 pub use grant::{Grant, GrantRange, MAX_GRANT_RANGES};
 pub use region::{RegionId, RegionMemory, RemoteAccess};
 pub use register::{MemRegion, RegisteredMemory};
+pub use sent_api::MAX_SENT_METADATA;
 #[cfg(feature = "verbs")]
 pub(crate) use verbs::config_rails;
 pub use xfer::{Desc, XferId, XferOp, XferStatus, MAX_NOTIF_LEN};
@@ -126,6 +128,9 @@ pub(crate) struct Shared {
     verbs: Option<Arc<verbs::Verbs>>,
     /// The host-bounce engine (verbs backend): moves device memory through staging slots.
     bounce: std::sync::OnceLock<Box<dyn backend::DevicePath>>,
+    /// The agent itself, for what the side channel is asked to do to it (metadata a peer
+    /// sent): set once it is built.
+    me: std::sync::OnceLock<WeakAgent>,
     /// The metadata store, when configured (see [`store`]).
     #[cfg(feature = "etcd")]
     store: Option<store::AgentStore>,
@@ -147,13 +152,11 @@ pub struct Agent {
 }
 
 /// An [`Agent`] that does not keep it alive: what its own helper threads hold.
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub(crate) struct WeakAgent {
     shared: std::sync::Weak<Shared>,
     guard: std::sync::Weak<control::Shutdown>,
 }
 
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 impl WeakAgent {
     /// The agent, while some clone of it lives.
     pub(crate) fn upgrade(&self) -> Option<Agent> {
@@ -182,7 +185,6 @@ impl std::fmt::Debug for Agent {
 
 impl Agent {
     /// A handle that does not keep the agent alive (for its own helper threads).
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn downgrade(&self) -> WeakAgent {
         WeakAgent {
             shared: Arc::downgrade(&self.shared),

@@ -48,7 +48,14 @@ impl Agent {
     }
 
     pub(super) fn load(&self, bytes: &[u8], via: Option<SocketAddr>) -> Result<String, AgentError> {
-        let meta = AgentMetadata::decode(bytes)?;
+        self.load_decoded(AgentMetadata::decode(bytes)?, via)
+    }
+
+    pub(super) fn load_decoded(
+        &self,
+        meta: AgentMetadata,
+        via: Option<SocketAddr>,
+    ) -> Result<String, AgentError> {
         crate::proto::handshake::check(
             &self.shared.handshake,
             &meta.handshake,

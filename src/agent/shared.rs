@@ -221,6 +221,13 @@ impl control::Host for Shared {
         lock(&self.open_refused_from).insert(ip)
     }
 
+    fn take_sent(&self, s: std::net::TcpStream, m: control::msg::Msg) {
+        // the agent is gone (being dropped): the connection closes unanswered
+        if let Some(a) = self.me.get().and_then(WeakAgent::upgrade) {
+            a.take_sent(s, m);
+        }
+    }
+
     fn flush_and_stop(&self) {
         // what was queued for peers (notifications, WRITE data) goes out first, bounded:
         // the notification channels deliver theirs while the peers keep taking them (until

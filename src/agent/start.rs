@@ -127,6 +127,7 @@ impl Agent {
             #[cfg(feature = "verbs")]
             verbs,
             bounce: std::sync::OnceLock::new(),
+            me: std::sync::OnceLock::new(),
             #[cfg(feature = "etcd")]
             store,
         });
@@ -168,6 +169,7 @@ impl Agent {
             shared,
             _guard: guard,
         };
+        let _ = agent.shared.me.set(agent.downgrade());
         #[cfg(feature = "verbs")]
         if agent.shared.verbs.is_some() {
             let engine =

@@ -1,7 +1,8 @@
 //! The listener: one mio event loop per agent accepts connections and reads each one's
 //! first message under a deadline and a size bound. `GetMetadata` is answered from the loop
 //! (the side channel never needs a thread per request); `Attach` hands the connection to a
-//! thread of its own (a peer's data path); garbage, silence past [`FIRST_MESSAGE_TIMEOUT`]
+//! thread of its own (a peer's data path), and so do `PutMetadata` and `Forget` (loading a
+//! peer connects back to it); garbage, silence past [`FIRST_MESSAGE_TIMEOUT`]
 //! and oversized frames close the connection with a log line. Nothing read from the network
 //! can make the loop panic or grow without bound.
 
@@ -47,7 +48,8 @@ enum Step {
     Wait,
     /// Done with it (answered, or dropped).
     Close,
-    /// A peer attached: hand the connection over, with its first message.
+    /// A peer attached, or sent its metadata or its leaving: hand the connection over,
+    /// with its first message (answered on a thread of its own).
     Attach(Msg),
 }
 
@@ -238,10 +240,15 @@ fn step(shared: &dyn Host, p: &mut Pending, poll: &Poll, t: usize) -> Step {
                 answer(p, poll, t, &Msg::Metadata(meta), true);
                 continue;
             }
-            m @ Msg::Attach { .. } => Step::Attach(m),
+            m @ (Msg::Attach { .. } | Msg::PutMetadata { .. } | Msg::Forget { .. }) => {
+                Step::Attach(m)
+            }
             other => {
                 tracing::warn!(agent = %shared.name, "side channel: unexpected first message {other:?}");
-                refuse(&mut p.s, "expected GetMetadata or Attach");
+                refuse(
+                    &mut p.s,
+                    "expected GetMetadata, Attach, PutMetadata or Forget",
+                );
                 Step::Close
             }
         };

@@ -42,8 +42,12 @@ pub(crate) fn serve(
                 let mine = conns.clone();
                 let spawned = crate::threads::spawn("kvrail-serve", move || {
                     let _span = tracing::info_span!("agent", name = %shared.name).entered();
-                    if let Err(e) = target(&*shared, s, first) {
-                        tracing::warn!(agent = %shared.name, error = %e, "data connection");
+                    if matches!(first, Msg::Attach { .. }) {
+                        if let Err(e) = target(&*shared, s, first) {
+                            tracing::warn!(agent = %shared.name, error = %e, "data connection");
+                        }
+                    } else {
+                        shared.take_sent(s, first);
                     }
                     lock(&mine).remove(&key);
                 });

@@ -72,6 +72,9 @@ pub(crate) trait Host: std::ops::Deref<Target = Core> + Send + Sync {
     fn flush_and_stop(&self);
     /// Close every peer's connections (after `flush_and_stop`).
     fn close_peers(&self);
+    /// A peer sent its metadata (`PutMetadata`) or its leaving (`Forget`) on `s`: do it
+    /// (where `accept_sent_metadata` allows) and answer `Taken` or `Refused`.
+    fn take_sent(&self, s: TcpStream, m: Msg);
 }
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -85,6 +88,24 @@ pub(crate) fn fetch_metadata(
     addr: SocketAddr,
     secret: Option<&auth::ClusterSecret>,
 ) -> Result<Vec<u8>, AgentError> {
+    match request(addr, secret, &Msg::GetMetadata, HANDSHAKE_TIMEOUT)? {
+        Msg::Metadata(b) => Ok(b),
+        other => Err(conn_err(
+            "side channel: unexpected reply from",
+            addr,
+            format!("{other:?}"),
+        )),
+    }
+}
+
+/// One request on a fresh side-channel connection to `addr`: authenticate (with
+/// `secret`), send `m`, and read the one answer, waiting at most `wait` for it.
+pub(crate) fn request(
+    addr: SocketAddr,
+    secret: Option<&auth::ClusterSecret>,
+    m: &Msg,
+    wait: Duration,
+) -> Result<Msg, AgentError> {
     let hint = "is the peer agent running, and is side_channel_host set to an address this host can reach?";
     let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(|e| {
         conn_err(
@@ -101,20 +122,12 @@ pub(crate) fn fetch_metadata(
     if let Some(k) = secret {
         auth::prove(k, &mut w, &mut r, addr)?;
     }
-    send(&mut w, &Msg::GetMetadata).map_err(|e| conn_err("side channel: send to", addr, e))?;
+    send(&mut w, m).map_err(|e| conn_err("side channel: send to", addr, e))?;
+    w.set_read_timeout(Some(wait)).ok();
     match r.next() {
-        Ok(Some(Msg::Metadata(b))) => Ok(b),
-        Ok(Some(other)) => Err(conn_err(
-            "side channel: unexpected reply from",
-            addr,
-            format!("{other:?}"),
-        )),
-        Ok(None) => Err(conn_err("side channel: closed by", addr, "no metadata")),
-        Err(e) => Err(conn_err(
-            "side channel: no metadata from",
-            addr,
-            no_answer(e),
-        )),
+        Ok(Some(reply)) => Ok(reply),
+        Ok(None) => Err(conn_err("side channel: closed by", addr, "no answer")),
+        Err(e) => Err(conn_err("side channel: no answer from", addr, no_answer(e))),
     }
 }
 

@@ -125,6 +125,17 @@ pub(crate) enum Msg {
         #[serde(with = "serde_bytes")]
         proof: Vec<u8>,
     },
+    /// Side channel: load this metadata (the sender's own, NIXL's `sendLocalMD`) and
+    /// connect back; `partial`: add its regions to what is known of the sender.
+    PutMetadata {
+        #[serde(with = "serde_bytes")]
+        metadata: Vec<u8>,
+        partial: bool,
+    },
+    /// Side channel: forget agent `name` (NIXL's `invalidateLocalMD`), sent from its host.
+    Forget { name: String },
+    /// PutMetadata or Forget done, for agent `name`.
+    Taken { name: String },
 }
 
 /// The notification frame layout of a peer that does not say (builds before the layout was
