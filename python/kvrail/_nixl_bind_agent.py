@@ -60,12 +60,6 @@ _TRUE, _FALSE = ("y", "yes", "on", "1", "true"), ("n", "no", "off", "0", "false"
 PARTIAL_MAGIC = b"kvrail-partial-md\x00"
 
 
-_NO_LABELS = (
-    "label: kvrail's metadata store holds one metadata per agent (its whole metadata); partial "
-    "metadata under a label goes to a peer's listener (ip_addr, port) instead"
-)
-
-
 def translate(e: Exception) -> Exception:
     """A kvrail error as NIXL's exception of the same meaning (a configuration error stays
     kvrail's: it names the key, and NIXL has none of its own)."""
@@ -324,7 +318,8 @@ class nixlAgent:
             return
         self._need_store("fetchRemoteMD")
         if label:
-            raise nixlNotSupportedError(_NO_LABELS)
+            _call(self._agent.load_label, name, label)
+            return
         _call(self._agent.load_by_name, name)
 
     def sendLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
@@ -354,7 +349,7 @@ class nixlAgent:
         self._need_store("sendLocalPartialMD")
         if not label:
             raise nixlInvalidParamError("label: partial metadata in the metadata store needs a label")
-        raise nixlNotSupportedError(_NO_LABELS)
+        _call(self._agent.publish_partial, label, md[len(PARTIAL_MAGIC) + 1 :])
 
     def invalidateLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
         """Tell the listener at ``ip_addr:port`` to forget this agent, or without an
@@ -363,7 +358,7 @@ class nixlAgent:
             _call(self._agent.send_invalidate, f"{ip_addr}:{port}")
             return
         self._need_store("invalidateLocalMD")
-        self._agent.withdraw_metadata()
+        _call(self._agent.unpublish_metadata)
 
     def invalidateRemoteMD(self, remote_agent: str) -> nixl_status_t:
         """Forget a peer (its connection closes); NIXL_ERR_NOT_FOUND for one not known."""

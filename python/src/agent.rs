@@ -295,10 +295,30 @@ impl Agent {
         self.core.publish_metadata();
     }
 
-    /// Take this agent's metadata out of the metadata store (published again by the next
-    /// registration change).
-    fn withdraw_metadata(&self) {
-        self.core.withdraw_metadata();
+    /// Take this agent's metadata and labels out of the metadata store (peers following it
+    /// forget it; `publish_metadata` puts it back).
+    fn unpublish_metadata(&self, py: Python<'_>) -> PyResult<()> {
+        let core = self.core.clone();
+        py.allow_threads(move || core.unpublish_metadata())
+            .map_err(errors::agent)
+    }
+
+    /// Publish partial metadata (from `partial_metadata`) in the metadata store under
+    /// `label`.
+    fn publish_partial(&self, py: Python<'_>, label: &str, partial: &[u8]) -> PyResult<()> {
+        let meta = kvrail::agent::metadata::AgentMetadata::decode(partial)
+            .map_err(|e| errors::misuse("partial", e.to_string()))?;
+        let (core, label) = (self.core.clone(), label.to_owned());
+        py.allow_threads(move || core.publish_partial(&label, &meta))
+            .map_err(errors::agent)
+    }
+
+    /// Load the partial metadata peer `name` published under `label` in the metadata
+    /// store. Returns its name.
+    fn load_label(&self, py: Python<'_>, name: &str, label: &str) -> PyResult<String> {
+        let (core, name, label) = (self.core.clone(), name.to_owned(), label.to_owned());
+        py.allow_threads(move || core.load_label(&name, &label))
+            .map_err(errors::agent)
     }
 
     /// Whether the metadata store answers (None: no store configured).

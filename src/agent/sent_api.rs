@@ -168,13 +168,6 @@ impl Agent {
         self.shared.republish();
     }
 
-    /// Take this agent's metadata out of the metadata store (NIXL's `invalidateLocalMD()`):
-    /// peers following it there forget it. It is published again by the next registration
-    /// change.
-    pub fn withdraw_metadata(&self) {
-        self.shared.withdraw();
-    }
-
     /// Serve a `PutMetadata` or `Forget` a peer sent on `s` (see the module's docs).
     pub(crate) fn take_sent(&self, mut s: TcpStream, m: Msg) {
         let from = s.peer_addr().map(|a| a.ip()).map_err(|e| e.to_string());

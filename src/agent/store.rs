@@ -27,6 +27,9 @@ mod with_etcd {
         /// a transfer's refresh) run one at a time, so an older revision loaded late cannot
         /// overwrite a newer one; loads of different peers do not wait for each other.
         pub(crate) adopting: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+        /// Peers loaded from partial metadata under a label: forgotten when their key goes
+        /// (not loaded whole when it changes: they gave only some regions).
+        pub(crate) labelled: Mutex<std::collections::HashSet<String>>,
     }
 }
 
@@ -40,6 +43,7 @@ pub(crate) fn open(config: &super::config::AgentConfig) -> Result<Option<AgentSt
         etcd: crate::store::EtcdStore::connect(c)?,
         known: std::sync::Mutex::default(),
         adopting: std::sync::Mutex::default(),
+        labelled: std::sync::Mutex::default(),
     }))
 }
 

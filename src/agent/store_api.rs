@@ -2,6 +2,7 @@
 //! after every registration change), load peers by name, and follow the namespace watch
 //! (see `store.rs` for the connection).
 
+use super::metadata::AgentMetadata;
 #[cfg(feature = "etcd")]
 use super::store::AgentStore;
 use super::{error::AgentError, Agent, Shared};
@@ -130,6 +131,81 @@ impl Agent {
         .into())
     }
 
+    /// Publish partial metadata (from [`Agent::partial_metadata`]) in the metadata store
+    /// under `label` (NIXL's `sendLocalPartialMD` without an address); it leaves with this
+    /// agent's own key.
+    ///
+    /// # Errors
+    /// [`AgentError::Store`]: no store, etcd not answering, a label that is empty, over 256
+    /// bytes, or holds '/' or a control character.
+    pub fn publish_partial(&self, label: &str, partial: &AgentMetadata) -> Result<(), AgentError> {
+        check_label(label)?;
+        let bytes = partial.encode()?;
+        #[cfg(feature = "etcd")]
+        {
+            let s = self.shared.store.as_ref().ok_or_else(no_store)?;
+            s.etcd.publish_label(&self.shared.name, label, bytes)?;
+            Ok(())
+        }
+        #[cfg(not(feature = "etcd"))]
+        {
+            let _ = bytes;
+            Err(no_store().into())
+        }
+    }
+
+    /// Load the partial metadata peer `name` published under `label` (NIXL's
+    /// `fetchRemoteMD(name, label=…)`): its regions are added to what is known of it, and
+    /// it is forgotten when its key leaves the store. Returns `name`.
+    ///
+    /// # Errors
+    /// [`AgentError::Store`] (`NotFound`: nothing under that label); as
+    /// [`Agent::load_partial_metadata`].
+    pub fn load_label(&self, name: &str, label: &str) -> Result<String, AgentError> {
+        check_label(label)?;
+        #[cfg(feature = "etcd")]
+        {
+            let s = self.shared.store.as_ref().ok_or_else(no_store)?;
+            let bytes = s
+                .etcd
+                .fetch_label(name, label)?
+                .ok_or_else(|| StoreError::NotFound(format!("{name} (label {label:?})")))?;
+            let got = self.load_partial_metadata(&bytes, true)?;
+            if got != name {
+                return Err(AgentError::Metadata(
+                    crate::agent::metadata::MetadataError::Invalid {
+                        agent: got,
+                        reason: format!("published under the name {name:?}"),
+                    },
+                ));
+            }
+            lock(&s.labelled).insert(got.clone());
+            Ok(got)
+        }
+        #[cfg(not(feature = "etcd"))]
+        Err(StoreError::Unavailable(format!(
+            "cannot load {name:?} by label: this build has no etcd client (cargo feature `etcd`)"
+        ))
+        .into())
+    }
+
+    /// Take this agent's metadata and labels out of the store, keeping its lease (NIXL's
+    /// `invalidateLocalMD()`): peers following it forget it. [`Agent::publish_metadata`]
+    /// (or the next registration change) puts it back.
+    ///
+    /// # Errors
+    /// [`AgentError::Store`]: no store, or etcd not answering.
+    pub fn unpublish_metadata(&self) -> Result<(), AgentError> {
+        #[cfg(feature = "etcd")]
+        {
+            let s = self.shared.store.as_ref().ok_or_else(no_store)?;
+            s.etcd.unpublish(&self.shared.name)?;
+            Ok(())
+        }
+        #[cfg(not(feature = "etcd"))]
+        Err(no_store().into())
+    }
+
     /// Whether the metadata store answers (None: no store configured). While it is down,
     /// loaded peers keep working; loads by name fail and the agent's lease is not renewed.
     pub fn store_up(&self) -> Option<bool> {
@@ -232,6 +308,12 @@ impl Agent {
                 }
             }
             Event::Delete(name, rev) => {
+                if lock(&s.labelled).remove(&name) {
+                    self.forget(
+                        &name,
+                        "its metadata left the store (invalidated, crashed or stopped)",
+                    );
+                }
                 // still followed (lease 0: none alive): the next incarnation is loaded
                 let gone = {
                     let mut k = lock(&s.known);
@@ -273,5 +355,25 @@ impl Agent {
         if self.invalidate_because(peer, why).is_ok() {
             tracing::info!(agent = %self.shared.name, peer, "peer invalidated: {why}");
         }
+    }
+}
+
+fn no_store() -> StoreError {
+    StoreError::Unavailable("this agent has no metadata_store configured".into())
+}
+
+/// A label as partial metadata is published under: 1 to 256 bytes, no '/' (it is a key
+/// part), no control characters.
+fn check_label(label: &str) -> Result<(), StoreError> {
+    let ok = !label.is_empty()
+        && label.len() <= 256
+        && !label.contains('/')
+        && !label.chars().any(char::is_control);
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::Unavailable(format!(
+            "label {label:?}: use 1 to 256 bytes, without '/' or control characters"
+        )))
     }
 }

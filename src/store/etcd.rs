@@ -256,6 +256,65 @@ impl EtcdStore {
         r.map(|_| ())
     }
 
+    /// Publish `value` (partial metadata) under agent `name`'s `label`, under the agent's
+    /// lease: it goes when the agent's key does.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] before this agent published its own metadata;
+    /// [`StoreError::Failed`] when etcd does not take it now.
+    pub(crate) fn publish_label(
+        &self,
+        name: &str,
+        label: &str,
+        value: Vec<u8>,
+    ) -> Result<(), StoreError> {
+        let lease = self.state.published().as_ref().map_or(0, |p| p.lease);
+        if lease == 0 {
+            return Err(StoreError::Unavailable(
+                "this agent's own metadata is not in the store yet (its lease holds the labels)"
+                    .into(),
+            ));
+        }
+        let mut c = self.state.client.clone();
+        let key = self.state.cfg.label_key(name, label);
+        self.block("publish", async move {
+            c.put(key, value, Some(PutOptions::new().with_lease(lease)))
+                .await
+        })
+        .map(|_| ())
+    }
+
+    /// The partial metadata agent `name` published under `label`, if it did.
+    ///
+    /// # Errors
+    /// [`StoreError::Failed`] when etcd does not answer.
+    pub fn fetch_label(&self, name: &str, label: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut c = self.state.client.clone();
+        let key = self.state.cfg.label_key(name, label);
+        let r = self.block("fetch", async move { c.get(key, None).await })?;
+        Ok(r.kvs().first().map(|kv| kv.value().to_vec()))
+    }
+
+    /// Delete agent `name`'s key and its labels, keeping the lease (peers following it
+    /// forget it; a later publish puts it back).
+    ///
+    /// # Errors
+    /// [`StoreError::Failed`] when etcd does not answer.
+    pub(crate) fn unpublish(&self, name: &str) -> Result<(), StoreError> {
+        let (mut c, mut d) = (self.state.client.clone(), self.state.client.clone());
+        let key = self.state.cfg.key(name);
+        let labels = self.state.cfg.label_key(name, "");
+        self.block("delete", async move {
+            c.delete(key, None).await?;
+            d.delete(
+                labels,
+                Some(etcd_client::DeleteOptions::new().with_prefix()),
+            )
+            .await
+        })
+        .map(|_| ())
+    }
+
     /// Start the namespace watch: every change after now goes to `tx` until the store drops
     /// or `tx`'s receiver does.
     ///

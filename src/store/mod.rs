@@ -128,6 +128,13 @@ impl StoreConfig {
     pub fn key(&self, name: &str) -> String {
         format!("{}{name}", self.prefix())
     }
+
+    /// The key of the partial metadata agent `name` publishes under `label` (outside the
+    /// agents' prefix, which the namespace watch follows); with an empty label, the prefix
+    /// of all of its labels.
+    pub fn label_key(&self, name: &str, label: &str) -> String {
+        format!("{}/labels/{name}/{label}", self.namespace)
+    }
 }
 
 /// What went wrong with the metadata store.
