@@ -84,7 +84,7 @@ impl Agent {
     /// `(addr, len)` ranges (none: the connection details alone).
     ///
     /// # Errors
-    /// [`AgentError::InvalidMemory`] naming the first range that no region holds.
+    /// [`AgentError::InvalidDesc`] naming the first range that no region holds.
     pub fn partial_metadata(&self, ranges: &[(u64, u64)]) -> Result<AgentMetadata, AgentError> {
         let mut meta = self.shared.metadata();
         let holds = |r: &RegionMeta, a: u64, n: u64| {
@@ -96,10 +96,10 @@ impl Agent {
                 .regions
                 .iter()
                 .find(|r| holds(r, a, n))
-                .ok_or_else(|| {
-                    AgentError::InvalidMemory(format!(
-                        "descriptor #{i} [{a:#x}, +{n}) is not inside memory this agent registered"
-                    ))
+                .ok_or_else(|| AgentError::InvalidDesc {
+                    side: "local",
+                    index: i,
+                    reason: format!("[{a:#x}, +{n}) is not inside memory this agent registered"),
                 })?;
             if !keep.iter().any(|k| k.id == r.id) {
                 keep.push(r.clone());
