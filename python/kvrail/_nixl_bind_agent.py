@@ -390,9 +390,23 @@ class nixlAgent:
 
     # ---- transfers ---------------------------------------------------------------------
 
-    def prepXferDlist(self, remote_agent: str, descs: nixlXferDList, backends: Sequence[int] = ()) -> int:
-        """A prepared list: local memory for NIXL_INIT_AGENT (""), else ``remote_agent``'s."""
-        name = _name(remote_agent)
+    def prepXferDlist(self, *args, **kwargs) -> int:
+        """A prepared list, in NIXL's three forms: ``(agent_name, descs, backend=[])`` (local
+        memory for NIXL_INIT_AGENT, ""), ``(descs, backend=[])`` (local memory), and
+        ``(agent_name, mem_type, descs, backend=[])``."""
+        args = list(args)
+        local_form = (args and isinstance(args[0], nixlXferDList)) or (not args and "agent_name" not in kwargs)
+        if local_form:
+            name = ""
+        else:
+            name = _name(args.pop(0) if args else kwargs.pop("agent_name"))
+            if "mem_type" in kwargs:
+                del kwargs["mem_type"]  # the list says its own memory type
+            elif len(args) >= 3 or (len(args) == 2 and isinstance(args[1], nixlXferDList)):
+                args.pop(0)
+        descs = args.pop(0) if args else kwargs.pop("descs", None)
+        if not isinstance(descs, nixlXferDList):
+            raise nixlInvalidParamError(f"descs: a nixlXferDList (got {type(descs).__name__})")
         local = name in ("", "NIXL_INIT_AGENT")
         if not local and name != self._name and not self._agent.has_peer(name):
             raise nixlNotFoundError(f"unknown peer {name!r}: load its metadata first")
@@ -414,10 +428,11 @@ class nixlAgent:
         remote_side: int,
         remote_indices: Sequence[int],
         notif_msg: Any = "",
-        backends: Sequence[int] = (),
-        skip_desc_merge: bool = False,
+        backend: Sequence[int] = (),
+        skip_desc_merg: bool = False,
     ) -> int:
-        """A transfer of the chosen entries of two prepared lists."""
+        """A transfer of the chosen entries of two prepared lists (kvrail merges nothing:
+        each descriptor is posted as given)."""
         op = _op(operation)
         sides = []
         for h, what in ((local_side, "local_side"), (remote_side, "remote_side")):
@@ -439,7 +454,7 @@ class nixlAgent:
         remote_descs: nixlXferDList,
         remote_agent: str,
         notif_msg: Any = "",
-        backends: Sequence[int] = (),
+        backend: Sequence[int] = (),
     ) -> int:
         """A transfer between two descriptor lists; its handle (never 0)."""
         op = _op(operation)
@@ -456,9 +471,10 @@ class nixlAgent:
         self._telemetry[x] = tel
         return x
 
-    def postXferReq(self, handle: int, notif_msg: Any = "") -> nixl_status_t:
+    def postXferReq(self, reqh: int, notif_msg: Any = "") -> nixl_status_t:
         """Post (again, once done); NIXL_SUCCESS or NIXL_IN_PROG. A transfer that cannot be
         posted raises, as in NIXL."""
+        handle = reqh
         t0 = time.time_ns()
         if notif_msg:
             _call(self._agent.set_notif, int(handle), _bytes(notif_msg))
@@ -483,10 +499,11 @@ class nixlAgent:
             return NIXL_SUCCESS
         return NIXL_IN_PROG
 
-    def getXferTelemetry(self, handle: int) -> nixlXferTelemetry:
+    def getXferTelemetry(self, reqh: int) -> nixlXferTelemetry:
         """What the transfer did (needs ``captureTelemetry`` or ``NIXL_TELEMETRY_ENABLE``,
         else :class:`nixlNoTelemetryError`); ``xferDuration`` is 0 until its completion is
         seen by ``getXferStatus``."""
+        handle = reqh
         if not self._telemetry_on:
             raise nixlNoTelemetryError("telemetry is off: captureTelemetry or NIXL_TELEMETRY_ENABLE=y")
         tel = self._telemetry.get(int(handle))

@@ -235,8 +235,8 @@ class nixlRegDList(_DList):
     memory type. ``nixlRegDList(DRAM_SEG, [(addr, len, dev, meta), …])`` as in NIXL (a memory
     type name such as "DRAM" works too); Nx3 array rows get empty metadata."""
 
-    def __init__(self, mem_type: Any, descs: Any = 0, owners=()):
-        self.mem_type = mem_kind(mem_type)
+    def __init__(self, type: Any, descs: Any = 0, owners=(), init_size: int = 0):  # noqa: A002 (NIXL's name)
+        self.mem_type = mem_kind(type)
         self.descs: List[Tuple[int, int, int, str]] = []
         for d in _rows(descs):
             self.append(d)
@@ -265,8 +265,8 @@ class nixlXferDList(_DList):
     """A transfer descriptor list: ``(address, length, device id)`` entries of one memory
     type, ``nixlXferDList(DRAM_SEG, [...])`` as in NIXL."""
 
-    def __init__(self, mem_type: Any, descs: Any = 0):
-        self.mem_type = mem_kind(mem_type)
+    def __init__(self, type: Any, descs: Any = 0, init_size: int = 0):  # noqa: A002 (NIXL's name)
+        self.mem_type = mem_kind(type)
         self.descs: List[Tuple[int, int, int]] = []
         for d in _rows(descs):
             self.append(d)
@@ -285,8 +285,8 @@ class nixlRemoteDList(_DList):
     """A descriptor list in a peer's memory: ``(address, length, device id, agent name)``
     entries, ``nixlRemoteDList(DRAM_SEG, [...])`` as in NIXL."""
 
-    def __init__(self, mem_type: Any, descs: Any = 0):
-        self.mem_type = mem_kind(mem_type)
+    def __init__(self, type: Any, descs: Any = 0, init_size: int = 0):  # noqa: A002 (NIXL's name)
+        self.mem_type = mem_kind(type)
         self.descs: List[Tuple[int, int, int, str]] = []
         for d in _rows(descs):
             self.append(d)

@@ -460,8 +460,8 @@ class nixl_agent:
         h = self.agent.queryXferBackend(handle._handle)
         return next((n for n, v in self.backends.items() if v == h), "UCX")
 
-    def prep_mem_view(self, descs, backends: Sequence[str] = ()) -> int:
-        return self.agent.prepMemView(descs)
+    def prep_mem_view(self, dlist, backends: Sequence[str] = ()) -> int:
+        return self.agent.prepMemView(dlist)
 
     def release_mem_view(self, mvh: int) -> None:
         self.agent.releaseMemView(mvh)

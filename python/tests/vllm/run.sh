@@ -13,7 +13,9 @@
 #   3. a tiny Llama with random weights written locally (no model hub);
 #   4. pytest python/tests/vllm: the API against vLLM's base class and view builder, P and
 #      D engines (pull, push, push_stream) checked against a plain engine, vLLM's own
-#      NixlConnector unchanged on kvrail, and served P/D with faults (~3 min).
+#      NixlConnector unchanged on kvrail, and served P/D with faults (~3 min);
+#   5. NIXL's own Python tests and examples on the compat package, and NIXL 1.5.1's Python
+#      surface against kvrail's (python/tests/nixl_upstream/run.sh, ~10 s).
 # The side-by-side bench (NixlConnector on NIXL, NixlConnector on kvrail, kvrail.vllm) is a
 # command of its own:
 #   target/vllm-venv/bin/python python/tests/vllm/bench_pd.py --rounds 5   (~5 min)
@@ -64,4 +66,6 @@ fi
 echo "=== vllm: pytest python/tests/vllm ($("$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)'))"
 KVRAIL_VLLM_MODEL=$PWD/target/vllm-model KVRAIL_VLLM_LOGS=$PWD/target/vllm-logs \
     "$VENV/bin/python" -m pytest -q python/tests/vllm
+# NIXL's own Python tests and examples on the compat package this venv has (~10 s)
+VENV=$VENV bash python/tests/nixl_upstream/run.sh
 echo "=== vllm: done in $(( $(date +%s) - T0 )) s"
