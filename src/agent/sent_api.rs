@@ -26,7 +26,7 @@ impl Agent {
     ///
     /// # Errors
     /// [`AgentError::Connection`] naming `addr` (unreachable, refused, no answer in
-    /// [`control::HANDSHAKE_TIMEOUT`] plus its own connection back);
+    /// 20 s: the peer connects back first);
     /// [`AgentError::Unsupported`] for metadata over [`MAX_SENT_METADATA`].
     pub fn send_metadata(
         &self,
