@@ -131,6 +131,22 @@ def test_wrong_peers_and_closed_listeners_fail_with_nixls_types_bounded():
     assert not a.check_remote_metadata("nobody", a.get_xfer_descs([(1, 2, 0)], "DRAM"))
 
 
+def test_garbage_and_stale_metadata_fail_with_nixls_types():
+    a, _ = agent()
+    with pytest.raises(bindings.nixlMismatchError):
+        a.add_remote_agent(b"not metadata")
+    gone, _ = agent("gone")
+    md = gone.get_agent_metadata()
+    del gone  # its listener closes
+    import gc
+
+    gc.collect()
+    t0 = time.time()
+    with pytest.raises(bindings.nixlRemoteDisconnectError):
+        a.add_remote_agent(md)
+    assert time.time() - t0 < 10 and not a.check_remote_metadata("gone")
+
+
 def test_sent_metadata_must_name_the_host_it_came_from():
     # an agent advertising another host's address sends its metadata from loopback
     target, tport = agent("target")
