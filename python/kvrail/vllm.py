@@ -274,6 +274,19 @@ def _block_list(blocks: Any) -> List[int]:
     return [int(b) for b in blocks]
 
 
+def _unhashed(blocks: Any) -> List[int]:
+    """The blocks of ``blocks`` that no prefix-cache hit gave (vLLM's
+    ``get_unhashed_block_ids``): where loaded KV may be written."""
+    for name in ("get_unhashed_block_ids_all_groups", "get_unhashed_block_ids"):
+        f = getattr(blocks, name, None)
+        if f is not None:
+            got = f()
+            if got and isinstance(got[0], (list, tuple)):
+                got = got[0]
+            return [int(b) for b in got]
+    return _block_list(blocks)
+
+
 class KvrailConnector(_Base):
     """kvrail's KV connector for vLLM (both roles; see the module doc)."""
 
@@ -386,7 +399,11 @@ class KvrailConnector(_Base):
         old = self._reqs.get(rid, (n, p, [], 0))
         self._reqs[rid] = (n, p, old[2] + [b for b in ids if b not in old[2]], old[3])
         if s is not None:
-            s.update_state_after_alloc(rid, n, p, ids, int(num_external_tokens))
+            # KV lands only in the blocks this request newly holds: a prefix D has cached
+            # (vLLM's prefix caching) is the start of the prompt, shared with other requests,
+            # and is never written; the lists are aligned at their ends
+            into = _unhashed(blocks) if num_external_tokens else ids
+            s.update_state_after_alloc(rid, n, p, into, int(num_external_tokens))
         params = getattr(request, "kv_transfer_params", None)
         if num_external_tokens and isinstance(params, dict) and params.get("do_remote_prefill"):
             # loaded from P once: vLLM asks again only to recompute after that load failed

@@ -14,8 +14,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class Engine:
     """One engine process; ``call`` sends a command and returns its reply."""
 
-    def __init__(self, python, model, role, connector="kvrail", mode="pull", engine_id=None, env=None, extra=None, log=None):
+    def __init__(self, python, model, role, connector="kvrail", mode="pull", engine_id=None, env=None, extra=None, log=None, prefix_caching=False):
         cmd = [python, os.path.join(HERE, "engine.py"), "--model", model, "--role", role, "--connector", connector, "--mode", mode]
+        if prefix_caching:
+            cmd.append("--prefix-caching")
         if engine_id:
             cmd += ["--engine-id", engine_id]
         if extra:

@@ -119,6 +119,7 @@ def main():
     ap.add_argument("--mode", choices=["pull", "push", "push_stream"], default="pull")
     ap.add_argument("--engine-id", default=None)
     ap.add_argument("--extra", default=None, help="kv_connector_extra_config additions (JSON)")
+    ap.add_argument("--prefix-caching", action="store_true", help="vLLM's default; off unless given here")
     args = ap.parse_args()
     args.engine_id = args.engine_id or f"{args.role}-engine"
 
@@ -134,8 +135,9 @@ def main():
         seed=0,
         disable_log_stats=False,
         # each request's prompt KV comes from P or from its own compute, never from an
-        # earlier request's blocks (the tests send a prompt more than once)
-        enable_prefix_caching=False,
+        # earlier request's blocks (the tests send a prompt more than once), unless a test
+        # asks for vLLM's default
+        enable_prefix_caching=args.prefix_caching,
     )
     cfg = kv_config(args)
     if cfg is not None:

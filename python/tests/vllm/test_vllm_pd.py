@@ -28,6 +28,11 @@ GROUPS = {
     "a_batch": [prompt(n, 10 + i) for i, n in enumerate((37, 129, 300, 513))],
 }
 TOKENS = 8
+# vLLM's prefix caching: B and C start with A's first three whole blocks (128 tokens each)
+SHARED = 3 * 128
+PREFIXED = {"A": prompt(400, 3)}
+PREFIXED["B"] = PREFIXED["A"][:SHARED] + prompt(150, 4)
+PREFIXED["C"] = PREFIXED["A"][:SHARED] + prompt(90, 5)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,8 @@ def plain(model):
     e = start(model, "plain")
     e.ready()
     want = {g: e.call(op="generate", prompts=ps, max_tokens=TOKENS)["tokens"] for g, ps in GROUPS.items()}
+    for k, ps in PREFIXED.items():
+        want[k] = e.call(op="generate", prompts=[ps], max_tokens=TOKENS)["tokens"]
     e.close()
     return want
 
@@ -137,6 +144,39 @@ def test_p_and_d_give_a_plain_engines_tokens_from_ps_kv(model, plain, mode):
     p, d = pd(model, mode, mode)
     try:
         check_every_group(p, d, plain, mode)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_with_prefix_caching_d_loads_only_what_it_lacks_and_writes_no_cached_block(model, plain, mode):
+    """vLLM's default, prefix caching, on P and D. A goes P -> D whole. B starts with A's first
+    three blocks: D has them cached and loads only the rest (vLLM's external-token metric),
+    P serves B from its own cache for that part, and D's tokens are a plain engine's. Then
+    one of those cached blocks is damaged on D and C (the same three blocks, another tail)
+    goes P -> D: the damage is still there afterwards, so the load wrote into no block D had
+    cached (before the fix it wrote every prompt block, the cached ones too)."""
+    p = start(model, "producer", mode=mode, engine_id=f"p-pc-{mode}", prefix_caching=True)
+    d = start(model, "consumer", mode=mode, engine_id=f"d-pc-{mode}", prefix_caching=True)
+    p.ready()
+    d.ready()
+    try:
+        a, b, c = PREFIXED["A"], PREFIXED["B"], PREFIXED["C"]
+        _, dr, hits = disaggregate(p, d, [a])
+        assert dr["tokens"] == plain["A"], f"{mode}: A's tokens differ from a plain engine's"
+        assert hits >= 0.9 * len(a), f"{mode}: {hits} of {len(a)} of A's tokens external"
+        _, dr, hits = disaggregate(p, d, [b])
+        assert dr["tokens"] == plain["B"], f"{mode}: B's tokens differ from a plain engine's"
+        assert hits == len(b) - SHARED, f"{mode}: {hits} of B's tokens external, not the {len(b) - SHARED} D lacked"
+        cached = d.call(op="blocks", ids=dr["ids"])["blocks"][0][:3]
+        d.call(op="damage", block=cached[0])
+        damaged = [d.call(op="raw", layer=i, block=cached[0])["hex"] for i in (0, 1)]
+        _, dr, hits = disaggregate(p, d, [c], tokens=1)
+        assert hits == len(c) - SHARED, f"{mode}: {hits} of C's tokens external, not the {len(c) - SHARED} D lacked"
+        assert d.call(op="blocks", ids=dr["ids"])["blocks"][0][:3] == cached, f"{mode}: C did not use D's cached blocks"
+        after = [d.call(op="raw", layer=i, block=cached[0])["hex"] for i in (0, 1)]
+        assert after == damaged, f"{mode}: the load wrote into a block D had cached"
     finally:
         p.close()
         d.close()
