@@ -315,12 +315,22 @@ class KvrailConnector(_Base):
                 "KV-cache group: vLLM turns its hybrid KV-cache manager off for a connector that does "
                 "not declare SupportsHMA, unless --no-disable-hybrid-kv-cache-manager asks for it"
             )
-        model = _attr(vllm_config, "model_config.model")
-        dtype = _attr(vllm_config, "model_config.dtype")
-        if model is not None:
-            self._agent_cfg.setdefault("model", str(model))
-        if dtype is not None:
-            self._agent_cfg.setdefault("dtype", str(dtype))
+        pp = int(_attr(vllm_config, "parallel_config.pipeline_parallel_size", 1) or 1)
+        if pp > 1:
+            raise _kvrail.ConfigError(
+                f"parallel_config.pipeline_parallel_size: {pp}; kvrail moves the KV of every layer "
+                "from one engine rank per TP rank (pipeline parallelism splits the layers: not supported)"
+            )
+        # what the compatibility hash covers, as this engine runs: P and D must agree on it
+        compat = {
+            "model": _attr(vllm_config, "model_config.model"),
+            "dtype": _attr(vllm_config, "model_config.dtype"),
+            "attn_backend": _attr(vllm_config, "attention_config.backend"),
+            "draft_model": _attr(vllm_config, "speculative_config.model"),
+        }
+        for key, value in compat.items():
+            if value is not None and str(value) not in ("", "None"):
+                self._agent_cfg.setdefault(key, getattr(value, "name", None) or str(value))
         self._engine_id = str(cfg.get("engine_id") or os.environ.get("KVRAIL_ENGINE_ID") or "kvrail-engine")
         self._tp_size = int(_attr(vllm_config, "parallel_config.tensor_parallel_size", 1) or 1)
         self._role_name = getattr(role, "name", str(role))

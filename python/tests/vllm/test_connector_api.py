@@ -228,3 +228,35 @@ def test_a_hybrid_model_reaches_kvrail_as_one_kv_cache_group():
         KvrailConnector(cfg, KVConnectorRole.WORKER, hybrid)
     one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups(True))
     KvrailConnector(cfg, KVConnectorRole.WORKER, one)
+
+
+def test_settings_are_read_from_the_engine_and_pipeline_parallelism_is_refused():
+    """The compatibility hash covers what the engine runs (its model, dtype, an attention
+    backend it was given, a draft model), read from vLLM's own config; pipeline parallelism
+    (layers split over engine ranks) is refused when the connector is made, naming it."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+
+    from kvrail import ConfigError
+    from kvrail.vllm import KVConnectorRole
+
+    ktc = KVTransferConfig(kv_connector="KvrailConnector", kv_connector_module_path="kvrail.vllm",
+                           kv_role="kv_consumer", kv_buffer_device="cpu")
+
+    def cfg(pp=1, backend=None, draft=None):
+        return SimpleNamespace(
+            kv_transfer_config=ktc,
+            parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=1),
+            model_config=SimpleNamespace(model="/m", dtype="bfloat16", use_mla=False),
+            attention_config=SimpleNamespace(backend=backend),
+            speculative_config=SimpleNamespace(model=draft) if draft else None,
+        )
+
+    with pytest.raises(ConfigError, match=r"^parallel_config\.pipeline_parallel_size: 2"):
+        KvrailConnector(cfg(pp=2), KVConnectorRole.WORKER)
+    c = KvrailConnector(cfg(backend=SimpleNamespace(name="CPU_ATTN"), draft="/draft"), KVConnectorRole.WORKER)
+    assert {k: c._agent_cfg.get(k) for k in ("model", "dtype", "attn_backend", "draft_model")} == {
+        "model": "/m", "dtype": "bfloat16", "attn_backend": "CPU_ATTN", "draft_model": "/draft"}
+    plain = KvrailConnector(cfg(), KVConnectorRole.WORKER)
+    assert "attn_backend" not in plain._agent_cfg and "draft_model" not in plain._agent_cfg
