@@ -367,5 +367,23 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     ] {
         out.push(("json", [&[kind][..], text.as_bytes()].concat()));
     }
+    // metadata sent to a listener (NIXL's sendLocalMD / invalidateLocalMD), last: the seeds
+    // before keep their numbers
+    for m in [
+        Msg::PutMetadata {
+            metadata: meta.encode().expect("encodes"),
+            partial: true,
+        },
+        Msg::Forget {
+            name: "initiator".into(),
+        },
+        Msg::Taken {
+            name: "initiator".into(),
+        },
+    ] {
+        let mut one = Vec::new();
+        send(&mut one, &m).expect("encodes");
+        out.push(("side_channel", one));
+    }
     out
 }
