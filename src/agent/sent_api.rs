@@ -140,10 +140,8 @@ impl Agent {
                 meta.regions.sort_by_key(|r| r.id);
             }
             _ if !connect_unknown => {
-                return Err(AgentError::UnknownPeer(format!(
-                    "{} (partial metadata without connection details: load its metadata first)",
-                    meta.name()
-                )))
+                // partial metadata without connection details is for a peer known already
+                return Err(AgentError::UnknownPeer(meta.name().to_owned()));
             }
             _ => {}
         }

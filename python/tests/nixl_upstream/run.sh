@@ -13,7 +13,9 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../../.." && pwd)
-PY=${VENV:-$ROOT/target/vllm-venv}/bin/python
+V=${VENV:-target/vllm-venv}
+case $V in /*) ;; *) V=$ROOT/$V ;; esac  # a path relative to the repository root
+PY=$V/bin/python
 TMP=$(mktemp -d)
 ETCD_PID=
 trap '[ -n "$ETCD_PID" ] && kill "$ETCD_PID" 2>/dev/null; rm -rf "$TMP"' EXIT

@@ -112,14 +112,18 @@ def served_or_refused(d, prompt, params, plain_url, reason, limit=25.0):
 
 
 def strangers(model, logs):
-    """D engines that do not match the deployment's P: another model (same shape, other
-    weights, another path) and another block size (64 tokens; P's are 128)."""
+    """D engines that do not match the deployment's P, with the reason D gives: another model
+    (same shape, other weights, another path) and, by command (KVRAIL_VLLM_FULL=1: one more
+    engine start), another block size (64 tokens; P's are 128)."""
     from tiny_model import make
 
     other = make(os.path.join(os.path.dirname(model), "vllm-model-other"), seed=99)
-    return [Engine(sys.executable, other, "decode-other-model", "pull", logs, extra={"kv_lease_duration": LEASE_S}),
-            Engine(sys.executable, model, "decode-block-64", "pull", logs, extra={"kv_lease_duration": LEASE_S},
-                   args=["--block-size", "64"])]
+    odd = [(Engine(sys.executable, other, "decode-other-model", "pull", logs, extra={"kv_lease_duration": LEASE_S}),
+            "compatibility hash mismatch")]
+    if os.environ.get("KVRAIL_VLLM_FULL") == "1":
+        odd.append((Engine(sys.executable, model, "decode-block-64", "pull", logs, extra={"kv_lease_duration": LEASE_S},
+                           args=["--block-size", "64"]), "block_size mismatch"))
+    return odd
 
 
 def p_params(c, prompt):
@@ -140,10 +144,10 @@ def test_one_p_one_d_behind_vllm_router_under_load(model, plain):
     c = cluster(model, 1, 1, "pull", "1p1d")
     odd = strangers(model, c.logs)
     try:
-        for s in odd:
+        for s, _ in odd:
             s.start()
         c.start()
-        for s in odd:
+        for s, _ in odd:
             s.wait()
         got = bench(sys.executable, c.router.url, model, os.path.join(c.logs, "bench"), PROMPTS, RATE, INPUT, OUTPUT)
         v = check(got, want, e.url)
@@ -163,7 +167,7 @@ def test_one_p_one_d_behind_vllm_router_under_load(model, plain):
             ({"do_remote_prefill": True}, "needs P's remote_engine_id"),
         ]:
             served_or_refused(d, prompt, params, e.url, reason)
-        for s, reason in zip(odd, ["compatibility hash mismatch", "block_size mismatch"]):
+        for s, reason in odd:
             assert served_or_refused(s, prompt, p_params(c, prompt), e.url, reason) == 500
         # D is whole: P's real parameters load and answer
         since = metric(d.metrics(), "vllm:external_prefix_cache_hits_total")
@@ -174,7 +178,7 @@ def test_one_p_one_d_behind_vllm_router_under_load(model, plain):
             assert time.time() - t < 30, "P still holds leased blocks 30 s after the load"
             time.sleep(0.5)
     finally:
-        for s in odd:
+        for s, _ in odd:
             s.kill()
         c.stop()
 
