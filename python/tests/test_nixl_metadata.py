@@ -221,3 +221,24 @@ def test_partial_metadata_under_labels_through_etcd(etcd, monkeypatch):
     target.send_local_metadata()
     init.fetch_remote_metadata("target")
     assert init.check_remote_metadata("target", second.trim())
+
+
+def test_a_reads_notification_reaches_the_peer_when_it_is_forgotten_at_once():
+    """NIXL's basic example: the initiator READs with a notification and, the moment the READ
+    is done, removes the peer. The notification is queued before the READ is done; removing
+    the peer sends what was queued first (before, the target waited forever, about 1 run in
+    8 on a loaded host)."""
+    for i in range(20):
+        target, tport = agent(f"target-{i}")
+        init, _ = agent(f"initiator-{i}")
+        t_reg, i_reg = buffers(target, 1, i), buffers(init, 1, 0)
+        init.fetch_remote_metadata(target.name, "127.0.0.1", tport)
+        h = init.initialize_xfer("READ", i_reg.trim(), t_reg.trim(), target.name, b"Done_reading")
+        assert init.transfer(h) != "ERR"
+        while init.check_xfer_state(h) == "PROC":
+            pass
+        init.release_xfer_handle(h)
+        init.remove_remote_agent(target.name)
+        deadline = time.time() + 5
+        while not target.check_remote_xfer_done(init.name, b"Done_reading"):
+            assert time.time() < deadline, f"run {i}: the READ's notification never arrived"

@@ -115,13 +115,22 @@ impl Agent {
         Ok(name)
     }
 
-    /// Forget a peer: its connection closes and its in-progress transfers fail. A peer loaded
-    /// by name is no longer followed in the metadata store (a restart is not loaded again).
+    /// Forget a peer: what this agent queued for it is sent first (given up after 2 s
+    /// without progress), then its connection closes and its
+    /// in-progress transfers fail. A peer loaded by name is no longer followed in the
+    /// metadata store (a restart is not loaded again).
     ///
     /// # Errors
     /// [`AgentError::UnknownPeer`].
     pub fn invalidate(&self, peer: &str) -> Result<(), AgentError> {
         self.unfollow(peer);
+        // what this agent queued for the peer goes first (a READ's notification is queued
+        // before the READ is done, and a caller may forget the peer as soon as it is)
+        let writers = lock(&self.shared.peers)
+            .get(peer)
+            .map(|p| p.conn.writers())
+            .unwrap_or_default();
+        self.shared.flush_writers(writers, "invalidated");
         self.invalidate_because(peer, "peer metadata invalidated")
     }
 

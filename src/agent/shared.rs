@@ -173,6 +173,43 @@ impl verbs::Host for Shared {
     }
 }
 
+impl Shared {
+    /// Wait until each writer sent what was queued on it before now: done, or
+    /// [`FLUSH_ON_DROP`] without one item sent (a peer that stopped taking them), never a
+    /// fixed total that a slow peer or a loaded host misses. `why` names the occasion in
+    /// the log line of a writer given up on.
+    pub(crate) fn flush_writers(
+        &self,
+        writers: Vec<(
+            mpsc::Sender<control::Work>,
+            Arc<std::sync::atomic::AtomicU64>,
+        )>,
+        why: &str,
+    ) {
+        for (w, sent) in writers {
+            let (tx, rx) = mpsc::sync_channel(1);
+            if w.send(control::Work::Flush(tx)).is_err() {
+                continue;
+            }
+            let (mut seen, mut stall) = (sent.load(Ordering::Acquire), std::time::Instant::now());
+            while let Err(mpsc::RecvTimeoutError::Timeout) =
+                rx.recv_timeout(Duration::from_millis(50))
+            {
+                let now = sent.load(Ordering::Acquire);
+                if now != seen {
+                    (seen, stall) = (now, std::time::Instant::now());
+                } else if stall.elapsed() > FLUSH_ON_DROP {
+                    tracing::warn!(
+                        agent = %self.name,
+                        "{why} with messages a peer did not take for {FLUSH_ON_DROP:?}: closing"
+                    );
+                    break;
+                }
+            }
+        }
+    }
+}
+
 impl control::Host for Shared {
     fn config(&self) -> &AgentConfig {
         &self.config
@@ -263,27 +300,7 @@ impl control::Host for Shared {
         let writers: Vec<_> = (lock(&self.peers).values())
             .flat_map(|p| p.conn.writers())
             .collect();
-        for (w, sent) in writers {
-            let (tx, rx) = mpsc::sync_channel(1);
-            if w.send(control::Work::Flush(tx)).is_err() {
-                continue;
-            }
-            let (mut seen, mut stall) = (sent.load(Ordering::Acquire), std::time::Instant::now());
-            while let Err(mpsc::RecvTimeoutError::Timeout) =
-                rx.recv_timeout(Duration::from_millis(50))
-            {
-                let now = sent.load(Ordering::Acquire);
-                if now != seen {
-                    (seen, stall) = (now, std::time::Instant::now());
-                } else if stall.elapsed() > FLUSH_ON_DROP {
-                    tracing::warn!(
-                        agent = %self.name,
-                        "dropped with messages a peer did not take for {FLUSH_ON_DROP:?}: closing"
-                    );
-                    break;
-                }
-            }
-        }
+        self.flush_writers(writers, "dropped");
         // then peers learn from the store that this agent is gone (after what it queued for
         // them arrived: they close their connections to it when they hear)
         self.withdraw();
