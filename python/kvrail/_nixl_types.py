@@ -161,10 +161,16 @@ def mem_kind(mem_type: Any) -> str:
 
 
 class _DList:
-    """What both descriptor lists answer: their memory type, length and entries."""
+    """What every descriptor list answers: its memory type, length and entries."""
 
     mem_type: str
     descs: list
+
+    def __init__(self, type: Any, descs: Any = 0, init_size: int = 0):  # noqa: A002 (NIXL's name)
+        self.mem_type = mem_kind(type)
+        self.descs = []
+        for d in _rows(descs):
+            self.append(d)
 
     def descCount(self) -> int:
         return len(self.descs)
@@ -265,12 +271,6 @@ class nixlXferDList(_DList):
     """A transfer descriptor list: ``(address, length, device id)`` entries of one memory
     type, ``nixlXferDList(DRAM_SEG, [...])`` as in NIXL."""
 
-    def __init__(self, type: Any, descs: Any = 0, init_size: int = 0):  # noqa: A002 (NIXL's name)
-        self.mem_type = mem_kind(type)
-        self.descs: List[Tuple[int, int, int]] = []
-        for d in _rows(descs):
-            self.append(d)
-
     def _entry(self, desc) -> tuple:
         if len(desc) != 3:
             raise nixlInvalidParamError(f"descriptor {desc!r}: (address, length, device id) expected")
@@ -284,12 +284,6 @@ class nixlXferDList(_DList):
 class nixlRemoteDList(_DList):
     """A descriptor list in a peer's memory: ``(address, length, device id, agent name)``
     entries, ``nixlRemoteDList(DRAM_SEG, [...])`` as in NIXL."""
-
-    def __init__(self, type: Any, descs: Any = 0, init_size: int = 0):  # noqa: A002 (NIXL's name)
-        self.mem_type = mem_kind(type)
-        self.descs: List[Tuple[int, int, int, str]] = []
-        for d in _rows(descs):
-            self.append(d)
 
     def _entry(self, desc) -> tuple:
         if len(desc) != 4:

@@ -67,49 +67,44 @@ def _name(agent: Union[str, bytes]) -> str:
     return agent.decode() if isinstance(agent, (bytes, bytearray)) else str(agent)
 
 
-class nixl_prepped_dlist_handle:
-    """A descriptor list prepared for ``make_prepped_xfer`` (``prep_xfer_dlist``)."""
+class _Handle:
+    """A handle on the bindings agent's integer one, released once (on ``release``, or when
+    the object goes if the program did not release it)."""
 
     __slots__ = ("_agent", "_handle", "_released")
+    _release_with = ""  # the nixlAgent method that releases it
 
     def __init__(self, agent: "nixl_agent", value: int):
         self._agent, self._handle, self._released = agent, int(value), False
 
     def release(self) -> None:
         if not self._released:
-            self._agent.agent.releasedDlistH(self._handle)
+            getattr(self._agent.agent, self._release_with)(self._handle)
             self._released = True
 
     def __del__(self):
         if not getattr(self, "_released", True):
             try:
                 self.release()
-            except Exception:  # the agent is gone
+            except Exception:  # the agent is gone, or the transfer still active
                 pass
+
+
+class nixl_prepped_dlist_handle(_Handle):
+    """A descriptor list prepared for ``make_prepped_xfer`` (``prep_xfer_dlist``)."""
+
+    __slots__ = ()
+    _release_with = "releasedDlistH"
 
     def __repr__(self) -> str:
         return f"nixl_prepped_dlist_handle({self._handle}, released={self._released})"
 
 
-class nixl_xfer_handle:
+class nixl_xfer_handle(_Handle):
     """A transfer request (``initialize_xfer`` / ``make_prepped_xfer``)."""
 
-    __slots__ = ("_agent", "_handle", "_released")
-
-    def __init__(self, agent: "nixl_agent", value: int):
-        self._agent, self._handle, self._released = agent, int(value), False
-
-    def release(self) -> None:
-        if not self._released:
-            self._agent.agent.releaseXferReq(self._handle)
-            self._released = True
-
-    def __del__(self):
-        if not getattr(self, "_released", True):
-            try:
-                self.release()
-            except Exception:  # the agent is gone or the transfer still active
-                pass
+    __slots__ = ()
+    _release_with = "releaseXferReq"
 
     def __repr__(self) -> str:
         return f"nixl_xfer_handle(0x{self._handle:x}, released={self._released})"

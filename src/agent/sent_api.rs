@@ -87,9 +87,6 @@ impl Agent {
     /// [`AgentError::InvalidDesc`] naming the first range that no region holds.
     pub fn partial_metadata(&self, ranges: &[(u64, u64)]) -> Result<AgentMetadata, AgentError> {
         let mut meta = self.shared.metadata();
-        let holds = |r: &RegionMeta, a: u64, n: u64| {
-            a >= r.addr && a.checked_add(n).is_some_and(|e| e <= r.addr + r.len)
-        };
         let mut keep = Vec::<RegionMeta>::new();
         for (i, &(a, n)) in ranges.iter().enumerate() {
             let r = meta
@@ -153,11 +150,9 @@ impl Agent {
         let Some(meta) = self.remote_metadata(peer) else {
             return false;
         };
-        ranges.iter().all(|&(a, n)| {
-            meta.regions
-                .iter()
-                .any(|r| a >= r.addr && a.checked_add(n).is_some_and(|e| e <= r.addr + r.len))
-        })
+        ranges
+            .iter()
+            .all(|&(a, n)| meta.regions.iter().any(|r| holds(r, a, n)))
     }
 
     /// Write this agent's metadata to the metadata store now (NIXL's `sendLocalMD()`; it
@@ -244,6 +239,11 @@ impl Agent {
             other => Err(format!("not a request for metadata: {other:?}")),
         }
     }
+}
+
+/// Whether region `r` holds `[a, a + n)`.
+fn holds(r: &RegionMeta, a: u64, n: u64) -> bool {
+    a >= r.addr && a.checked_add(n).is_some_and(|e| e <= r.addr + r.len)
 }
 
 /// Whether `a` (an address a peer named) is on host `from` (where its connection came
