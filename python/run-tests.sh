@@ -42,7 +42,11 @@ echo "=== python: the wheel (target/wheels; maturin builds the native module), i
 # one build for every venv that needs the package (python/tests/vllm/run.sh takes it too):
 # the abi3 manylinux wheel and the sdist, as a release would publish them
 rm -f target/wheels/kvrail-*
-"$VENV/bin/maturin" build --quiet --release --sdist -m python/Cargo.toml -o target/wheels
+# (built from the sdist in a temporary directory; with the workspace's target dir the release
+# dependencies are built once for the wheel and the release tools CI builds after it: cold,
+# they cost ~150 s each time)
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" \
+    "$VENV/bin/maturin" build --quiet --release --sdist -m python/Cargo.toml -o target/wheels
 "$VENV/bin/twine" check --strict target/wheels/kvrail-*
 "$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/kvrail-*.whl
 echo "=== python: pytest python/tests (python/tests/vllm runs in its own venv: python/tests/vllm/run.sh)"
