@@ -260,11 +260,13 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let given = kvmsg::GrantMsg {
         request_id: "cmpl-p-0".into(),
         token: grant,
+        clock_us: None,
     };
     out.push(("kvmsg", given.encode()));
     let none = kvmsg::GrantNone {
         request_id: "cmpl-p-0".into(),
         reason: "lease over".into(),
+        clock_us: None,
     };
     out.push(("kvmsg", none.encode()));
     out.push((

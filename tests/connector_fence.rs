@@ -101,6 +101,7 @@ fn pull_a_read_after_the_lease_ran_out_fails_and_lands_nothing() {
         request_id: "cmpl-1-p".into(),
         block_ids: vec![3, 4, 5],
         tokens: 48,
+        keep_s: None,
     };
     let meta = ConnectorMetadata {
         reqs_to_send: vec![send],
@@ -188,6 +189,8 @@ fn push_a_write_after_d_took_its_blocks_back_fails_and_touches_nothing() {
             ..KvTransferParams::default()
         },
         tokens: 32,
+        read_back: false,
+        computed: 0,
     };
     let meta = ConnectorMetadata {
         reqs_to_recv: vec![recv],

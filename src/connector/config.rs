@@ -31,8 +31,17 @@ pub struct KvTransferConfig {
     pub engine_id: Option<String>,
     /// `kv_lease_duration`, seconds (default 30).
     pub lease_duration_s: u64,
-    /// `decoder_kv_blocks_ttl`, seconds (default 480).
+    /// `decoder_kv_blocks_ttl`, seconds (default 480): with `bidirectional_kv_xfer`, how
+    /// long D keeps a finished request's blocks for the next turn to read back (NixlConnector's
+    /// meaning); also the default of `push_registration_timeout`, as NixlConnector's.
     pub decoder_kv_blocks_ttl_s: u64,
+    /// `bidirectional_kv_xfer` (default false): multi-turn KV reuse (seed 003). D keeps the
+    /// blocks of a request it decoded to the end for `decoder_kv_blocks_ttl` and returns
+    /// parameters naming them; the next turn sent to P with them reads that KV back from D.
+    pub bidirectional_kv_xfer: bool,
+    /// `kv_recompute_threshold`, tokens (default 64): a read-back of fewer tokens than this
+    /// is not worth a transfer; P computes them.
+    pub kv_recompute_threshold: u64,
     /// `push_registration_timeout`, seconds (default `decoder_kv_blocks_ttl`).
     pub push_registration_timeout_s: u64,
     /// `chunk_mode`.
@@ -89,6 +98,8 @@ const VLLM_KEYS: &[&str] = &[
 const EXTRA: &[&str] = &[
     "kv_lease_duration",
     "decoder_kv_blocks_ttl",
+    "bidirectional_kv_xfer",
+    "kv_recompute_threshold",
     "push_registration_timeout",
     "chunk_mode",
     "chunk_tokens",
@@ -250,6 +261,19 @@ impl KvTransferConfig {
             true,
         )?
         .unwrap_or(ttl);
+        let bidirectional = boolean(
+            extra,
+            "bidirectional_kv_xfer",
+            &x("bidirectional_kv_xfer"),
+            false,
+        )?;
+        let recompute_threshold = count(
+            extra,
+            "kv_recompute_threshold",
+            &x("kv_recompute_threshold"),
+            false,
+        )?
+        .unwrap_or(64);
         let chunk_mode = boolean(extra, "chunk_mode", &x("chunk_mode"), false)?;
         let chunk_tokens = count(extra, "chunk_tokens", &x("chunk_tokens"), true)?;
         // the Python connector's agent settings (listen, backend, devices, …): an object,
@@ -345,6 +369,8 @@ impl KvTransferConfig {
             engine_id,
             lease_duration_s: lease,
             decoder_kv_blocks_ttl_s: ttl,
+            bidirectional_kv_xfer: bidirectional,
+            kv_recompute_threshold: recompute_threshold,
             push_registration_timeout_s: reg_timeout,
             chunk_mode,
             chunk_tokens,

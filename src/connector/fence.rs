@@ -110,26 +110,33 @@ impl Fence {
         }
     }
 
-    /// P: a peer asks for `r`'s grant. The answer to send now, or None when the request is
-    /// not granted yet (answered by [`Fence::due`] when it is, or refused after `wait`).
+    /// P (or D keeping blocks for a read-back): a peer asks for `r`'s grant. The answer to
+    /// send now, or None when the request is not granted yet (answered by [`Fence::due`]
+    /// when it is, or refused after `wait`). Every answer carries this worker's clock,
+    /// `clock_us`, for the asker's offset.
     pub(crate) fn answer(
         &mut self,
         peer: &str,
         r: GrantReq,
-        now: Instant,
+        (now, clock_us): (Instant, i64),
         wait: Duration,
     ) -> Option<Reply> {
         let reply = |m: Vec<u8>| Some((peer.to_owned(), r.host.clone(), r.port, m));
         if !self.on {
-            return reply(none(&r.request_id, "this P does not fence its blocks"));
+            return reply(none(
+                &r.request_id,
+                "this P does not fence its blocks",
+                clock_us,
+            ));
         }
-        if let Some(m) = self.settled(&r.request_id) {
+        if let Some(m) = self.settled(&r.request_id, clock_us) {
             return reply(m);
         }
         if self.asked.len() >= MAX_ASKED {
             return reply(none(
                 &r.request_id,
                 "too many questions about unknown requests",
+                clock_us,
             ));
         }
         self.asked.push(Asked {
@@ -144,34 +151,37 @@ impl Fence {
 
     /// The answer about `request` if there is one: its grant, why it has none, or that its
     /// blocks were given back.
-    fn settled(&self, request: &str) -> Option<Vec<u8>> {
+    fn settled(&self, request: &str, clock_us: i64) -> Option<Vec<u8>> {
         if let Some((_, token)) = self.made.get(request) {
             return Some(
                 GrantMsg {
                     request_id: request.to_owned(),
                     token: token.clone(),
+                    clock_us: Some(clock_us),
                 }
                 .encode(),
             );
         }
         if let Some(why) = self.failed.get(request) {
-            return Some(none(request, &format!("no grant could be made: {why}")));
+            let why = format!("no grant could be made: {why}");
+            return Some(none(request, &why, clock_us));
         }
         if self.freed.contains(request) {
-            return Some(none(request, "its blocks were given back (lease over)"));
+            let why = "its blocks were given back (lease over)";
+            return Some(none(request, why, clock_us));
         }
         None
     }
 
     /// P: questions that can be answered now (granted since, or waited too long).
-    pub(crate) fn due(&mut self, now: Instant) -> Vec<Reply> {
+    pub(crate) fn due(&mut self, (now, clock_us): (Instant, i64)) -> Vec<Reply> {
         let mut out = Vec::new();
         let mut keep = Vec::new();
         for a in std::mem::take(&mut self.asked) {
-            match self.settled(&a.request) {
+            match self.settled(&a.request, clock_us) {
                 Some(m) => out.push((a.peer, a.host, a.port, m)),
                 None if now >= a.until => {
-                    let m = none(&a.request, "this P rank holds no blocks of it");
+                    let m = none(&a.request, "this P rank holds no blocks of it", clock_us);
                     out.push((a.peer, a.host, a.port, m));
                 }
                 None => keep.push(a),
@@ -205,10 +215,11 @@ impl Fence {
     }
 }
 
-fn none(request: &str, reason: &str) -> Vec<u8> {
+fn none(request: &str, reason: &str, clock_us: i64) -> Vec<u8> {
     GrantNone {
         request_id: request.to_owned(),
         reason: reason.to_owned(),
+        clock_us: Some(clock_us),
     }
     .encode()
 }
@@ -279,29 +290,36 @@ mod tests {
         let wait = Duration::from_secs(30);
         let mut f = Fence::new(true);
         // not granted yet: held, then answered once it is
-        assert!(f.answer("d", ask("a"), t0, wait).is_none());
+        assert!(f.answer("d", ask("a"), (t0, 5), wait).is_none());
         f.made.insert("a".into(), (7, b"token".to_vec()));
-        let due = f.due(t0);
+        let due = f.due((t0, 5));
         assert_eq!(due.len(), 1);
-        assert!(matches!(kind(&due[0].3), KvMsg::Grant(g) if g.token == b"token"));
+        // (every answer carries the answering worker's clock)
+        assert!(
+            matches!(kind(&due[0].3), KvMsg::Grant(g) if g.token == b"token" && g.clock_us == Some(5))
+        );
         // never granted: refused once the bound passed, not before
-        assert!(f.answer("d", ask("b"), t0, wait).is_none());
-        assert!(f.due(t0 + Duration::from_secs(29)).is_empty());
-        let due = f.due(t0 + wait);
+        assert!(f.answer("d", ask("b"), (t0, 5), wait).is_none());
+        assert!(f.due((t0 + Duration::from_secs(29), 5)).is_empty());
+        let due = f.due((t0 + wait, 5));
         assert!(
             matches!(kind(&due[0].3), KvMsg::GrantNone(n) if n.reason.contains("holds no blocks"))
         );
         // a flood of questions about unknown requests is bounded
         for i in 0..MAX_ASKED {
-            assert!(f.answer("x", ask(&format!("u{i}")), t0, wait).is_none());
+            assert!(f
+                .answer("x", ask(&format!("u{i}")), (t0, 5), wait)
+                .is_none());
         }
         let r = f
-            .answer("x", ask("one-more"), t0, wait)
+            .answer("x", ask("one-more"), (t0, 5), wait)
             .expect("refused at once");
         assert!(matches!(kind(&r.3), KvMsg::GrantNone(n) if n.reason.contains("too many")));
         // an unfenced worker says so
         let mut off = Fence::new(false);
-        let r = off.answer("d", ask("a"), t0, wait).unwrap();
-        assert!(matches!(kind(&r.3), KvMsg::GrantNone(n) if n.reason.contains("does not fence")));
+        let r = off.answer("d", ask("a"), (t0, 5), wait).unwrap();
+        assert!(
+            matches!(kind(&r.3), KvMsg::GrantNone(n) if n.reason.contains("does not fence") && n.clock_us == Some(5))
+        );
     }
 }

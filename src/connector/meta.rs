@@ -6,7 +6,12 @@ use serde::{Deserialize, Serialize};
 
 /// The `kv_transfer_params` of a request (absent fields take their defaults, so the
 /// prefill leg needs only `{"do_remote_decode": true}`).
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+///
+/// With `bidirectional_kv_xfer` (seed 003) the same keys, as NixlConnector names them, carry
+/// the next turn back: D's finished request returns `do_remote_decode` with D's engine,
+/// host, ports, blocks and request id in the `remote_*` keys, plus `remote_num_tokens` and
+/// `remote_blocks_expiry_time`; the next turn sent to P with them reads that KV back.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KvTransferParams {
     /// Prefill leg: P keeps the KV for a decode instance.
@@ -28,6 +33,24 @@ pub struct KvTransferParams {
     /// P's side-channel port of each TP rank (rank `k` at `remote_ports[k]`); empty:
     /// `remote_port + k`.
     pub remote_ports: Vec<u16>,
+    /// Read-back: the tokens whose KV the remote's blocks hold (D's computed tokens).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub remote_num_tokens: u64,
+    /// Read-back: when the remote gives its blocks back, in the remote's monotonic clock,
+    /// seconds (NixlConnector's `perf_counter` deadline).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_blocks_expiry_time: Option<f64>,
+    /// Read-back: the engine already scheduled (or declined) the read; asked again (to
+    /// recompute after a failed load) it computes instead. Set by the connector.
+    #[serde(
+        rename = "_remote_blocks_processed",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
+    pub remote_blocks_processed: bool,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl KvTransferParams {
@@ -84,10 +107,38 @@ impl KvTransferParams {
                 "remote_ports" => {
                     p.remote_ports = list(v, port).ok_or_else(|| bad("a list of ports"))?
                 }
+                "remote_num_tokens" => {
+                    p.remote_num_tokens = v.as_u64().ok_or_else(|| bad("a token count"))?
+                }
+                "remote_blocks_expiry_time" => {
+                    p.remote_blocks_expiry_time = Some(
+                        v.as_f64()
+                            .filter(|t| t.is_finite())
+                            .ok_or_else(|| bad("a time in seconds"))?,
+                    )
+                }
+                "_remote_blocks_processed" => {
+                    p.remote_blocks_processed = v.as_bool().ok_or_else(|| bad("true or false"))?
+                }
                 _ => {}
             }
         }
         Ok(p)
+    }
+
+    /// Whether these parameters ask P to read a previous turn's KV back from D (seed 003):
+    /// a prefill leg (`do_remote_decode`) naming the remote's blocks, engine, request and
+    /// (unless found by name in a metadata store) side channel, not yet processed.
+    pub fn reads_back(&self, by_name: bool) -> bool {
+        self.do_remote_decode
+            && !self.remote_blocks_processed
+            && !self.remote_block_ids.is_empty()
+            && !self.remote_engine_id.is_empty()
+            && !self.remote_request_id.is_empty()
+            && (by_name
+                || (!self.remote_host.is_empty()
+                    && (self.remote_port != 0
+                        || self.remote_ports.first().is_some_and(|&p| p != 0))))
     }
 
     /// Why these parameters cannot load a prompt's KV from P (`pull`: D READs P's blocks,
@@ -138,7 +189,7 @@ fn list<T>(
 }
 
 /// A request as the connector sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EngineRequest {
     /// The engine's request id.
     pub request_id: String,
@@ -148,8 +199,9 @@ pub struct EngineRequest {
     pub params: Option<KvTransferParams>,
 }
 
-/// A receive the worker must do (pull: READ; push: register and wait).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A receive the worker must do (pull: READ; push: register and wait; a read-back: READ
+/// in either mode).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RecvReq {
     /// D's request id.
     pub request_id: String,
@@ -157,12 +209,22 @@ pub struct RecvReq {
     pub local_block_ids: Vec<u64>,
     /// Where the KV is.
     pub params: KvTransferParams,
-    /// The prompt's tokens (what `chunk_mode` cuts the last block to).
+    /// The prompt's tokens (what `chunk_mode` cuts the last block to); a read-back: the
+    /// tokens read back.
     #[serde(default)]
     pub tokens: u64,
+    /// A read-back (`bidirectional_kv_xfer`): P READs a previous turn's KV from D's kept
+    /// blocks, whatever the connector's direction.
+    #[serde(default)]
+    pub read_back: bool,
+    /// A read-back: the tokens the engine had cached already (whole blocks at the start);
+    /// `local_block_ids` begin after them, the remote's list at the request's start.
+    #[serde(default)]
+    pub computed: u64,
 }
 
-/// A finished prefill P holds for D.
+/// A finished prefill P holds for D (or, `keep_s` set, a decoded request D keeps for the
+/// next turn to read back).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SendReq {
     /// P's request id.
@@ -171,6 +233,10 @@ pub struct SendReq {
     pub block_ids: Vec<u64>,
     /// The prompt's tokens.
     pub tokens: u64,
+    /// D, `bidirectional_kv_xfer`: kept this many seconds (`decoder_kv_blocks_ttl`) for a
+    /// read-back, not `kv_lease_duration`; READ in either mode, never pushed.
+    #[serde(default)]
+    pub keep_s: Option<u64>,
 }
 
 /// A running prefill's progress (`push_stream`).
@@ -205,7 +271,7 @@ pub struct HeartbeatOut {
 }
 
 /// The scheduler's instructions to its workers for one step.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct ConnectorMetadata {
     /// D: receives to start.
     pub reqs_to_recv: Vec<RecvReq>,

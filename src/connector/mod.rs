@@ -73,6 +73,7 @@
 //! ```
 
 mod caches;
+mod clock;
 pub mod config;
 mod fence;
 mod layout;
@@ -123,5 +124,5 @@ pub use meta::{
     ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq, SendReq,
     StreamReq,
 };
-pub use scheduler::Scheduler;
+pub use scheduler::{RequestEnd, Scheduler};
 pub use worker::Worker;

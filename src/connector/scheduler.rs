@@ -41,6 +41,23 @@ pub struct Scheduler {
     cancels: Vec<String>,
     /// D: requests whose parameters cannot load from P (said once each, computed here).
     refused: HashSet<String>,
+    /// `bidirectional_kv_xfer`, P: the tokens a read-back request had cached here when the
+    /// engine asked (its local blocks begin after them).
+    computed: HashMap<String, u64>,
+    /// `bidirectional_kv_xfer`, D: decoded requests whose blocks are kept for a read-back
+    /// (given back by the workers' report, at their TTL or once read).
+    kept: HashSet<String>,
+    /// Added to this host's clock (tests: a keeper whose clock is skewed).
+    clock_skew_us: i64,
+}
+
+/// How a request ended, for [`Scheduler::request_finished_as`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RequestEnd {
+    /// It ran to its end (a stop condition or its length), not aborted or failed.
+    pub completed: bool,
+    /// Tokens whose KV is in its blocks (vLLM's `num_computed_tokens`).
+    pub computed_tokens: u64,
 }
 
 impl Scheduler {
@@ -69,7 +86,17 @@ impl Scheduler {
             cancelling: HashSet::new(),
             cancels: Vec::new(),
             refused: HashSet::new(),
+            computed: HashMap::new(),
+            kept: HashSet::new(),
+            clock_skew_us: 0,
         }
+    }
+
+    /// Tests: this scheduler's clock runs `skew_us` ahead of the host's (behind, negative),
+    /// as another host's would.
+    #[doc(hidden)]
+    pub fn skew_clock(&mut self, skew_us: i64) {
+        self.clock_skew_us = skew_us;
     }
 
     /// P with TP above 1: the side-channel port of each rank's worker, when they are not
@@ -78,18 +105,41 @@ impl Scheduler {
         self.rank_ports = ports;
     }
 
+    /// Loads KV: D, or (`bidirectional_kv_xfer`) P reading a turn back.
     fn consumes(&self) -> bool {
-        self.cfg.role != KvRole::Producer
+        self.cfg.role != KvRole::Producer || self.cfg.bidirectional_kv_xfer
     }
 
+    /// Keeps KV for a peer: P, or (`bidirectional_kv_xfer`) D keeping a turn.
     fn produces(&self) -> bool {
-        self.cfg.role != KvRole::Consumer
+        self.cfg.role != KvRole::Consumer || self.cfg.bidirectional_kv_xfer
+    }
+
+    /// `req`'s parameters, when they ask this engine to read a previous turn's KV back.
+    fn read_back<'a>(&self, req: &'a EngineRequest) -> Option<&'a KvTransferParams> {
+        let by_name = self.cfg.metadata_store.is_some();
+        (req.params.as_ref()).filter(|p| self.cfg.bidirectional_kv_xfer && p.reads_back(by_name))
+    }
+
+    /// The tokens a read-back brings beyond `num_computed`: the remote's, up to the prompt
+    /// (the new turn computes the rest); none under `kv_recompute_threshold`.
+    fn read_back_tokens(&self, p: &KvTransferParams, prompt: u64, num_computed: u64) -> u64 {
+        let n = p.remote_num_tokens.min(prompt).saturating_sub(num_computed);
+        if n < self.cfg.kv_recompute_threshold {
+            return 0;
+        }
+        n
     }
 
     /// A request entered the engine's scheduler (its waiting queue). A remote-prefill
     /// request starts its heartbeats here (seed 003): it may wait in the queue far longer
     /// than a lease, and P must keep its blocks meanwhile. Returns whether it is tracked.
     pub fn on_new_request(&mut self, req: &EngineRequest, now: Instant) -> bool {
+        if let Some(p) = self.read_back(req) {
+            // D keeps the blocks for its TTL; heartbeats keep them while the turn waits here
+            self.track(&req.request_id, p, now);
+            return true;
+        }
         let Some(p) = req
             .params
             .as_ref()
@@ -106,18 +156,20 @@ impl Scheduler {
             }
             return false;
         }
+        let p = p.clone();
+        self.track(&req.request_id, &p, now);
+        true
+    }
+
+    /// Heartbeats for `id` to the engine its parameters `p` name.
+    fn track(&mut self, id: &str, p: &KvTransferParams, now: Instant) {
         let ports = (0..p.p_tp()).map(|k| p.rank_port(k)).collect();
         self.engines.insert(
             p.remote_engine_id.clone(),
             (p.remote_host.clone(), p.remote_port, ports),
         );
-        self.hb.track(
-            &req.request_id,
-            &p.remote_engine_id,
-            &p.remote_request_id,
-            now,
-        );
-        true
+        self.hb
+            .track(id, &p.remote_engine_id, &p.remote_request_id, now);
     }
 
     /// Tokens the connector will load for `req` beyond `num_computed`, and whether they load
@@ -129,6 +181,17 @@ impl Scheduler {
         num_computed: u64,
         now: Instant,
     ) -> (u64, bool) {
+        if let Some(p) = self.read_back(req) {
+            let n = self.read_back_tokens(p, req.prompt_tokens, num_computed);
+            if n == 0 {
+                // computed here: nothing to wait for (D's blocks go at their TTL)
+                self.hb.untrack(&req.request_id);
+                return (0, false);
+            }
+            self.on_new_request(req, now);
+            self.computed.insert(req.request_id.clone(), num_computed);
+            return (n, true);
+        }
         if !self.on_new_request(req, now) {
             return (0, false);
         }
@@ -166,6 +229,20 @@ impl Scheduler {
         num_external_tokens: u64,
         now: Instant,
     ) {
+        if let Some(p) = self.read_back(req) {
+            let computed = self.computed.remove(&req.request_id).unwrap_or(0);
+            if num_external_tokens > 0 {
+                self.pending_recv.push(RecvReq {
+                    request_id: req.request_id.clone(),
+                    local_block_ids: block_ids,
+                    params: p.clone(),
+                    tokens: p.remote_num_tokens.min(req.prompt_tokens),
+                    read_back: true,
+                    computed,
+                });
+            }
+            return;
+        }
         let Some(p) = req.params.as_ref().filter(|p| p.do_remote_prefill) else {
             return;
         };
@@ -181,6 +258,8 @@ impl Scheduler {
             local_block_ids: block_ids,
             params: p.clone(),
             tokens: req.prompt_tokens,
+            read_back: false,
+            computed: 0,
         });
     }
 
@@ -266,6 +345,37 @@ impl Scheduler {
         req: &EngineRequest,
         block_ids: &[u64],
     ) -> (bool, Option<KvTransferParams>) {
+        self.request_finished_as(req, block_ids, RequestEnd::default())
+    }
+
+    /// [`Scheduler::request_finished`], told how the request ended. With
+    /// `bidirectional_kv_xfer`, D keeps the blocks of a decode leg that ran to its end
+    /// (`true`) for `decoder_kv_blocks_ttl` and returns the parameters of the next turn:
+    /// `do_remote_decode` with D's engine, side channel, blocks and request id, the tokens
+    /// they hold (`remote_num_tokens`) and when D gives them back
+    /// (`remote_blocks_expiry_time`, D's monotonic clock in seconds).
+    pub fn request_finished_as(
+        &mut self,
+        req: &EngineRequest,
+        block_ids: &[u64],
+        end: RequestEnd,
+    ) -> (bool, Option<KvTransferParams>) {
+        self.computed.remove(&req.request_id);
+        let decode_leg = req.params.as_ref().is_some_and(|p| !p.do_remote_decode);
+        let keep = self.cfg.bidirectional_kv_xfer
+            && self.cfg.role != KvRole::Producer
+            && decode_leg
+            && end.completed
+            && end.computed_tokens > 0
+            && !block_ids.is_empty()
+            && !self.watchdog.contains_key(&req.request_id)
+            && !self
+                .pending_recv
+                .iter()
+                .any(|r| r.request_id == req.request_id);
+        if keep {
+            return self.keep_for_next_turn(req, block_ids, end.computed_tokens);
+        }
         if self.cfg.direction == Direction::Push && self.consumes() {
             let id = &req.request_id;
             if let Some(i) = self.pending_recv.iter().position(|r| &r.request_id == id) {
@@ -292,19 +402,53 @@ impl Scheduler {
             request_id: req.request_id.clone(),
             block_ids: block_ids.to_vec(),
             tokens: req.prompt_tokens,
+            keep_s: None,
         });
-        let params = KvTransferParams {
-            do_remote_decode: false,
-            do_remote_prefill: true,
+        let mut params = self.own_params(&req.request_id, block_ids);
+        params.do_remote_prefill = true;
+        (true, Some(params))
+    }
+
+    /// D, `bidirectional_kv_xfer`: keep `req`'s blocks for a read-back.
+    fn keep_for_next_turn(
+        &mut self,
+        req: &EngineRequest,
+        block_ids: &[u64],
+        computed: u64,
+    ) -> (bool, Option<KvTransferParams>) {
+        let id = &req.request_id;
+        self.hb.untrack(id);
+        self.streamed.remove(id);
+        self.refused.remove(id);
+        let ttl = self.cfg.decoder_kv_blocks_ttl_s;
+        let now_us = super::clock::now_us() + self.clock_skew_us;
+        let expiry = (now_us as f64) / 1e6 + ttl as f64;
+        self.kept.insert(id.clone());
+        self.pending_send.push(SendReq {
+            request_id: id.clone(),
+            block_ids: block_ids.to_vec(),
+            tokens: computed,
+            keep_s: Some(ttl),
+        });
+        let mut params = self.own_params(id, block_ids);
+        params.do_remote_decode = true;
+        params.remote_num_tokens = computed;
+        params.remote_blocks_expiry_time = Some(expiry);
+        (true, Some(params))
+    }
+
+    /// Parameters naming this engine's blocks `block_ids` of request `id`.
+    fn own_params(&self, id: &str, block_ids: &[u64]) -> KvTransferParams {
+        KvTransferParams {
             remote_engine_id: self.engine_id.clone(),
             remote_host: self.side_channel.ip().to_string(),
             remote_port: self.side_channel.port(),
             remote_block_ids: block_ids.to_vec(),
-            remote_request_id: req.request_id.clone(),
+            remote_request_id: id.to_owned(),
             tp_size: self.tp_size,
             remote_ports: self.rank_ports.clone(),
-        };
-        (true, Some(params))
+            ..KvTransferParams::default()
+        }
     }
 
     /// The workers' report: P frees `sending` (the engine returns the blocks); D stops
@@ -320,6 +464,7 @@ impl Scheduler {
         for id in &f.sending {
             self.sending.remove(id);
             self.cancelling.remove(id);
+            self.kept.remove(id);
         }
         for id in f.recving.iter().chain(&f.failed_recving) {
             self.hb.untrack(id);
@@ -338,6 +483,11 @@ impl Scheduler {
     /// P: requests whose blocks wait for D.
     pub fn held(&self) -> usize {
         self.sending.len()
+    }
+
+    /// D, `bidirectional_kv_xfer`: decoded requests whose blocks are kept for a read-back.
+    pub fn kept(&self) -> usize {
+        self.kept.len()
     }
 }
 

@@ -51,10 +51,11 @@ enum Withdrawn {
     Expired,
 }
 
-/// Where D stands with a fenced P rank's grant for a pull receive.
+/// Where D stands with a fenced P rank's grant for a pull receive (or, for a read-back
+/// with an expiry, any keeper rank's answer: it carries the keeper's clock).
 enum Granted {
-    /// Asked; given up on at the instant.
-    Asked(Instant),
+    /// Asked (at this host's clock, microseconds); given up on at the instant.
+    Asked(Instant, i64),
     /// The token.
     Token(Vec<u8>),
     /// Refused, and why.
@@ -75,6 +76,9 @@ struct Recv {
     error: Option<String>,
     /// Fenced P ranks' grants (asked once every rank is connected).
     grants: HashMap<String, Granted>,
+    /// A read-back: each keeper rank's clock against ours, from its answer (offset, error),
+    /// microseconds.
+    offsets: HashMap<String, (i64, i64)>,
 }
 
 /// The worker side of a connector.
@@ -122,6 +126,10 @@ pub struct Worker {
     reported: Recent,
     /// Notifications dropped: they did not parse, or a `PUSH_REG` named another engine.
     pub malformed: u64,
+    /// Read-backs declined because the keeper's blocks expire before the READ would end.
+    pub expired_reads: u64,
+    /// Added to this host's clock (tests: a worker whose clock is skewed).
+    clock_skew_us: i64,
 }
 
 impl Worker {
@@ -193,9 +201,11 @@ impl Worker {
                 )));
             }
         }
-        let access = match cfg.direction {
-            Direction::Pull => RemoteAccess::READ,
-            Direction::Push => RemoteAccess::WRITE,
+        // (bidirectional_kv_xfer in push mode: the next turn READs back what D keeps)
+        let access = match (cfg.direction, cfg.bidirectional_kv_xfer) {
+            (Direction::Pull, _) => RemoteAccess::READ,
+            (Direction::Push, false) => RemoteAccess::WRITE,
+            (Direction::Push, true) => RemoteAccess::READ_WRITE,
         };
         // host caches are fenced; NPU caches move through the host bounce, which checks the
         // regions' access itself
@@ -260,6 +270,8 @@ impl Worker {
             cancels: HashMap::new(),
             reported: Recent::new(REPORTED_MEMORY),
             malformed: 0,
+            expired_reads: 0,
+            clock_skew_us: 0,
         };
         w.watch_links(SysfsRoot::system(), Duration::from_secs(1), exit_process());
         Ok(w)
@@ -345,8 +357,17 @@ impl Worker {
             }
         }
         for s in &meta.reqs_to_send {
-            self.leases.pin(&s.request_id, s.block_ids.clone(), now);
-            if self.fence.on && self.cfg.direction == Direction::Pull {
+            match s.keep_s {
+                // D keeping a decoded turn for a read-back: its TTL, READ in either mode
+                Some(t) => (self.leases).pin_for(
+                    &s.request_id,
+                    s.block_ids.clone(),
+                    now,
+                    Duration::from_secs(t),
+                ),
+                None => self.leases.pin(&s.request_id, s.block_ids.clone(), now),
+            }
+            if self.fence.on && (self.cfg.direction == Direction::Pull || s.keep_s.is_some()) {
                 // D ranks ask for it before they READ; revoked when the lease ends
                 let blocks = physical(&s.block_ids, own);
                 let geo = (&self.layout, self.layers.as_slice());
@@ -356,7 +377,7 @@ impl Worker {
                     tracing::warn!(request = %s.request_id, error = %e, "no grant over the blocks");
                 }
             }
-            if let Some(w) = &self.writer {
+            if let Some(w) = self.writer.as_ref().filter(|_| s.keep_s.is_none()) {
                 w.finished(&s.request_id, physical(&s.block_ids, own), s.tokens);
             }
         }
@@ -373,7 +394,12 @@ impl Worker {
             for (peer, s) in &sources {
                 self.connect(peer, &p.remote_host, p.rank_port(s.peer_rank));
             }
-            match self.cfg.direction {
+            let read = r.read_back || self.cfg.direction == Direction::Pull;
+            match if read {
+                Direction::Pull
+            } else {
+                Direction::Push
+            } {
                 Direction::Pull => {
                     let recv = Recv {
                         req: r.clone(),
@@ -383,6 +409,7 @@ impl Worker {
                         posted: false,
                         error: None,
                         grants: HashMap::new(),
+                        offsets: HashMap::new(),
                     };
                     self.recvs.insert(r.request_id.clone(), recv);
                 }
@@ -483,5 +510,17 @@ impl Worker {
     /// Grants over this worker's blocks not revoked yet (`fence_blocks`).
     pub fn grants_live(&self) -> usize {
         self.fence.live()
+    }
+
+    /// Tests: this worker's clock runs `skew_us` ahead of the host's (behind, negative), as
+    /// another host's would.
+    #[doc(hidden)]
+    pub fn skew_clock(&mut self, skew_us: i64) {
+        self.clock_skew_us = skew_us;
+    }
+
+    /// This worker's clock (the host's monotonic one, skewed in tests), microseconds.
+    fn clock_us(&self) -> i64 {
+        super::clock::now_us() + self.clock_skew_us
     }
 }

@@ -82,6 +82,25 @@ impl Leases {
         );
     }
 
+    /// Pin `blocks` of request `id` until `now + keep`, a duration of their own (D keeping
+    /// a decoded turn for a read-back: `decoder_kv_blocks_ttl`). Heartbeats extend it as any
+    /// lease.
+    pub fn pin_for(&mut self, id: &str, blocks: Vec<u64>, now: Instant, keep: Duration) {
+        self.leases.insert(
+            id.to_owned(),
+            Lease {
+                expiry: now + keep,
+                blocks,
+                completions: 0,
+            },
+        );
+    }
+
+    /// Whether a request `id` names (exactly, or by base id) is pinned.
+    pub fn holds(&self, id: &str) -> bool {
+        self.find(id).is_some()
+    }
+
     /// When `id`'s lease runs out (`None`: not pinned).
     pub fn expiry(&self, id: &str) -> Option<Instant> {
         self.leases.get(id).map(|l| l.expiry)

@@ -1,4 +1,5 @@
 use super::*;
+use crate::connector::meta::Finished;
 
 fn sched(dir: &str, role: &str) -> Scheduler {
     let cfg = KvTransferConfig::from_json(&format!(
@@ -22,6 +23,7 @@ fn remote_prefill(id: &str) -> EngineRequest {
             remote_request_id: format!("p-{id}"),
             tp_size: 1,
             remote_ports: vec![],
+            ..KvTransferParams::default()
         }),
     }
 }
@@ -229,4 +231,129 @@ fn a_push_receive_that_ended_as_the_engine_finished_it_is_not_withdrawn() {
         d.build_connector_meta(t0).cancel_registrations,
         vec!["r2".to_string()]
     );
+}
+
+fn bidirectional(role: &str, extra: &str) -> Scheduler {
+    let cfg = KvTransferConfig::from_json(&format!(
+        r#"{{"kv_connector":"KvrailPullConnector","kv_role":"{role}",
+            "kv_connector_extra_config":{{"bidirectional_kv_xfer":true,
+            "decoder_kv_blocks_ttl":60{extra}}}}}"#
+    ))
+    .unwrap();
+    Scheduler::new(cfg, "decode", "127.0.0.1:7100".parse().unwrap(), 1)
+}
+
+fn ran_to_end(computed: u64) -> RequestEnd {
+    RequestEnd {
+        completed: true,
+        computed_tokens: computed,
+    }
+}
+
+/// Seed 003, D: a decode leg that ran to its end keeps its blocks for the TTL and returns
+/// the next turn's parameters, the expiry in D's clock; an aborted one, or one without the
+/// setting, gives its blocks back at once.
+#[test]
+fn d_keeps_a_finished_turn_for_its_ttl_and_names_it_in_the_parameters() {
+    for skew in [-3_600_000_000_i64, 0, 3_600_000_000] {
+        let mut d = bidirectional("kv_consumer", "");
+        d.skew_clock(skew);
+        let turn1 = remote_prefill("t1");
+        let before = (super::super::clock::now_us() + skew) as f64 / 1e6;
+        let (keep, p) = d.request_finished_as(&turn1, &[9, 10, 11], ran_to_end(40));
+        let after = (super::super::clock::now_us() + skew) as f64 / 1e6;
+        assert!(keep);
+        let p = p.expect("the next turn's parameters");
+        assert!(p.do_remote_decode && !p.do_remote_prefill);
+        assert_eq!(p.remote_engine_id, "decode");
+        assert_eq!((p.remote_host.as_str(), p.remote_port), ("127.0.0.1", 7100));
+        assert_eq!(p.remote_block_ids, vec![9, 10, 11]);
+        assert_eq!(p.remote_request_id, "t1");
+        assert_eq!(p.remote_num_tokens, 40);
+        let expiry = p.remote_blocks_expiry_time.unwrap();
+        assert!(
+            expiry >= before + 60.0 && expiry <= after + 60.0,
+            "skew {skew}: {expiry}"
+        );
+        assert!(p.reads_back(false));
+        assert_eq!(d.kept(), 1);
+        let m = d.build_connector_meta(Instant::now());
+        assert_eq!(m.reqs_to_send.len(), 1);
+        assert_eq!(m.reqs_to_send[0].keep_s, Some(60));
+        // in the JSON as NixlConnector's keys
+        let j: serde_json::Value = serde_json::to_value(&p).unwrap();
+        assert_eq!(j["remote_num_tokens"], 40);
+        assert!(j["remote_blocks_expiry_time"].as_f64().is_some());
+        assert!(j.get("_remote_blocks_processed").is_none());
+        // the workers' report gives them back
+        d.update_connector_output(&Finished {
+            sending: vec!["t1".into()],
+            ..Finished::default()
+        });
+        assert_eq!(d.kept(), 0);
+    }
+    let mut d = bidirectional("kv_consumer", "");
+    let aborted = RequestEnd {
+        completed: false,
+        computed_tokens: 40,
+    };
+    assert_eq!(
+        d.request_finished_as(&remote_prefill("t2"), &[1], aborted),
+        (false, None)
+    );
+    let mut plain = sched("Pull", "kv_consumer");
+    assert_eq!(
+        plain.request_finished_as(&remote_prefill("t3"), &[1], ran_to_end(40)),
+        (false, None)
+    );
+}
+
+fn next_turn(prompt: u64, extra: serde_json::Value) -> EngineRequest {
+    let mut j = serde_json::json!({
+        "do_remote_decode": true, "do_remote_prefill": false,
+        "remote_engine_id": "decode", "remote_host": "127.0.0.1", "remote_port": 7100,
+        "remote_block_ids": [9, 10, 11], "remote_request_id": "t1", "tp_size": 1,
+        "remote_num_tokens": 40, "remote_blocks_expiry_time": 1234.5,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        j[k] = v.clone();
+    }
+    EngineRequest {
+        request_id: "turn2".into(),
+        prompt_tokens: prompt,
+        params: Some(KvTransferParams::from_json(&j.to_string()).unwrap()),
+    }
+}
+
+/// Seed 003, P: the next turn reads D's tokens back (up to the prompt, beyond what P has
+/// cached), with heartbeats to D meanwhile; under `kv_recompute_threshold`, already
+/// processed, or without the setting, P computes everything.
+#[test]
+fn p_reads_the_previous_turn_back_beyond_what_it_has_cached() {
+    let t0 = Instant::now();
+    let mut p = bidirectional("kv_producer", r#","kv_recompute_threshold":8"#);
+    let r = next_turn(70, serde_json::json!({}));
+    assert_eq!(p.get_num_new_matched_tokens(&r, 16, t0), (24, true));
+    assert_eq!(p.heartbeating(), 1, "D's kept blocks are heartbeated");
+    p.update_state_after_alloc(&r, vec![30, 31, 32, 33], 24, t0);
+    let m = p.build_connector_meta(t0);
+    let recv = &m.reqs_to_recv[0];
+    assert!(recv.read_back);
+    assert_eq!((recv.tokens, recv.computed), (40, 16));
+    assert_eq!(recv.local_block_ids, vec![30, 31, 32, 33]);
+    assert_eq!(recv.params.remote_blocks_expiry_time, Some(1234.5));
+    // a prompt shorter than D's tokens reads up to the prompt
+    let short = next_turn(30, serde_json::json!({}));
+    assert_eq!(p.get_num_new_matched_tokens(&short, 0, t0), (30, true));
+    // fewer than the threshold: computed here
+    assert_eq!(p.get_num_new_matched_tokens(&r, 35, t0), (0, false));
+    // processed already (a recompute after a failed read): computed here
+    let done = next_turn(70, serde_json::json!({"_remote_blocks_processed": true}));
+    assert_eq!(p.get_num_new_matched_tokens(&done, 0, t0), (0, false));
+    // without the setting the parameters are a plain prefill leg
+    let mut plain = sched("Pull", "kv_producer");
+    assert_eq!(plain.get_num_new_matched_tokens(&r, 0, t0), (0, false));
+    // bad values are named
+    let e = KvTransferParams::from_json(r#"{"remote_blocks_expiry_time": "soon"}"#).unwrap_err();
+    assert!(e.contains("remote_blocks_expiry_time"), "{e}");
 }

@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// A read-back is declined when the keeper's blocks expire less than this long after it
+/// would start (microseconds): the READ itself, and the engine step before it.
+const READ_BACK_MARGIN_US: i64 = 1_000_000;
+
 impl Worker {
     /// The P ranks whose heads this worker shares when P runs TP `p_tp`, each with its
     /// agent name and head slice; and P's heads per block.
@@ -119,7 +123,7 @@ impl Worker {
             .map_or(1, |m| u64::from(m.handshake.physical_per_logical));
         let remote_ids = physical(&p.remote_block_ids, p_ratio);
         let local_ids = physical(&r.local_block_ids, self.layout.physical_per_logical);
-        let remote_blocks = self.layout.prompt_blocks(&remote_ids, r.tokens);
+        let mut remote_blocks = self.layout.prompt_blocks(&remote_ids, r.tokens);
         let bs = u64::from(self.layout.block_size.max(1));
         let short = if r.tokens > 0 {
             (remote_blocks.len() as u64) < r.tokens.div_ceil(bs)
@@ -133,6 +137,12 @@ impl Worker {
                 r.tokens,
                 local_ids.len()
             ));
+        }
+        if r.read_back {
+            // the remote's list starts at the request's first token, ours after the blocks
+            // cached here (whole ones: a physical block is the smallest unit cached)
+            let cached = (r.computed / bs) as usize;
+            remote_blocks = &remote_blocks[cached.min(remote_blocks.len())..];
         }
         // D's blocks past the prompt (for tokens it will generate) take no part
         let local = &local_ids[..local_ids.len().min(remote_blocks.len())];
@@ -177,10 +187,12 @@ impl Worker {
             return Ok(false);
         };
         let mut ready = true;
+        // a read-back with an expiry asks every keeper rank: its answer carries its clock
+        let expiry = (r.req.params.remote_blocks_expiry_time).filter(|_| r.req.read_back);
         for (peer, _) in &r.sources {
             let fenced = (self.agent.remote_metadata(peer))
                 .is_some_and(|m| m.regions.iter().any(|m| m.fenced));
-            if !fenced {
+            if !fenced && expiry.is_none() {
                 continue;
             }
             match r.grants.get(peer) {
@@ -195,24 +207,73 @@ impl Worker {
                         .send_notif(peer, ask.encode())
                         .map_err(|e| format!("asking {peer} for its grant: {e}"))?;
                     let until = now + Duration::from_secs(self.cfg.lease_duration_s.max(1));
-                    r.grants.insert(peer.clone(), Granted::Asked(until));
+                    let sent = super::super::clock::now_us() + self.clock_skew_us;
+                    r.grants.insert(peer.clone(), Granted::Asked(until, sent));
                     ready = false;
                 }
-                Some(Granted::Asked(until)) if now >= *until => {
+                Some(Granted::Asked(until, _)) if now >= *until => {
                     return Err(format!("{peer} gave no grant for the blocks in time"));
                 }
-                Some(Granted::Asked(_)) => ready = false,
-                Some(Granted::Refused(why)) => return Err(format!("{peer} gives no grant: {why}")),
-                Some(Granted::Token(_)) => {}
+                Some(Granted::Asked(..)) => ready = false,
+                Some(Granted::Refused(why)) if fenced => {
+                    return Err(format!("{peer} gives no grant: {why}"))
+                }
+                Some(Granted::Refused(_) | Granted::Token(_)) => {}
             }
+        }
+        if let (true, Some(expiry)) = (ready, expiry) {
+            self.check_expiry(id, expiry)?;
         }
         Ok(ready)
     }
 
-    /// Pull, D: a P rank's answer about its blocks of P's request `request`.
-    pub(super) fn granted(&mut self, peer: &str, request: &str, g: Granted) {
+    /// A read-back whose keeper answered: declined when the keeper's blocks expire (its
+    /// `remote_blocks_expiry_time`, converted with the offset measured from each rank's
+    /// answer) before the READ would end ([`READ_BACK_MARGIN_US`] from now). The engine
+    /// then computes the tokens (`kv_load_failure_policy` recompute), as NixlConnector
+    /// declines an expired turn-2 read. A late READ would fail anyway: the keeper revokes
+    /// its grant before it reuses the blocks.
+    fn check_expiry(&mut self, id: &str, expiry_s: f64) -> Result<(), String> {
+        let Some(r) = self.recvs.get(id) else {
+            return Ok(());
+        };
+        let now = self.clock_us();
+        let expiry_us = (expiry_s * 1e6) as i64;
+        for (peer, &(off, err)) in &r.offsets {
+            if super::super::clock::expired(expiry_us, (off, err), now, READ_BACK_MARGIN_US) {
+                let left = (expiry_us - off - now) as f64 / 1e6;
+                self.expired_reads += 1;
+                return Err(format!(
+                    "{peer} keeps the blocks until {expiry_s:.3} s in its clock, {left:.3} s from \
+                     now here (offset {:.3} s +- {:.3} ms, measured from its answer): too late \
+                     to read them back; the tokens are computed here",
+                    off as f64 / 1e6,
+                    err as f64 / 1e3
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a receive asked `peer` about `request` (the remote's request id) and waits
+    /// for the answer.
+    pub(super) fn waits_for_grant(&self, peer: &str, request: &str) -> bool {
+        self.recvs.values().any(|r| {
+            r.req.params.remote_request_id == request
+                && matches!(r.grants.get(peer), Some(Granted::Asked(..)))
+        })
+    }
+
+    /// Pull, D: a P rank's answer about its blocks of P's request `request`, stamped with
+    /// its clock (`clock_us`: the offset to it is measured from the round trip).
+    pub(super) fn granted(&mut self, peer: &str, request: &str, g: Granted, clock_us: Option<i64>) {
+        let received = self.clock_us();
         for r in self.recvs.values_mut() {
             if r.req.params.remote_request_id == request && r.grants.contains_key(peer) {
+                if let (Some(Granted::Asked(_, sent)), Some(c)) = (r.grants.get(peer), clock_us) {
+                    let o = super::super::clock::offset(*sent, c, received);
+                    r.offsets.insert(peer.to_owned(), o);
+                }
                 r.grants.insert(peer.to_owned(), g);
                 return;
             }

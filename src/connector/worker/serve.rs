@@ -64,14 +64,21 @@ impl Worker {
         match KvMsg::decode(m) {
             Ok(KvMsg::GrantReq(r)) => {
                 let wait = Duration::from_secs(self.cfg.lease_duration_s.max(1));
-                if let Some((peer, host, port, msg)) = self.fence.answer(from, r, now, wait) {
+                let at = (now, self.clock_us());
+                if let Some((peer, host, port, msg)) = self.fence.answer(from, r, at, wait) {
                     self.connect(&peer, &host, port);
                     self.deferred.push((peer, msg));
                 }
             }
-            Ok(KvMsg::Grant(g)) => self.granted(from, &g.request_id, Granted::Token(g.token)),
+            Ok(KvMsg::Grant(g)) => {
+                self.granted(from, &g.request_id, Granted::Token(g.token), g.clock_us);
+            }
             Ok(KvMsg::GrantNone(g)) => match self.cfg.direction {
-                Direction::Pull => self.granted(from, &g.request_id, Granted::Refused(g.reason)),
+                // an answer a READ waits for (pull, or a read-back in either mode)
+                _ if self.waits_for_grant(from, &g.request_id) => {
+                    self.granted(from, &g.request_id, Granted::Refused(g.reason), g.clock_us);
+                }
+                Direction::Pull => {}
                 // push: a P rank holds no prefill for our registration, so no WRITE comes;
                 // withdrawn from every rank it went to before the receive is reported failed
                 Direction::Push if self.receiver.is_pending(&g.request_id) => {
@@ -87,8 +94,12 @@ impl Worker {
                 self.leases.handle_heartbeat(&ids, now);
             }
             Ok(KvMsg::Completion(c)) => match self.cfg.direction {
-                // pull: D's READs finished; push: P's WRITEs into us finished
+                // pull: D's READs finished; push: P's WRITEs into us finished; either: a
+                // read-back of blocks D kept finished
                 Direction::Pull => {
+                    self.leases.handle_completion(&c);
+                }
+                Direction::Push if self.leases.holds(&c.request_id) => {
                     self.leases.handle_completion(&c);
                 }
                 Direction::Push => self.receiver.handle_completion(&c),
@@ -170,7 +181,7 @@ impl Worker {
                 }
             }
         }
-        for (peer, host, port, msg) in self.fence.due(now) {
+        for (peer, host, port, msg) in self.fence.due((now, self.clock_us())) {
             self.connect(&peer, &host, port);
             self.deferred.push((peer, msg));
         }

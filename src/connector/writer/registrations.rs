@@ -98,6 +98,7 @@ impl Loop {
             let no = GrantNone {
                 request_id: id.clone(),
                 reason: why,
+                clock_us: None,
             };
             if let Err(e) = self.sh.agent.send_notif(&d, no.encode()) {
                 tracing::warn!(request = %id, peer = %d, error = %e, "GRANT_NONE not sent");

@@ -35,6 +35,11 @@ pub struct GrantMsg {
     /// `crate::agent::Grant::encode`'s bytes.
     #[serde(with = "serde_bytes")]
     pub token: Vec<u8>,
+    /// The granting worker's monotonic clock when it answered, microseconds (absent from
+    /// older peers): the asker measures its offset to the keeper of read-back blocks from
+    /// the round trip.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_us: Option<i64>,
 }
 
 /// P holds no blocks of `request_id` to grant (pull), or no prefill for a registration
@@ -46,6 +51,9 @@ pub struct GrantNone {
     pub request_id: String,
     /// Why (lease over, never held).
     pub reason: String,
+    /// The answering worker's monotonic clock, microseconds (see [`GrantMsg::clock_us`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_us: Option<i64>,
 }
 
 macro_rules! named {
