@@ -13,7 +13,8 @@ vLLM loads it by module path::
 ``KvrailPushConnector`` (push). vLLM's own ``kv_transfer_config`` keys are accepted; an
 unknown key raises :class:`kvrail.ConfigError` naming it. ``kv_connector_extra_config`` takes
 kvrail's keys (``kv_lease_duration``, ``decoder_kv_blocks_ttl``,
-``push_registration_timeout``, ``chunk_mode``, ``chunk_tokens``, ``swa_window_mode``,
+``push_registration_timeout``, ``bidirectional_kv_xfer``, ``kv_recompute_threshold``,
+``chunk_mode``, ``chunk_tokens``, ``swa_window_mode``,
 ``push_stream``, ``stripe_width``, ``link_down_exit_s``, ``enforce_handshake_compat``,
 ``cluster_secret``, ``insecure``, ``fence_blocks``) and
 ``kvrail_agent_config``: the worker agent's keys (``listen``, ``side_channel_host``,
@@ -419,6 +420,9 @@ class KvrailConnector(_Base):
             # loaded from P once: vLLM asks again only to recompute after that load failed
             # (kv_load_failure_policy recompute), and the request then prefills here
             params["do_remote_prefill"] = False
+        if isinstance(params, dict) and params.get("do_remote_decode") and params.get("remote_block_ids"):
+            # a read-back (bidirectional_kv_xfer) is tried once, as NixlConnector marks it
+            params["_remote_blocks_processed"] = True
 
     def received_block_ids(self, request_id: str) -> List[int]:
         """(kvrail, D) The blocks a remote-prefill request's KV was loaded into (of the last
@@ -479,12 +483,20 @@ class KvrailConnector(_Base):
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """P: the blocks stay allocated (True) under a lease until D has them; the returned
-        parameters go to D through the proxy."""
+        parameters go to D through the proxy. D with ``bidirectional_kv_xfer``: a decode
+        leg that ran to its end (stopped or at its length) keeps its blocks for
+        ``decoder_kv_blocks_ttl``; the returned parameters, sent to P with the next turn,
+        read that KV back."""
         self._reqs.pop(request.request_id, None)
         s = self._scheduler()
         if s is None:
             return False, None
-        delay, p = s.request_finished(request.request_id, _prompt_tokens(request), _params(request), [int(b) for b in block_ids])
+        status = getattr(getattr(request, "status", None), "name", "")
+        completed = status in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+        computed = int(getattr(request, "num_computed_tokens", 0) or 0)
+        delay, p = s.request_finished(
+            request.request_id, _prompt_tokens(request), _params(request), [int(b) for b in block_ids], completed, computed
+        )
         return bool(delay), (json.loads(p) if p else None)
 
     def request_finished_all_groups(self, request: Any, block_ids: Tuple[List[int], ...]) -> Tuple[bool, Optional[Dict[str, Any]]]:
@@ -589,7 +601,12 @@ class KvrailConnector(_Base):
     def get_kv_connector_stats(self) -> Optional[KvrailConnectorStats]:
         if self._worker is None:
             return None
-        now = {"bytes_posted": self._worker.bytes_posted(), "push_dropped": self._worker.push_dropped(), "malformed": self._worker.malformed()}
+        now = {
+            "bytes_posted": self._worker.bytes_posted(),
+            "push_dropped": self._worker.push_dropped(),
+            "malformed": self._worker.malformed(),
+            "expired_reads": self._worker.expired_reads(),
+        }
         delta = {k: v - self._stats_prev.get(k, 0) for k, v in now.items()}
         self._stats_prev = now
         delta["leased"] = self._worker.leased()

@@ -135,17 +135,25 @@ impl Scheduler {
     }
 
     /// A request finished: (whether its blocks stay allocated for D, the transfer
-    /// parameters for D as JSON or None).
-    #[pyo3(signature = (request_id, prompt_tokens, params, block_ids))]
+    /// parameters for D as JSON or None). `completed`: it ran to its end (not aborted);
+    /// `computed_tokens`: tokens whose KV its blocks hold. With `bidirectional_kv_xfer`, D
+    /// keeps such a decode leg's blocks for the next turn and returns its parameters.
+    #[pyo3(signature = (request_id, prompt_tokens, params, block_ids, completed=false, computed_tokens=0))]
     fn request_finished(
         &self,
         request_id: &str,
         prompt_tokens: u64,
         params: Option<&str>,
         block_ids: Vec<u64>,
+        completed: bool,
+        computed_tokens: u64,
     ) -> PyResult<(bool, Option<String>)> {
         let r = request(request_id, prompt_tokens, params)?;
-        let (delay, p) = lock(&self.s).request_finished(&r, &block_ids);
+        let end = kvrail::connector::RequestEnd {
+            completed,
+            computed_tokens,
+        };
+        let (delay, p) = lock(&self.s).request_finished_as(&r, &block_ids, end);
         let p = p
             .map(|p| serde_json::to_string(&p))
             .transpose()
@@ -376,6 +384,11 @@ impl Worker {
     /// Malformed notifications dropped.
     fn malformed(&self) -> u64 {
         lock(&self.w).malformed
+    }
+
+    /// Read-backs declined: the keeper's blocks expire before the READ would end.
+    fn expired_reads(&self) -> u64 {
+        lock(&self.w).expired_reads
     }
 
     /// Payload bytes kvrail copied on the host.

@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class Engine:
     """One engine process; ``call`` sends a command and returns its reply."""
 
-    def __init__(self, python, model, role, connector="kvrail", mode="pull", engine_id=None, env=None, extra=None, log=None, prefix_caching=False):
+    def __init__(self, python, model, role, connector="kvrail", mode="pull", engine_id=None, env=None, extra=None, log=None, prefix_caching=False, top=None):
         cmd = [python, os.path.join(HERE, "engine.py"), "--model", model, "--role", role, "--connector", connector, "--mode", mode]
         if prefix_caching:
             cmd.append("--prefix-caching")
@@ -22,6 +22,8 @@ class Engine:
             cmd += ["--engine-id", engine_id]
         if extra:
             cmd += ["--extra", json.dumps(extra)]
+        if top:
+            cmd += ["--top", json.dumps(top)]
         e = dict(os.environ)
         e.update(env or {})
         self.name = engine_id or role

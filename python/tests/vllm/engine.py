@@ -55,6 +55,7 @@ def kv_config(args):
         "kv_buffer_device": "cpu",
         "engine_id": args.engine_id,
         "kv_connector_extra_config": extra,
+        **json.loads(args.top or "{}"),
     }
 
 
@@ -119,6 +120,7 @@ def main():
     ap.add_argument("--mode", choices=["pull", "push", "push_stream"], default="pull")
     ap.add_argument("--engine-id", default=None)
     ap.add_argument("--extra", default=None, help="kv_connector_extra_config additions (JSON)")
+    ap.add_argument("--top", default=None, help="kv_transfer_config additions (JSON), e.g. kv_load_failure_policy")
     ap.add_argument("--prefix-caching", action="store_true", help="vLLM's default; off unless given here")
     args = ap.parse_args()
     args.engine_id = args.engine_id or f"{args.role}-engine"

@@ -11,6 +11,7 @@ Needs the venv ``python/tests/vllm/run.sh`` makes (vLLM, torch, NIXL); skipped e
 import os
 import socket
 import sys
+import time
 
 import pytest
 
@@ -35,6 +36,9 @@ SHARED = 3 * 128
 PREFIXED = {"A": prompt(400, 3)}
 PREFIXED["B"] = PREFIXED["A"][:SHARED] + prompt(150, 4)
 PREFIXED["C"] = PREFIXED["A"][:SHARED] + prompt(90, 5)
+# a two-turn conversation (seed 003): turn 2 is turn 1's prompt, its answer and new tokens
+TURN1 = prompt(300, 21)
+TURN2_NEW = prompt(40, 22)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,9 @@ def plain(model):
     want = {g: e.call(op="generate", prompts=ps, max_tokens=TOKENS)["tokens"] for g, ps in GROUPS.items()}
     for k, ps in PREFIXED.items():
         want[k] = e.call(op="generate", prompts=[ps], max_tokens=TOKENS)["tokens"]
+    want["turn1"] = e.call(op="generate", prompts=[TURN1], max_tokens=TOKENS)["tokens"]
+    turn2 = TURN1 + want["turn1"][0] + TURN2_NEW
+    want["turn2"] = e.call(op="generate", prompts=[turn2], max_tokens=TOKENS)["tokens"]
     e.close()
     return want
 
@@ -179,6 +186,48 @@ def test_with_prefix_caching_d_loads_only_what_it_lacks_and_writes_no_cached_blo
         assert d.call(op="blocks", ids=dr["ids"])["blocks"][0][:3] == cached, f"{mode}: C did not use D's cached blocks"
         after = [d.call(op="raw", layer=i, block=cached[0])["hex"] for i in (0, 1)]
         assert after == damaged, f"{mode}: the load wrote into a block D had cached"
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"] if FULL else ["pull"])
+def test_the_next_turn_reads_turn_ones_kv_back_from_d_and_computes_it_once_expired(model, plain, mode):
+    """Multi-turn KV reuse (seed 003, ``bidirectional_kv_xfer``; vLLM's recompute policy, as
+    NixlConnector's turn-2 reads want). Turn 1 goes P -> D; D keeps its blocks for
+    ``decoder_kv_blocks_ttl`` (6 s) and returns NixlConnector's parameters naming them. Turn 2
+    (turn 1's prompt, D's answer, new tokens) goes to P with them: P reads turn 1's KV back
+    from D (P's external-token metric: >= 90 % of D's tokens), prefills the rest, and D
+    decodes turn 2 with a plain engine's tokens. Then the same conversation with turn 2 sent
+    8 s later: P declines the read (its log says so, converted from D's clock), computes the
+    prompt, and the tokens are the same."""
+    multi = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 6}
+    top = {"kv_load_failure_policy": "recompute"}
+    p = start(model, "producer", mode=mode, engine_id=f"p-mt-{mode}", extra=multi, top=top)
+    d = start(model, "consumer", mode=mode, engine_id=f"d-mt-{mode}", extra=multi, top=top)
+    p.ready()
+    d.ready()
+    try:
+        for wait in (0, 8):
+            _, dr, _ = disaggregate(p, d, [TURN1])
+            assert dr["tokens"] == plain["turn1"], f"{mode}: turn 1's tokens differ from a plain engine's"
+            kp = dr["kv_params"][0]
+            assert kp and kp.get("do_remote_decode"), f"{mode}: D returned no parameters for turn 2: {kp}"
+            assert kp["remote_num_tokens"] >= len(TURN1) and kp["remote_blocks_expiry_time"], kp
+            turn2 = TURN1 + dr["tokens"][0] + TURN2_NEW
+            time.sleep(wait)
+            before = external_hits(p)
+            pr = p.call(op="generate", prompts=[turn2], max_tokens=1, params=[kp])
+            read = external_hits(p) - before
+            _, dr2 = pr, d.call(op="generate", prompts=[turn2], max_tokens=TOKENS, params=pr["kv_params"])
+            assert dr2["tokens"] == plain["turn2"], f"{mode} (turn 2 after {wait} s): tokens differ from a plain engine's"
+            with open(p.log.name) as f:
+                declined = f.read().count("too late to read them back")
+            if wait == 0:
+                assert read >= 0.9 * kp["remote_num_tokens"], f"{mode}: P read {read} of D's {kp['remote_num_tokens']} tokens"
+                assert declined == 0, f"{mode}: P declined a read in time"
+            else:
+                assert declined == 1, f"{mode}: P's log does not say it declined the expired read"
     finally:
         p.close()
         d.close()

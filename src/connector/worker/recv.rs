@@ -187,6 +187,7 @@ impl Worker {
             return Ok(false);
         };
         let mut ready = true;
+        let mut refused = None;
         // a read-back with an expiry asks every keeper rank: its answer carries its clock
         let expiry = (r.req.params.remote_blocks_expiry_time).filter(|_| r.req.read_back);
         for (peer, _) in &r.sources {
@@ -216,15 +217,20 @@ impl Worker {
                 }
                 Some(Granted::Asked(..)) => ready = false,
                 Some(Granted::Refused(why)) if fenced => {
-                    return Err(format!("{peer} gives no grant: {why}"))
+                    refused.get_or_insert_with(|| format!("{peer} gives no grant: {why}"));
                 }
                 Some(Granted::Refused(_) | Granted::Token(_)) => {}
             }
         }
+        // every rank answered: an expiry passed is said as such (and counted) before the
+        // refusal that follows from it
         if let (true, Some(expiry)) = (ready, expiry) {
             self.check_expiry(id, expiry)?;
         }
-        Ok(ready)
+        match refused {
+            Some(e) if ready => Err(e),
+            _ => Ok(ready),
+        }
     }
 
     /// A read-back whose keeper answered: declined when the keeper's blocks expire (its
