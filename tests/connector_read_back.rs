@@ -224,6 +224,11 @@ fn the_next_turn_reads_the_kept_blocks_back_byte_exact_whatever_d_clock_says() {
             );
             assert_eq!(d.worker.leased(), 0);
             assert_eq!(d.sched.kept(), 0);
+            assert_eq!(p.worker.read_backs, 1);
+            assert_eq!(
+                d.worker.leases_expired, 0,
+                "{dir}: given back on P's completion"
+            );
         }
     }
 }
@@ -263,6 +268,7 @@ fn a_read_back_after_d_gave_its_blocks_back_is_refused_by_the_fence() {
         params.remote_blocks_expiry_time = None;
         let f = d.worker.get_finished(t0 + Duration::from_secs(3));
         assert_eq!(f.sending, ["turn1-d"], "{dir}: D's TTL ran out");
+        assert_eq!(d.worker.leases_expired, 1);
         d.sched.update_connector_output(&f);
         for b in 3..6 {
             fill(&d.worker, b, 50 + b); // another request's KV

@@ -172,11 +172,17 @@ except Exception:  # pragma: no cover - vLLM absent
             return self.data
 
 
+# KvrailConnectorStats' keys that are levels (the later value stands), not counts
+_STATS_LEVELS = ("leased",)
+
+
 @dataclass
 class KvrailConnectorStats(_StatsBase):
-    """Counters since the last call (vLLM's ``KVConnectorStats``): bytes posted, push work
-    dropped, malformed notifications, blocks leased; vLLM logs them as "KV Transfer
-    metrics"."""
+    """Counters since the last call (vLLM's ``KVConnectorStats``): bytes posted, receives
+    done and failed, leases that expired, read-backs declined (expired) and done, push work
+    dropped, malformed notifications; and the requests held under a lease (``leased``).
+    vLLM logs them as "KV Transfer metrics" and ``/metrics`` shows the counters
+    (:class:`KvrailPromMetrics`)."""
 
     data: Dict[str, Any] = field(default_factory=dict)
 
@@ -187,12 +193,52 @@ class KvrailConnectorStats(_StatsBase):
         return not any(self.data.values())
 
     def aggregate(self, other: "KvrailConnectorStats") -> "KvrailConnectorStats":
+        """Counters add up; ``leased`` (a level, not a count) takes the later value."""
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            self.data[k] = v if k in _STATS_LEVELS else self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> Dict[str, Any]:
         return dict(self.data)
+
+
+try:  # vLLM's per-connector Prometheus metrics
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore
+        KVConnectorPromMetrics as _PromBase,
+    )
+    from vllm.v1.metrics.utils import create_metric_per_engine as _per_engine  # type: ignore
+except Exception:  # pragma: no cover - vLLM absent
+    _PromBase = None
+
+# KvrailConnectorStats' counters on /metrics: (stats key, metric name, what it counts)
+_PROM_COUNTERS = (
+    ("bytes_posted", "vllm:kvrail_bytes_posted", "Bytes of the KV transfers kvrail's workers posted."),
+    ("transfers", "vllm:kvrail_transfers", "KV receives whose every byte arrived."),
+    ("failed_transfers", "vllm:kvrail_failed_transfers", "KV receives that failed (the engine recomputes or fails the request)."),
+    ("expired_leases", "vllm:kvrail_expired_leases", "Leases that ran out before the peer took the blocks (no completion or heartbeat in time)."),
+    ("expired_reads", "vllm:kvrail_expired_reads", "Read-backs declined: the keeper's blocks expire before the READ would end."),
+    ("read_backs", "vllm:kvrail_read_backs", "Read-backs done: a previous turn's KV reused (bidirectional_kv_xfer)."),
+    ("push_dropped", "vllm:kvrail_push_dropped", "Push registrations or WRITEs dropped."),
+    ("malformed", "vllm:kvrail_malformed_notifications", "Notifications dropped as malformed."),
+)
+
+if _PromBase is not None:
+
+    class KvrailPromMetrics(_PromBase):  # type: ignore[misc, valid-type]
+        """kvrail's counters for vLLM's Prometheus endpoint, per engine."""
+
+        def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = {}
+            for key, name, doc in _PROM_COUNTERS:
+                c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+                self._counters[key] = _per_engine(c, self.per_engine_labelvalues)
+
+        def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+            for key, per_engine in self._counters.items():
+                v = transfer_stats_data.get(key, 0) or 0
+                if v > 0:
+                    per_engine[engine_idx].inc(v)
 
 
 # vLLM's own kv_transfer_config keys (accepted, passed on; kvrail reads what it needs)
@@ -342,6 +388,7 @@ class KvrailConnector(_Base):
         self._load_errors: Set[int] = set()
         self._landed: Dict[str, List[int]] = {}
         self._stats_prev: Dict[str, int] = {}
+        self._transfers = (0, 0)  # receives done, failed
         self._tp_rank = int(getattr(vllm_config, "tp_rank", -1))
         if self._tp_rank < 0:
             try:
@@ -587,11 +634,20 @@ class KvrailConnector(_Base):
         for rid in list(recving) + list(failed):
             self._recv_blocks.pop(rid, None)
         done = set(recving) | set(failed)
+        self._transfers = (self._transfers[0] + len(recving), self._transfers[1] + len(failed))
         return (set(sending) or None), (done or None)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         e, self._load_errors = self._load_errors, set()
         return e
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> Any:
+        """kvrail's counters on ``vllm serve``'s ``/metrics`` (``vllm:kvrail_*``), as
+        NixlConnector's ``vllm:nixl_*``."""
+        if _PromBase is None:
+            return None
+        return KvrailPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Optional[KvrailConnectorStats]:
@@ -603,9 +659,13 @@ class KvrailConnector(_Base):
             return None
         now = {
             "bytes_posted": self._worker.bytes_posted(),
+            "transfers": self._transfers[0],
+            "failed_transfers": self._transfers[1],
+            "expired_leases": self._worker.leases_expired(),
+            "expired_reads": self._worker.expired_reads(),
+            "read_backs": self._worker.read_backs(),
             "push_dropped": self._worker.push_dropped(),
             "malformed": self._worker.malformed(),
-            "expired_reads": self._worker.expired_reads(),
         }
         delta = {k: v - self._stats_prev.get(k, 0) for k, v in now.items()}
         self._stats_prev = now

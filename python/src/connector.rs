@@ -391,6 +391,16 @@ impl Worker {
         lock(&self.w).expired_reads
     }
 
+    /// Read-backs done: a previous turn's KV reused.
+    fn read_backs(&self) -> u64 {
+        lock(&self.w).read_backs
+    }
+
+    /// Leases that ran out before their peer finished.
+    fn leases_expired(&self) -> u64 {
+        lock(&self.w).leases_expired
+    }
+
     /// Payload bytes kvrail copied on the host.
     fn payload_bytes_copied(&self) -> u64 {
         self.agent.payload_bytes_copied()

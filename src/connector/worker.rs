@@ -128,6 +128,10 @@ pub struct Worker {
     pub malformed: u64,
     /// Read-backs declined because the keeper's blocks expire before the READ would end.
     pub expired_reads: u64,
+    /// Read-backs whose every READ ended (a previous turn's KV reused).
+    pub read_backs: u64,
+    /// Leases that ran out before their peer finished (no completion, no heartbeat).
+    pub leases_expired: u64,
     /// Added to this host's clock (tests: a worker whose clock is skewed).
     clock_skew_us: i64,
 }
@@ -271,6 +275,8 @@ impl Worker {
             reported: Recent::new(REPORTED_MEMORY),
             malformed: 0,
             expired_reads: 0,
+            read_backs: 0,
+            leases_expired: 0,
             clock_skew_us: 0,
         };
         w.watch_links(SysfsRoot::system(), Duration::from_secs(1), exit_process());

@@ -260,3 +260,36 @@ def test_settings_are_read_from_the_engine_and_pipeline_parallelism_is_refused()
         "model": "/m", "dtype": "bfloat16", "attn_backend": "CPU_ATTN", "draft_model": "/draft"}
     plain = KvrailConnector(cfg(), KVConnectorRole.WORKER)
     assert "attn_backend" not in plain._agent_cfg and "draft_model" not in plain._agent_cfg
+
+
+def test_stats_are_vllms_class_and_reach_its_prometheus_counters():
+    """The stats object is vLLM's ``KVConnectorStats`` (``to_dict``, ``aggregate``,
+    ``reduce``): counters add up, ``leased`` (a level) keeps the later value; the class vLLM
+    asks for Prometheus metrics registers ``vllm:kvrail_*`` counters and ``observe`` adds a
+    step's counts to them."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+    from kvrail.vllm import KvrailConnectorStats
+
+    a = KvrailConnector.build_kv_connector_stats({"bytes_posted": 100, "transfers": 1, "leased": 4})
+    assert isinstance(a, KVConnectorStats) and isinstance(a, KvrailConnectorStats)
+    a.aggregate(KvrailConnectorStats({"bytes_posted": 50, "transfers": 2, "leased": 1}))
+    assert a.to_dict() == {"bytes_posted": 150, "transfers": 3, "leased": 1}
+    assert a.reduce() == a.to_dict() and not a.is_empty()
+
+    registry = CollectorRegistry()
+
+    def mk(cls):
+        return lambda **kw: cls(registry=registry, **kw)
+
+    types = {Counter: mk(Counter), Gauge: mk(Gauge), Histogram: mk(Histogram)}
+    cfg = type("VllmConfig", (), {"kv_transfer_config": None})()
+    prom = KvrailConnector.build_prom_metrics(cfg, types, ["engine"], {0: ["0"]})
+    prom.observe({"bytes_posted": 4096, "transfers": 2, "failed_transfers": 0, "expired_leases": 1, "leased": 3}, 0)
+    prom.observe({"bytes_posted": 1024, "transfers": 1}, 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvrail_bytes_posted_total{engine="0"} 5120.0' in text, text
+    assert 'vllm:kvrail_transfers_total{engine="0"} 3.0' in text
+    assert 'vllm:kvrail_expired_leases_total{engine="0"} 1.0' in text
+    assert 'vllm:kvrail_read_backs_total{engine="0"} 0.0' in text

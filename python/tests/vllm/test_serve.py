@@ -75,7 +75,9 @@ class Server:
         # between steps. kvrail's own threads leave that pinning (kvrail::threads), but
         # the engines' steps still starve each other (first requests 10-20 s late, past
         # the lease). A deployment gives each engine its own cores; here: no binding.
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+        # (stats logged every second, not every 10: the test reads kvrail's line in the log)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                   VLLM_LOG_STATS_INTERVAL="1")
         self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait(self, limit=300):
@@ -100,6 +102,17 @@ class Server:
         if self.p.poll() is None:
             os.killpg(self.p.pid, 9)
             self.p.wait()
+
+    def counter(self, name, at_least, limit=15):
+        """vLLM's /metrics counter ``name`` (summed over engines) once it reaches
+        ``at_least`` (stats reach it after the step that made them), or its last value."""
+        t = time.time()
+        while True:
+            text = get(self.url + "/metrics")
+            v = sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + "{") or l.startswith(name + " "))
+            if v >= at_least or time.time() - t > limit:
+                return v
+            time.sleep(0.5)
 
     def leases_held(self):
         text = get(f"http://127.0.0.1:{self.metrics_port}/metrics")
@@ -158,6 +171,14 @@ def test_a_deployment_serves_and_survives_its_faults(model, plain):
         metrics = get(d.url + "/metrics")
         hits = sum(float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("vllm:external_prefix_cache_hits_total"))
         assert hits >= 0.9 * sum(len(x) for x in PROMPTS), f"{hits} prompt tokens external"
+        # kvrail's counters on vLLM's /metrics and in its logged KV transfer metrics
+        assert d.counter("vllm:kvrail_transfers_total", len(PROMPTS)) >= len(PROMPTS)
+        assert d.counter("vllm:kvrail_bytes_posted_total", 1) > 0
+        assert d.counter("vllm:kvrail_failed_transfers_total", 0) == 0
+        t = time.time()
+        while "KV Transfer metrics: bytes_posted=" not in open(d.log_path, errors="replace").read():
+            assert time.time() - t < 15, "D's log has no KV Transfer metrics line of kvrail's"
+            time.sleep(0.5)
 
         # D killed mid-request: P frees the blocks when the lease ends, and says so
         status, r = p.complete(PROMPTS[2], 1, {"do_remote_decode": True})
@@ -179,6 +200,8 @@ def test_a_deployment_serves_and_survives_its_faults(model, plain):
         # tokens (its own prefill), never a decode from bytes that did not arrive
         status, r = p.complete(PROMPTS[1], 1, {"do_remote_decode": True})
         assert status == 200, r
+        # (the expiry reaches P's stats with its next step: this prefill)
+        assert p.counter("vllm:kvrail_expired_leases_total", 1) >= 1, "P's /metrics counts no expired lease"
         p.kill()
         got = tokens(drec.complete(PROMPTS[1], 8, r["kv_transfer_params"]))
         assert got == plain[1], "a D that recomputes after P died answered other tokens"

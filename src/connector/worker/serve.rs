@@ -219,7 +219,9 @@ impl Worker {
                 match r.error.clone() {
                     Some(e) => self.fail_recv(&id, &e),
                     None => {
-                        self.recvs.remove(&id);
+                        if self.recvs.remove(&id).is_some_and(|r| r.req.read_back) {
+                            self.read_backs += 1;
+                        }
                         self.done.recving.push(id);
                     }
                 }
@@ -252,10 +254,13 @@ impl Worker {
         }) = self.leases.poll_event()
         {
             match reason {
-                crate::proto::lease::FreeReason::Expired => tracing::info!(
-                    request = %request_id,
-                    "lease expired: blocks freed (no completion or heartbeat from D in time)"
-                ),
+                crate::proto::lease::FreeReason::Expired => {
+                    self.leases_expired += 1;
+                    tracing::info!(
+                        request = %request_id,
+                        "lease expired: blocks freed (no completion or heartbeat from D in time)"
+                    );
+                }
                 crate::proto::lease::FreeReason::Completed => {
                     tracing::debug!(request = %request_id, "lease over: D has the blocks");
                 }
