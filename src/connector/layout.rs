@@ -74,6 +74,18 @@ pub enum BlockOrder {
     Packed,
 }
 
+impl BlockOrder {
+    /// The name the handshake carries (`HND`, `NHD`, `heads`, `packed`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Hnd => "HND",
+            Self::Nhd => "NHD",
+            Self::Heads => "heads",
+            Self::Packed => "packed",
+        }
+    }
+}
+
 /// Logical block ids as physical ones, `r` per logical block.
 pub(crate) fn physical(ids: &[u64], r: u64) -> Vec<u64> {
     let r = r.max(1);
@@ -87,6 +99,13 @@ fn one() -> u64 {
 }
 
 impl KvLayout {
+    /// The layout the handshake compares: the order of a block's bytes and its planes
+    /// (`HND/2-plane`: K and V each a plane of `[head][token][bytes]`). The heads per block
+    /// are not in it: TP sizes may differ.
+    pub fn handshake_name(&self) -> String {
+        format!("{}/{}-plane", self.inner.name(), self.planes)
+    }
+
     /// Check that the layout can describe memory: at least one layer, no name twice,
     /// every count at least 1, whole heads and tokens in a block, and a layer size that
     /// fits an address space.

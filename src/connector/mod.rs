@@ -94,7 +94,8 @@ use crate::agent::AgentConfig;
 
 /// The agent settings a connector worker needs, on top of `base` (listen address, backend,
 /// devices, model compatibility): the direction in the compatibility hash (pull and push
-/// instances refuse to pair), block size, `stripe_width`, `enforce_handshake_compat`, and
+/// instances refuse to pair), the KV layout found in the engine's cache (a peer whose
+/// block bytes are in another order is refused, both named), block size, `stripe_width`, `enforce_handshake_compat`, and
 /// on a producer the layers it owns — a pipeline-parallel stage then refuses a peer that
 /// lacks one of them, and routes by layer name. A consumer (which holds every layer) does
 /// not require its producers to hold all of them.
@@ -106,6 +107,7 @@ pub fn agent_config(
     let mut a = base;
     a.compat.direction = cfg.direction;
     a.block_size = layout.block_size;
+    a.kv_layout = layout.handshake_name();
     a.stripe_width = cfg.stripe_width;
     a.enforce_handshake_compat = cfg.enforce_handshake_compat;
     a.layers = layout.layers.clone();
