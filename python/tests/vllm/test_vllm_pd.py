@@ -36,6 +36,9 @@ SHARED = 3 * 128
 PREFIXED = {"A": prompt(400, 3)}
 PREFIXED["B"] = PREFIXED["A"][:SHARED] + prompt(150, 4)
 PREFIXED["C"] = PREFIXED["A"][:SHARED] + prompt(90, 5)
+# a batch whose two prompts share a prefix (two whole blocks) neither engine has cached
+BATCH_SHARED = prompt(256, 6)
+SHARED_BATCH = [BATCH_SHARED + prompt(60, 7), BATCH_SHARED + prompt(110, 8)]
 # a two-turn conversation (seed 003): turn 2 is turn 1's prompt, its answer and new tokens
 TURN1 = prompt(300, 21)
 TURN2_NEW = prompt(40, 22)
@@ -65,6 +68,7 @@ def plain(model):
     want = {g: e.call(op="generate", prompts=ps, max_tokens=TOKENS)["tokens"] for g, ps in GROUPS.items()}
     for k, ps in PREFIXED.items():
         want[k] = e.call(op="generate", prompts=[ps], max_tokens=TOKENS)["tokens"]
+    want["shared_batch"] = e.call(op="generate", prompts=SHARED_BATCH, max_tokens=TOKENS)["tokens"]
     want["turn1"] = e.call(op="generate", prompts=[TURN1], max_tokens=TOKENS)["tokens"]
     turn2 = TURN1 + want["turn1"][0] + TURN2_NEW
     want["turn2"] = e.call(op="generate", prompts=[turn2], max_tokens=TOKENS)["tokens"]
@@ -186,6 +190,12 @@ def test_with_prefix_caching_d_loads_only_what_it_lacks_and_writes_no_cached_blo
         assert d.call(op="blocks", ids=dr["ids"])["blocks"][0][:3] == cached, f"{mode}: C did not use D's cached blocks"
         after = [d.call(op="raw", layer=i, block=cached[0])["hex"] for i in (0, 1)]
         assert after == damaged, f"{mode}: the load wrote into a block D had cached"
+        # a batch sharing a prefix neither engine has: every tail loads, the tokens are a
+        # plain engine's (the shared blocks load once or twice, as vLLM schedules them)
+        _, dr, hits = disaggregate(p, d, SHARED_BATCH)
+        assert dr["tokens"] == plain["shared_batch"], f"{mode}: the shared-prefix batch's tokens differ"
+        tails = sum(len(x) - len(BATCH_SHARED) for x in SHARED_BATCH)
+        assert tails + 0.9 * len(BATCH_SHARED) <= hits <= sum(len(x) for x in SHARED_BATCH), f"{mode}: {hits} external"
     finally:
         p.close()
         d.close()
