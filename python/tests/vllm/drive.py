@@ -14,10 +14,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class Engine:
     """One engine process; ``call`` sends a command and returns its reply."""
 
-    def __init__(self, python, model, role, connector="kvrail", mode="pull", engine_id=None, env=None, extra=None, log=None, prefix_caching=False, top=None):
+    def __init__(self, python, model, role, connector="kvrail", mode="pull", engine_id=None, env=None, extra=None, log=None, prefix_caching=False, top=None, tp=1):
         cmd = [python, os.path.join(HERE, "engine.py"), "--model", model, "--role", role, "--connector", connector, "--mode", mode]
         if prefix_caching:
             cmd.append("--prefix-caching")
+        if tp > 1:
+            cmd += ["--tp", str(tp)]
         if engine_id:
             cmd += ["--engine-id", engine_id]
         if extra:

@@ -51,7 +51,7 @@ def kv_config(args):
     return {
         "kv_connector": name[args.mode],
         "kv_connector_module_path": "kvrail.vllm",
-        "kv_role": "kv_producer" if args.role == "producer" else "kv_consumer",
+        "kv_role": {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}[args.role],
         "kv_buffer_device": "cpu",
         "engine_id": args.engine_id,
         "kv_connector_extra_config": extra,
@@ -60,8 +60,10 @@ def kv_config(args):
 
 
 def runner_of(llm):
+    """The engine core, and the model runner when it lives in this process (TP 1)."""
     core = llm.llm_engine.engine_core.engine_core
-    return core, core.model_executor.driver_worker.worker.model_runner
+    driver = getattr(core.model_executor, "driver_worker", None)
+    return core, (driver.worker.model_runner if driver is not None else None)
 
 
 def prompt_sums(runner, blocks, tokens):
@@ -115,7 +117,8 @@ def settle(llm, core, limit=50):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--role", choices=["plain", "producer", "consumer"], required=True)
+    ap.add_argument("--role", choices=["plain", "producer", "consumer", "both"], required=True)
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (> 1: vLLM's mp executor, a process a rank)")
     ap.add_argument("--connector", choices=["kvrail", "nixl"], default="kvrail")
     ap.add_argument("--mode", choices=["pull", "push", "push_stream"], default="pull")
     ap.add_argument("--engine-id", default=None)
@@ -141,6 +144,10 @@ def main():
         # asks for vLLM's default
         enable_prefix_caching=args.prefix_caching,
     )
+    if args.tp > 1:
+        # vLLM CPU runs TP with its mp executor, a core per rank
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp)))
+        kw.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     cfg = kv_config(args)
     if cfg is not None:
         from vllm.config import KVTransferConfig

@@ -243,6 +243,33 @@ def test_the_next_turn_reads_turn_ones_kv_back_from_d_and_computes_it_once_expir
         d.close()
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"] if FULL else ["pull"])
+def test_heterogeneous_tp_both_ways(model, plain, mode):
+    """Two kv_both engines, TP=1 and TP=2 (vLLM CPU's mp executor, a core a rank): P TP=2 ->
+    D TP=1 (D's one rank reads each P rank's head) and P TP=1 -> D TP=2 (each D rank reads
+    its head from P's one rank). D's tokens are a plain engine's and >= 90 % of the prompt
+    tokens are external."""
+    one = start(model, "both", mode=mode, engine_id=f"tp1-{mode}")
+    two = start(model, "both", mode=mode, engine_id=f"tp2-{mode}", tp=2)
+    one.ready()
+    two.ready()
+    try:
+        # D decodes with its own TP: a plain engine of D's TP is what its tokens must be (a
+        # TP=2 engine's all-reduces round otherwise than TP=1's, and this tiny random model
+        # has near ties); `two` alone, no connector in use, is that engine
+        plain2 = {g: two.call(op="generate", prompts=GROUPS[g], max_tokens=TOKENS)["tokens"] for g in ("many_blocks", "a_batch")}
+        for p, d, label, want in ((two, one, "P TP=2 -> D TP=1", plain), (one, two, "P TP=1 -> D TP=2", plain2)):
+            for group in ("many_blocks", "a_batch"):
+                prompts = GROUPS[group]
+                _, dr, hits = disaggregate(p, d, prompts)
+                total = sum(len(x) for x in prompts)
+                assert dr["tokens"] == want[group], f"{mode} {label} {group}: tokens differ from a plain engine's"
+                assert hits >= 0.9 * total, f"{mode} {label} {group}: {hits} of {total} prompt tokens external"
+    finally:
+        one.close()
+        two.close()
+
+
 def test_a_damaged_block_is_seen(model, plain):
     """Negative control: one byte of one of P's blocks changes after its prefill; the
     checksums D's cache gives no longer match what P computed."""
