@@ -575,6 +575,10 @@ class KvrailConnector(_Base):
         if bs:
             hints["block_size"] = int(bs)
         layout, caches = describe(kv_caches, hints, _tokens_in_order())
+        windows = sliding_windows(self._kv_cache_config)
+        if windows:
+            # swa_window_mode moves only what these layers' windows cover
+            layout["sliding_windows"] = {n: w for n, w in windows.items() if n in kv_caches}
         logical = _attr(self._kv_cache_config, "num_blocks")
         if logical and layout["num_blocks"] % int(logical) == 0 and layout["num_blocks"] > int(logical):
             # kernel blocks subdivide the scheduler's: its block l is ours l*r .. l*r + r
@@ -675,6 +679,23 @@ class KvrailConnector(_Base):
     def shutdown(self) -> None:
         self._worker = None
         self._kv_caches = {}
+
+
+def sliding_windows(kv_cache_config: Any) -> Dict[str, int]:
+    """Each sliding-window layer's window (tokens), from vLLM's KV-cache spec: a group's
+    ``SlidingWindowSpec``, or the ``FullAttentionSpec`` vLLM promotes it to when the hybrid
+    KV-cache manager is off (its ``sliding_window`` kept), per layer where a group holds
+    several specs (``UniformTypeKVCacheSpecs``)."""
+    out: Dict[str, int] = {}
+    for g in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        spec = getattr(g, "kv_cache_spec", None)
+        per_layer = getattr(spec, "kv_cache_specs", None)
+        for name in getattr(g, "layer_names", None) or []:
+            s = per_layer.get(name, spec) if isinstance(per_layer, dict) else spec
+            w = getattr(s, "sliding_window", None)
+            if isinstance(w, int) and w > 0:
+                out[name] = w
+    return out
 
 
 # D: requests whose loaded blocks ``received_block_ids`` remembers

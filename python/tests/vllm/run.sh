@@ -16,7 +16,8 @@
 #      NixlConnector unchanged on kvrail, and served P/D with faults (~3 min);
 #   5. NIXL's own Python tests and examples on the compat package, and NIXL 1.5.1's Python
 #      surface against kvrail's (python/tests/nixl_upstream/run.sh, ~10 s).
-# KVRAIL_VLLM_FULL=1 adds the cases CI leaves out for time (~1.5 min more): prefix caching in
+# KVRAIL_VLLM_FULL=1 adds the cases CI leaves out for time (~3.5 min more): push_stream's
+# check against a plain engine, prefix caching, multi-turn KV reuse and heterogeneous TP in
 # push, and a D engine of another block size behind the router. The side-by-side bench
 # (NixlConnector on NIXL, NixlConnector on kvrail, kvrail.vllm) is a command of its own:
 #   target/vllm-venv/bin/python python/tests/vllm/bench_pd.py --rounds 5   (~5 min)

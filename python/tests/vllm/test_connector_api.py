@@ -293,3 +293,40 @@ def test_stats_are_vllms_class_and_reach_its_prometheus_counters():
     assert 'vllm:kvrail_transfers_total{engine="0"} 3.0' in text
     assert 'vllm:kvrail_expired_leases_total{engine="0"} 1.0' in text
     assert 'vllm:kvrail_read_backs_total{engine="0"} 0.0' in text
+
+
+def test_sliding_windows_are_read_from_vllms_kv_cache_spec():
+    """The windows swa_window_mode needs come from vLLM's KV-cache config: a group of
+    ``SlidingWindowSpec`` layers, the ``FullAttentionSpec`` vLLM promotes them to with the
+    hybrid manager off (the window kept), and per-layer specs in one group; full-attention
+    layers have none."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    from kvrail.vllm import sliding_windows
+
+    common = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    swa = SlidingWindowSpec(sliding_window=128, **common)
+    promoted = FullAttentionSpec(sliding_window=256, **common)
+    full = FullAttentionSpec(**common)
+    groups = [
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], swa),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], promoted),
+        KVCacheGroupSpec(
+            ["model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"],
+            UniformTypeKVCacheSpecs(
+                block_size=16,
+                kv_cache_specs={"model.layers.2.self_attn.attn": promoted, "model.layers.3.self_attn.attn": full},
+            ),
+        ),
+    ]
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    assert sliding_windows(cfg) == {
+        "model.layers.0.self_attn.attn": 128,
+        "model.layers.1.self_attn.attn": 256,
+        "model.layers.2.self_attn.attn": 256,
+    }
