@@ -387,5 +387,21 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         send(&mut one, &m).expect("encodes");
         out.push(("side_channel", one));
     }
+    // multi-turn reuse (bidirectional_kv_xfer), appended: grant answers with the keeper's
+    // clock, and a next turn's parameters naming D's kept blocks
+    let given = kvmsg::GrantMsg {
+        request_id: "turn1-d".into(),
+        token: b"token".to_vec(),
+        clock_us: Some(1_234_567_890),
+    };
+    out.push(("kvmsg", given.encode()));
+    let none = kvmsg::GrantNone {
+        request_id: "turn1-d".into(),
+        reason: "its blocks were given back (lease over)".into(),
+        clock_us: Some(-5),
+    };
+    out.push(("kvmsg", none.encode()));
+    let turn = r#"{"do_remote_decode":true,"remote_engine_id":"d","remote_host":"10.0.0.2","remote_port":5601,"remote_block_ids":[3,4,5],"remote_request_id":"turn1-d","tp_size":1,"remote_num_tokens":40,"remote_blocks_expiry_time":1234.5,"_remote_blocks_processed":false}"#;
+    out.push(("json", [&[3u8][..], turn.as_bytes()].concat()));
     out
 }
