@@ -39,8 +39,10 @@ run_logged "^\s*(Packaged|Verifying)" cargo publish --dry-run --workspace --allo
 MSRV=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 step "the minimum Rust version (rust-version = $MSRV) builds the workspace"
 rustup toolchain list | grep -q "^$MSRV" || rustup toolchain install "$MSRV" --profile minimal
-run_logged "^$" cargo "+$MSRV" check --workspace --all-targets
-echo "cargo +$MSRV check --workspace --all-targets: ok"
+# (the libraries and the tools, what a user builds: the tests, benches and examples build on
+# the CI toolchain; all targets took 132 s cold on 2 cores, these 67)
+run_logged "^$" cargo "+$MSRV" check --workspace --lib --bins
+echo "cargo +$MSRV check --workspace --lib --bins: ok"
 
 step "the wheel in a clean venv, libibverbs hidden"
 WHEEL=$(ls target/wheels/kvrail-*-abi3-manylinux*.whl 2>/dev/null | head -1)
