@@ -26,6 +26,7 @@
 # $BENCH_JSON (default target/bench-goals.json). Under TCG runs vary ±30 %: only the medians
 # of one run mean anything. ~8 min with ROUNDS=3, ~14 with 5 (CI; ~4 for one round).
 #   ROUNDS (3)  BENCH_MB (100: MiB moved per bandwidth run, at least 40 transfers)  BENCH_SPIN_US (2000)
+#   BENCH_INFO (1; 0: only the runs a goal needs — CI, for its 55 minutes: 19 of a round's 36)
 set -u
 BENCH_NAME=bench-goals
 . "$(dirname "${BASH_SOURCE[0]}")/bench-lib.sh"
@@ -33,6 +34,7 @@ need_perf
 ROUNDS=${ROUNDS:-3}
 MB=${BENCH_MB:-100}
 SPIN=${BENCH_SPIN_US:-2000}
+INFO=${BENCH_INFO:-1}
 JSON=${BENCH_JSON:-target/bench-goals.json}
 # transfers a bandwidth run moves: BENCH_MB's worth, but at least 40 — more than the 32 a deep
 # queue keeps in flight (at 8 MiB, 100 MiB was 12 transfers: a start-up, not a deep queue)
@@ -51,12 +53,16 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
             k2=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n" -q 2 -e); put "kv2_${op}_$size" "$k2"
             put "r2_${op}_$size" "$(ratio "$k2" "$p")"
             # (perftest's -t is per queue pair: 16 each is the same 32 in flight)
-            pq=$(PT_EXTRA="-q 2" perftest_one "$op" 0 "$size" 16 "$n"); put "ptq_${op}_$size" "$pq"
-            put "rq_${op}_$size" "$(ratio "$k2" "$pq")"
-            k=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n" --spin-us "$SPIN"); put "kv_${op}_$size" "$k"
-            put "r_${op}_$size" "$(ratio "$k" "$p")"
-            line+=" $op $size pt $p kv -q 2 $k2 (pt -q 2 $pq; kv one queue pair polling $k) |"
-            if [ "$op$size" = write65536 ]; then   # for scale: A/A, and the verbs layer alone
+            line+=" $op $size pt $p kv -q 2 $k2"
+            if [ "$INFO" = 1 ]; then   # the rows without a goal
+                pq=$(PT_EXTRA="-q 2" perftest_one "$op" 0 "$size" 16 "$n"); put "ptq_${op}_$size" "$pq"
+                put "rq_${op}_$size" "$(ratio "$k2" "$pq")"
+                k=$(kvrail "${A[0]}" "${B[0]}" "$op" "$size" 32 "$n" --spin-us "$SPIN"); put "kv_${op}_$size" "$k"
+                put "r_${op}_$size" "$(ratio "$k" "$p")"
+                line+=" (pt -q 2 $pq; kv one queue pair polling $k)"
+            fi
+            line+=" |"
+            if [ "$INFO$op$size" = 1write65536 ]; then   # for scale: A/A, and the verbs layer alone
                 p2=$(perftest_one write 0 65536 32 "$n"); put pt2_65536 "$p2"
                 put raa_65536 "$(ratio "$p2" "$p")"
                 v=$(verbs_bw write 65536 32 "$n"); put vb_65536 "$v"
@@ -77,9 +83,12 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
     put rt1_65536 "$(ratio "$k" "$p")"
     pl=$(send_lat 2000); kl=$(kvrail_lat 2000 --spin-us "$SPIN"); put lat_pt "${pl:-0}"; put lat_kv "${kl:-0}"
     put rlat "$(ratio "${kl:-0}" "${pl:-0}")"
-    ul=$(ucx_lat 2000); put lat_ucx "${ul:-0}"; put rlat_ucx "$(ratio "${kl:-0}" "${ul:-0}")"
-    vs=$(verbs_lat send 2000); put lat_vsend "${vs:-0}"; put rlat_vsend "$(ratio "${vs:-0}" "${pl:-0}")"
-    vc=$(verbs_lat channel 2000); put lat_vch "${vc:-0}"; put rlat_vch "$(ratio "${vc:-0}" "${pl:-0}")"
+    ul=- vs=- vc=-
+    if [ "$INFO" = 1 ]; then
+        ul=$(ucx_lat 2000); put lat_ucx "${ul:-0}"; put rlat_ucx "$(ratio "${kl:-0}" "${ul:-0}")"
+        vs=$(verbs_lat send 2000); put lat_vsend "${vs:-0}"; put rlat_vsend "$(ratio "${vs:-0}" "${pl:-0}")"
+        vc=$(verbs_lat channel 2000); put lat_vch "${vc:-0}"; put rlat_vch "$(ratio "${vc:-0}" "${pl:-0}")"
+    fi
     line+=" t1 256K/1M/64K $(tail -n 1 "$K/t1_262144")/$(tail -n 1 "$K/t1_1048576")/$k (ib_write_bw -t 1 $p) | lat $pl (UCT $ul; verbs layer $vs, channel $vc) vs $kl us"
     echo "$line"
 done
@@ -92,6 +101,7 @@ ROWS=()
 row() {   # label reference-key kvrail-key ratio-key goal-value min|max
     local ref kv r g; ref=$(median "$2"); kv=$(median "$3"); r=$(median "$4")
     if [ "$6" = info ]; then   # no goal: a figure for scale
+        [ "$INFO" = 1 ] || return 0
         printf '%-44s %10s %10s %8s  (no goal)\n' "$1" "$ref" "$kv" "$r"
         ROWS+=("{\"case\":\"$1\",\"reference\":$ref,\"kvrail\":$kv,\"ratio_median\":$r,\"goal\":null,\"met\":null}")
         return
