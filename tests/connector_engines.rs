@@ -3,6 +3,7 @@
 //!   worker and agent (`<engine>#tp<k>` at its advertised port). Every byte of every head of
 //!   every layer lands in the right D rank, pull and push; P and D caches differ in block
 //!   count; P frees every block only after every D rank that takes its heads has its bytes;
+//!   D heartbeats every P rank of a request waiting in its queue (each rank's lease extended);
 //! - `push_stream`: the blocks a prefill step closes reach D before the prefill ends, D is
 //!   told only when every byte landed, and each block crosses once;
 //! - `swa_window_mode`: a sliding-window layer moves only its window; D has every byte it
@@ -707,4 +708,50 @@ fn too_few_p_blocks_for_the_prompt_fail_the_receive() {
         std::thread::sleep(Duration::from_millis(2));
     }
     assert_eq!(d.bytes_posted(), 0);
+}
+
+/// This P rank's heartbeat messages received (its agent's registry).
+fn heartbeats_in(w: &Worker) -> f64 {
+    let text = w.agent().metrics().render_prometheus();
+    text.lines()
+        .filter(|l| l.starts_with("kvrail_connector_heartbeats_received_total"))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Heterogeneous TP (SPEC §3): D (TP 1) heartbeats every rank of P (TP 2), not only rank
+/// 0, so every rank's lease on the blocks of a request still waiting in D's queue is
+/// extended; without the heartbeats they would run out at 30 s (virtual time).
+#[test]
+fn heartbeats_reach_every_p_rank() {
+    let mut p = engine("prefill", "Pull", "kv_producer", 2, 32, true);
+    let mut d = engine("decode", "Pull", "kv_consumer", 1, 32, false);
+    let t0 = Instant::now();
+    let params = p.prefill("hb-1", 7, 40);
+    p.step(t0);
+    assert!(p.workers.iter().all(|w| w.leased() == 1));
+    // the request waits in D's queue: tracked, never scheduled
+    let req = EngineRequest {
+        request_id: "hb-1-d".into(),
+        prompt_tokens: 40,
+        params: Some(params),
+    };
+    assert!(d.sched.on_new_request(&req, t0));
+    let late = t0 + Duration::from_secs(25);
+    let t = Instant::now();
+    while p.workers.iter().any(|w| heartbeats_in(w) < 1.0) {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "a P rank got no heartbeat"
+        );
+        d.step(late);
+        for w in &mut p.workers {
+            w.get_finished(late);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // past the 30 s lease: both ranks still hold the blocks (extended to 25 + 20 s)
+    let f = p.step(t0 + Duration::from_secs(35));
+    assert!(f.sending.is_empty(), "a P rank freed the blocks: {f:?}");
+    assert!(p.workers.iter().all(|w| w.leased() == 1));
 }
