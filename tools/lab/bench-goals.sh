@@ -99,9 +99,9 @@ echo "== medians of $ROUNDS interleaved rounds (MB/s = 2^20 B/s; latency us)"
 printf '%-44s %10s %10s %8s  %-8s\n' case reference kvrail ratio goal
 ROWS=()
 row() {   # label reference-key kvrail-key ratio-key goal-value min|max
+    [ "$6" = info ] && [ "$INFO" != 1 ] && return 0   # not measured (BENCH_INFO=0)
     local ref kv r g; ref=$(median "$2"); kv=$(median "$3"); r=$(median "$4")
     if [ "$6" = info ]; then   # no goal: a figure for scale
-        [ "$INFO" = 1 ] || return 0
         printf '%-44s %10s %10s %8s  (no goal)\n' "$1" "$ref" "$kv" "$r"
         ROWS+=("{\"case\":\"$1\",\"reference\":$ref,\"kvrail\":$kv,\"ratio_median\":$r,\"goal\":null,\"met\":null}")
         return
