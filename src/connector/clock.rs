@@ -20,8 +20,10 @@ pub(crate) fn now_us() -> i64 {
 /// microseconds. Returns (offset: remote minus local, at most this far off: half the round
 /// trip).
 pub(crate) fn offset(sent: i64, remote: i64, received: i64) -> (i64, i64) {
-    let mid = sent + (received - sent) / 2;
-    (remote - mid, (received - sent).max(0) / 2 + 1)
+    // (saturating: `remote` is a peer's word, and may be anything)
+    let trip = received.saturating_sub(sent);
+    let mid = sent.saturating_add(trip / 2);
+    (remote.saturating_sub(mid), trip.max(0) / 2 + 1)
 }
 
 /// Whether blocks kept until `expiry_us` (in the keeper's clock) may be gone before a read
@@ -33,7 +35,7 @@ pub(crate) fn expired(
     now_us: i64,
     margin: i64,
 ) -> bool {
-    now_us + margin + error >= expiry_us - offset
+    now_us.saturating_add(margin).saturating_add(error) >= expiry_us.saturating_sub(offset)
 }
 
 #[cfg(test)]
@@ -81,6 +83,21 @@ mod tests {
     fn a_round_trip_that_runs_backwards_gives_no_negative_error() {
         let (_, err) = offset(1_000, 50, 900);
         assert!(err >= 1);
+    }
+
+    /// A peer's clock at either end of the range (a peer's word, anything): no overflow;
+    /// its expiry a second ahead of its clock is still a second ahead here.
+    #[test]
+    fn a_clock_at_the_ends_of_the_range_does_not_overflow() {
+        for remote in [i64::MIN, i64::MAX] {
+            let o = offset(1_000, remote, 2_000);
+            let _ = expired(remote, o, 1_500, S);
+            let _ = expired(i64::MAX, o, i64::MAX, i64::MAX);
+            let _ = expired(i64::MIN, o, i64::MIN, 0);
+        }
+        let o = offset(1_000, 1 << 62, 2_000);
+        assert!(!expired((1 << 62) + 2 * S, o, 2_000, S / 2));
+        assert!(expired((1 << 62) + S / 2, o, 2_000, S));
     }
 
     #[test]

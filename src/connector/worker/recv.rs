@@ -247,7 +247,7 @@ impl Worker {
         let expiry_us = (expiry_s * 1e6) as i64;
         for (peer, &(off, err)) in &r.offsets {
             if super::super::clock::expired(expiry_us, (off, err), now, READ_BACK_MARGIN_US) {
-                let left = (expiry_us - off - now) as f64 / 1e6;
+                let left = expiry_us.saturating_sub(off).saturating_sub(now) as f64 / 1e6;
                 self.expired_reads += 1;
                 return Err(format!(
                     "{peer} keeps the blocks until {expiry_s:.3} s in its clock, {left:.3} s from \
