@@ -19,8 +19,7 @@ use std::time::{Duration, Instant};
 use kvrail::agent::{Agent, Desc, Grant, RemoteAccess, XferOp, XferStatus};
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::{
-    agent_config, BlockOrder, ConnectorMetadata, KvCaches, KvLayout, KvTransferParams, RecvReq,
-    SendReq, Worker,
+    agent_config, ConnectorMetadata, KvCaches, KvLayout, KvTransferParams, RecvReq, SendReq, Worker,
 };
 use kvrail::proto::kvmsg::{GrantReq, KvMsg};
 
@@ -28,18 +27,7 @@ const P: &str = "prefill-engine";
 const D: &str = "decode-engine";
 
 fn layout() -> KvLayout {
-    KvLayout {
-        layers: (0..2).map(|i| format!("model.layers.{i}.attn")).collect(),
-        num_blocks: 16,
-        block_bytes: 4096,
-        planes: 2,
-        block_size: 16,
-        kv_heads: 1,
-        sliding_windows: Default::default(),
-        physical_per_logical: 1,
-        block_stride: 0,
-        inner: BlockOrder::Hnd,
-    }
+    lab::kv_layout(2, 16, 4096, 1)
 }
 
 fn cfg(dir: &str, role: &str) -> KvTransferConfig {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
-use kvrail::connector::{agent_config, BlockOrder, KvLayout, Worker};
+use kvrail::connector::{agent_config, Worker};
 use kvrail::rails::SysfsRoot;
 
 fn producer(exit_s: u64) -> Worker {
@@ -20,18 +20,7 @@ fn producer(exit_s: u64) -> Worker {
             "kv_connector_extra_config":{{"link_down_exit_s":{exit_s}}}}}"#
     );
     let cfg = KvTransferConfig::from_json(&json).unwrap();
-    let l = KvLayout {
-        layers: vec!["model.layers.0.attn".into()],
-        num_blocks: 4,
-        block_bytes: 1024,
-        planes: 2,
-        block_size: 16,
-        kv_heads: 1,
-        sliding_windows: Default::default(),
-        physical_per_logical: 1,
-        block_stride: 0,
-        inner: BlockOrder::Hnd,
-    };
+    let l = lab::kv_layout(1, 4, 1024, 1);
     let ac = agent_config(&cfg, &l, lab::agent_config(true));
     let agent = Arc::new(Agent::new("prefill-links", ac).unwrap());
     Worker::new(agent, cfg, l, 1).unwrap()

@@ -18,26 +18,15 @@ use std::time::{Duration, Instant};
 use kvrail::agent::Agent;
 use kvrail::connector::config::KvTransferConfig;
 use kvrail::connector::{
-    agent_config, BlockOrder, EngineRequest, Finished, KvCaches, KvLayout, KvTransferParams,
-    RequestEnd, Scheduler, Worker,
+    agent_config, EngineRequest, Finished, KvCaches, KvLayout, KvTransferParams, RequestEnd,
+    Scheduler, Worker,
 };
 
 const BLOCK: u64 = 4096;
 const HOUR_US: i64 = 3_600_000_000;
 
 fn layout() -> KvLayout {
-    KvLayout {
-        layers: (0..2).map(|i| format!("model.layers.{i}.attn")).collect(),
-        num_blocks: 16,
-        block_bytes: BLOCK,
-        planes: 2,
-        block_size: 16,
-        kv_heads: 1,
-        sliding_windows: Default::default(),
-        physical_per_logical: 1,
-        block_stride: 0,
-        inner: BlockOrder::Hnd,
-    }
+    lab::kv_layout(2, 16, BLOCK, 1)
 }
 
 struct Engine {
@@ -140,24 +129,19 @@ fn p_reads_turn_two(
         .start_load_kv(&p.sched.build_connector_meta(now), now);
     let (mut pf, mut df) = (Finished::default(), Finished::default());
     let t = Instant::now();
-    while !pf
-        .recving
-        .iter()
-        .chain(&pf.failed_recving)
-        .any(|id| id == "turn2-p")
-    {
+    let ended = |f: &Finished| {
+        f.recving
+            .iter()
+            .chain(&f.failed_recving)
+            .any(|id| id == "turn2-p")
+    };
+    while !ended(&pf) {
         assert!(
             t.elapsed() < Duration::from_secs(30),
             "P's read-back never ended"
         );
-        let f = p.worker.get_finished(Instant::now());
-        p.sched.update_connector_output(&f);
-        pf.recving.extend(f.recving);
-        pf.failed_recving.extend(f.failed_recving);
-        let f = d.worker.get_finished(Instant::now());
-        d.sched.update_connector_output(&f);
-        df.sending.extend(f.sending);
-        std::thread::sleep(Duration::from_millis(2));
+        p.step(&mut pf);
+        d.step(&mut df);
     }
     // D's completion: its blocks go back once P's notification arrived
     let t = Instant::now();
@@ -168,12 +152,21 @@ fn p_reads_turn_two(
             t.elapsed() < Duration::from_secs(30),
             "D never gave its blocks back"
         );
-        let f = d.worker.get_finished(Instant::now());
-        d.sched.update_connector_output(&f);
-        df.sending.extend(f.sending);
-        std::thread::sleep(Duration::from_millis(2));
+        d.step(&mut df);
     }
     (pf, df)
+}
+
+impl Engine {
+    /// One engine step's report (the worker's, told to the scheduler), added to `seen`.
+    fn step(&mut self, seen: &mut Finished) {
+        let f = self.worker.get_finished(Instant::now());
+        self.sched.update_connector_output(&f);
+        seen.sending.extend(f.sending);
+        seen.recving.extend(f.recving);
+        seen.failed_recving.extend(f.failed_recving);
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 fn pair(dir: &str, ttl: u64, d_skew_us: i64) -> (Engine, Engine) {

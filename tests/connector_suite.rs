@@ -28,18 +28,8 @@ use kvrail::proto::handshake::Direction;
 use lab::cache::{self, Cache, EngineCache};
 
 fn layout() -> KvLayout {
-    KvLayout {
-        layers: (0..4).map(|i| format!("model.layers.{i}.attn")).collect(),
-        num_blocks: 64,
-        block_bytes: 2 * 16 * 32 * 2, // 2 KV heads × 16 tokens × head size 32 × fp16
-        planes: 2,
-        block_size: 16,
-        kv_heads: 2,
-        sliding_windows: Default::default(),
-        physical_per_logical: 1,
-        block_stride: 0,
-        inner: BlockOrder::Hnd,
-    }
+    // 2 KV heads × 16 tokens × head size 32 × fp16 a block
+    lab::kv_layout(4, 64, 2 * 16 * 32 * 2, 2)
 }
 
 struct Engine {

@@ -277,3 +277,27 @@ pub fn assert_revoked(s: &kvrail::agent::XferStatus) {
         other => panic!("expected GrantRevoked, got {other:?}"),
     }
 }
+
+/// A KV layout for the connector suites: `layers` layers named `model.layers.<i>.attn`,
+/// K and V planes, 16 tokens a block, HND, one physical block a logical one.
+pub fn kv_layout(
+    layers: usize,
+    num_blocks: u64,
+    block_bytes: u64,
+    kv_heads: u64,
+) -> kvrail::connector::KvLayout {
+    kvrail::connector::KvLayout {
+        layers: (0..layers)
+            .map(|i| format!("model.layers.{i}.attn"))
+            .collect(),
+        num_blocks,
+        block_bytes,
+        planes: 2,
+        block_size: 16,
+        kv_heads,
+        sliding_windows: Default::default(),
+        physical_per_logical: 1,
+        block_stride: 0,
+        inner: kvrail::connector::BlockOrder::Hnd,
+    }
+}
