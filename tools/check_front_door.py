@@ -2,7 +2,8 @@
 """The front door's static checks (tools/check-front-door.sh runs them, CI too):
 README.md at most 200 lines; every relative link in the project's Markdown resolves (the
 file, and the heading an anchor names); each code example in the README is, line by line
-and in order, in the program CI runs (comments aside). Prints what is wrong; exit 1 if
+and in order, in the program CI runs (comments aside); every fuzz target fuzz/run.sh runs is
+named in the wire-format page (docs/contributors/wire.md). Prints what is wrong; exit 1 if
 anything is."""
 
 import os
@@ -91,6 +92,21 @@ def check_examples(problems):
             problems.append(f"README.md: no {lang} example")
 
 
+def check_wire_page(problems):
+    """Each fuzz target (fuzz/run.sh's default list, and fuzz/src/bin/) is listed against the
+    format it decodes in docs/contributors/wire.md."""
+    run = open(os.path.join(ROOT, "fuzz", "run.sh"), encoding="utf-8").read()
+    m = re.search(r"TARGETS=\(([a-z_ ]+)\)", run)
+    targets = set(m.group(1).split()) if m else set()
+    bins = {f[:-3] for f in os.listdir(os.path.join(ROOT, "fuzz", "src", "bin")) if f.endswith(".rs")} - {"seeds"}
+    if not targets or targets != bins:
+        problems.append(f"fuzz/run.sh runs {sorted(targets)}, fuzz/src/bin has {sorted(bins)}")
+    page = open(os.path.join(ROOT, "docs", "contributors", "wire.md"), encoding="utf-8").read()
+    for t in sorted(targets | bins):
+        if f"`{t}`" not in page:
+            problems.append(f"docs/contributors/wire.md: fuzz target {t} is not listed against a format")
+
+
 def main():
     problems = []
     n = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().count("\n")
@@ -98,6 +114,7 @@ def main():
         problems.append(f"README.md: {n} lines, more than {README_MAX}")
     check_links(problems)
     check_examples(problems)
+    check_wire_page(problems)
     for p in problems:
         print(p)
     print(f"front door: README {n} lines; {len(list(markdown_files()))} Markdown files' links; "
