@@ -2,11 +2,14 @@
 //! path in `src/` (tests aside) is resolved to the module it names, and
 //! 1. a top-level module uses only modules of a lower layer (`LAYERS`), so the top-level
 //!    modules form no circle;
-//! 2. files form no import circle across modules: the only circle allowed is one module
-//!    split over files — a `mod.rs` (or `name.rs`) and its own child files, which implement
-//!    the parent's types and use its private items. Two sibling files that import each
-//!    other, or files of different modules (a driver naming the agent's facade again), fail;
-//!    `KNOWN_CIRCLES` lists the one left to take apart (shrink it, never grow it).
+//! 2. files form no import circle: the only circle allowed is one module split over files —
+//!    a `mod.rs` (or `name.rs`) and its own child files, which implement the parent's types
+//!    and use its private items — and even there the child files form no circle among
+//!    themselves (two sibling files that import each other are two modules tangled, whether
+//!    or not their parent is in the circle too). Files of different modules in a circle (a
+//!    driver naming the agent's facade again) fail. Each failure names the arrows that close
+//!    the circle: where to cut it. `KNOWN_CIRCLES` lists circles left to take apart (shrink
+//!    it, never grow it; it is empty).
 //!
 //! A new top-level module fails the test until it is given a layer.
 
@@ -30,12 +33,8 @@ const LAYERS: &[(&str, u32)] = &[
 /// Outside the layers: the crate root (it declares and re-exports) and the fuzz entry points.
 const OUTSIDE: &[&str] = &["", "fuzzing"];
 
-/// Circles across modules not taken apart yet (their files, sorted).
-const KNOWN_CIRCLES: &[&[&str]] = &[
-    // a completion queue retires work into its queue pairs' state, and a queue pair is made
-    // on its completion queues
-    &["transport::verbs::cq", "transport::verbs::qp"],
-];
+/// Circles not taken apart yet (their files, sorted): none.
+const KNOWN_CIRCLES: &[&[&str]] = &[];
 
 type Mod = Vec<String>;
 
@@ -375,16 +374,36 @@ fn layer(name: &str) -> Option<u32> {
     LAYERS.iter().find(|(n, _)| *n == name).map(|&(_, l)| l)
 }
 
-/// True when the files of circle `c` are one module split over files: one of them is the
-/// parent of all the others.
-fn one_module(c: &[Mod]) -> bool {
-    c.iter().any(|parent| {
+/// The parent when the files of circle `c` are one module split over files: one of them is
+/// the parent of all the others.
+fn parent_of(c: &[Mod]) -> Option<&Mod> {
+    c.iter().find(|parent| {
         c.iter().all(|m| {
-            m == parent
+            m == *parent
                 || m.split_last()
                     .is_some_and(|(_, up)| up == parent.as_slice())
         })
     })
+}
+
+/// True when the files of circle `c` are one module split over files.
+fn one_module(c: &[Mod]) -> bool {
+    parent_of(c).is_some()
+}
+
+/// The arrows inside circle `c` (`a -> b, c` per file): where to cut it.
+fn arrows(c: &[Mod], edges: &BTreeMap<Mod, BTreeSet<Mod>>) -> String {
+    let set: BTreeSet<&Mod> = c.iter().collect();
+    c.iter()
+        .map(|m| {
+            let tos: Vec<String> = (edges.get(m).into_iter().flatten())
+                .filter(|t| set.contains(t))
+                .map(|t| t.join("::"))
+                .collect();
+            format!("{} -> {}", m.join("::"), tos.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// The checks, as messages (empty: the layering holds).
@@ -424,18 +443,37 @@ fn violations(g: &Graph) -> Vec<String> {
         .cloned()
         .collect();
     for c in circles(&nodes, &g.edges) {
-        if c.len() < 2 || one_module(&c) {
+        if c.len() < 2 {
             continue;
         }
         let names: Vec<String> = c.iter().map(|m| m.join("::")).collect();
         if KNOWN_CIRCLES.iter().any(|k| *k == names.as_slice()) {
             continue;
         }
-        bad.push(format!(
-            "{} files import each other in a circle across modules: {}",
-            c.len(),
-            names.join(", ")
-        ));
+        let Some(parent) = parent_of(&c) else {
+            bad.push(format!(
+                "{} files import each other in a circle across modules: {} ({})",
+                c.len(),
+                names.join(", "),
+                arrows(&c, &g.edges)
+            ));
+            continue;
+        };
+        // one module over its files: the children may use the parent and the parent them,
+        // but sibling files that close a circle among themselves are two modules tangled
+        let children: BTreeSet<Mod> = c.iter().filter(|m| *m != parent).cloned().collect();
+        for s in circles(&children, &g.edges) {
+            if s.len() > 1 {
+                let names: Vec<String> = s.iter().map(|m| m.join("::")).collect();
+                bad.push(format!(
+                    "{} sibling files of {} import each other in a circle: {} ({})",
+                    s.len(),
+                    parent.join("::"),
+                    names.join(", "),
+                    arrows(&s, &g.edges)
+                ));
+            }
+        }
     }
     bad
 }
@@ -493,6 +531,31 @@ fn a_wrong_import_is_caught() {
         .or_default()
         .insert(vec!["agent".into()]);
     assert_circle_caught(&g, &["agent::tcp", "agent::control"]);
+    // sibling files that import each other fail even with their parent in the circle (the
+    // side channel's driven connections and its I/O did, through `control`)
+    let mut g = graph();
+    let (control, io, driven): (Mod, Mod, Mod) = (
+        vec!["agent".into(), "control".into()],
+        vec!["agent".into(), "control".into(), "io".into()],
+        vec!["agent".into(), "control".into(), "driven".into()],
+    );
+    g.edges
+        .entry(control.clone())
+        .or_default()
+        .insert(io.clone());
+    g.edges.entry(io.clone()).or_default().insert(control);
+    g.edges
+        .entry(io.clone())
+        .or_default()
+        .insert(driven.clone());
+    g.edges.entry(driven).or_default().insert(io);
+    let bad = violations(&g);
+    assert!(
+        bad.iter()
+            .any(|b| b.contains("sibling files of agent::control")
+                && b.contains("agent::control::driven -> agent::control::io")),
+        "a circle of sibling files unseen: {bad:?}"
+    );
     // a module split over its own files is one module, not a circle across modules
     assert!(one_module(&[
         vec!["agent".into(), "verbs".into()],
@@ -513,35 +576,4 @@ fn assert_circle_caught(g: &Graph, files: &[&str]) {
             .any(|b| b.contains("a circle across modules") && files.iter().all(|f| b.contains(f))),
         "a circle of {files:?} unseen: {bad:?}"
     );
-}
-
-/// Every circle of files inside each top-level module, with the arrows that close it:
-/// `cargo test --test layers circles -- --ignored --nocapture` (where to cut next).
-#[test]
-#[ignore]
-fn circles_in_each_module() {
-    let g = graph();
-    for &(module, _) in LAYERS {
-        let nodes: BTreeSet<Mod> = g
-            .edges
-            .keys()
-            .filter(|m| top(m) == module)
-            .cloned()
-            .collect();
-        for c in circles(&nodes, &g.edges)
-            .into_iter()
-            .filter(|c| c.len() > 1)
-        {
-            println!("src/{module}: a circle of {} files", c.len());
-            let set: BTreeSet<&Mod> = c.iter().collect();
-            for m in &c {
-                let tos: Vec<String> = g.edges[m]
-                    .iter()
-                    .filter(|t| set.contains(t))
-                    .map(|t| t.join("::"))
-                    .collect();
-                println!("  {} -> {}", m.join("::"), tos.join(", "));
-            }
-        }
-    }
 }

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use memmap2::MmapMut;
 
+use super::nonempty;
 use super::raw::RawRange;
 
 /// A host-memory error.
@@ -134,6 +135,11 @@ impl HostBuffer {
         Ok(Self::wrap(Backing::Mmap(m)))
     }
 
+    /// The caller's memory at `r` ([`HostBuffer::from_raw`], beside [`RawRange`]).
+    pub(super) fn wrap_raw(r: RawRange) -> Arc<Self> {
+        Self::wrap(Backing::Raw(r))
+    }
+
     pub(super) fn wrap(mut b: Backing) -> Arc<Self> {
         let bytes = b.bytes();
         let (addr, len) = (bytes.as_mut_ptr() as usize, bytes.len());
@@ -239,17 +245,6 @@ impl HostBuffer {
         out.copy_from_slice(&self.lock().bytes()[r]);
         Ok(())
     }
-}
-
-pub(super) fn nonempty(len: usize) -> Result<(), MemError> {
-    if len == 0 {
-        let source = std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "a region needs at least one byte",
-        );
-        return Err(MemError::Alloc { len, source });
-    }
-    Ok(())
 }
 
 /// A [`HostBuffer`]'s bytes under its CPU lock (see [`HostBuffer::locked`]).

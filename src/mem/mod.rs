@@ -16,3 +16,15 @@ mod raw;
 pub use device::{DeviceMemory, Dmabuf, NpuMemory};
 pub use host::{HostBuffer, HostOwner, MemError};
 pub use path::{ConfigError, KvBufferDevice, MemoryPath, NicDmabuf};
+
+/// A region needs at least one byte.
+fn nonempty(len: usize) -> Result<(), MemError> {
+    if len == 0 {
+        let source = std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a region needs at least one byte",
+        );
+        return Err(MemError::Alloc { len, source });
+    }
+    Ok(())
+}

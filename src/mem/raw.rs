@@ -6,8 +6,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::host::{nonempty, Backing};
-use super::{HostBuffer, MemError};
+use super::{nonempty, HostBuffer, MemError};
 
 /// `len` bytes at `ptr`, readable and writable, alive while this value lives.
 pub(crate) struct RawRange {
@@ -61,7 +60,7 @@ impl HostBuffer {
             len,
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, why),
         })?;
-        Ok(Self::wrap(Backing::Raw(r)))
+        Ok(Self::wrap_raw(r))
     }
 }
 

@@ -263,7 +263,8 @@ impl Driven {
                 i.stash = Some(Ok(m));
                 break;
             }
-            if let Err(why) = super::io::answer(shared, i.tx.as_ref(), &self.peer, m, &mut i.r) {
+            if let Err(why) = super::answer::answer(shared, i.tx.as_ref(), &self.peer, m, &mut i.r)
+            {
                 i.stash = Some(Err(why));
                 break;
             }

@@ -8,6 +8,7 @@
 //! of the verbs lanes (`qp_exchange`), and notifications.
 
 mod accept;
+mod answer;
 pub(crate) mod auth;
 pub(crate) mod driven;
 mod io;

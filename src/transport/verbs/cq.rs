@@ -11,75 +11,12 @@ use rdma_mummy_sys as ffi;
 
 use super::device::{Context, ContextInner};
 use super::error::{from_ret, last_os_error, Error};
-use super::qp::QpShared;
+use super::wc::{QpShared, WcError};
 use super::wr::{OpKind, Retired, RECV_BIT};
 use crate::idhash::IdMap;
 
 /// Completions read per `ibv_poll_cq` call.
 const POLL_BATCH: usize = 64;
-
-/// A failed work completion.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WcError {
-    /// The operation that failed.
-    pub op: OpKind,
-    /// The caller's wr_id.
-    pub wr_id: u64,
-    /// Queue pair number.
-    pub qpn: u32,
-    /// `ibv_wc_status` value.
-    pub status: u32,
-    /// Its symbolic name, e.g. `IBV_WC_REM_ACCESS_ERR`.
-    pub status_name: &'static str,
-    /// libibverbs' description (`ibv_wc_status_str`).
-    pub text: String,
-    /// Vendor error code.
-    pub vendor_err: u32,
-}
-
-impl WcError {
-    /// True for `IBV_WC_WR_FLUSH_ERR`: the request was never executed because the queue
-    /// pair had already failed.
-    pub fn is_flush(&self) -> bool {
-        self.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR
-    }
-
-    /// True for `IBV_WC_REM_ACCESS_ERR`: the peer's NIC refused the key or the range (a
-    /// revoked grant's key, say).
-    pub fn is_remote_access(&self) -> bool {
-        self.status == ffi::ibv_wc_status::IBV_WC_REM_ACCESS_ERR
-    }
-
-    /// True when the request itself is wrong (lengths, keys, protections, remote access):
-    /// it would fail on any rail. False for the path's faults — retries exhausted, flushes,
-    /// a local queue-pair error when the link went away (what rxe reports), fatal errors —
-    /// after which the work can move to another rail.
-    pub fn is_request_fault(&self) -> bool {
-        use ffi::ibv_wc_status as S;
-        [
-            S::IBV_WC_LOC_LEN_ERR,
-            S::IBV_WC_LOC_PROT_ERR,
-            S::IBV_WC_LOC_ACCESS_ERR,
-            S::IBV_WC_REM_INV_REQ_ERR,
-            S::IBV_WC_REM_ACCESS_ERR,
-            S::IBV_WC_REM_OP_ERR,
-            S::IBV_WC_REM_INV_RD_REQ_ERR,
-        ]
-        .contains(&self.status)
-    }
-}
-
-impl fmt::Display for WcError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} (wr_id {}) on qpn {} failed: {} ({}, vendor_err {:#x})",
-            self.op, self.wr_id, self.qpn, self.text, self.status_name, self.vendor_err
-        )
-    }
-}
-
-impl std::error::Error for WcError {}
 
 /// A polled work completion.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -33,11 +33,12 @@ mod op;
 mod pd;
 mod qp;
 mod range_key;
+mod wc;
 mod wr;
 
 pub use crate::mem::HostBuffer;
 pub use crate::rails::gid::{select_gid, Gid, GidChoice, GidEntry, GidType, LinkLayer};
-pub use cq::{Completion, Cq, WcError};
+pub use cq::{Completion, Cq};
 pub use device::{devices, Context, DeviceAttr, DeviceInfo, Mtu, PortAttr, PortState};
 pub use dmabuf::{probe_dmabuf, DmabufMr, DmabufSupport};
 pub use error::{classify_device_list_errno, Error, Unavailable};
@@ -46,6 +47,7 @@ pub use mr::{Access, DeregisterError, Mr, RemoteRegion};
 pub use pd::Pd;
 pub use qp::{ConnectOptions, Endpoint, Qp, QpOptions, QpState};
 pub use range_key::RangeKey;
+pub use wc::WcError;
 pub use wr::{OpKind, RecvWr, SendOp, SendWr, Sge, Sges};
 
 impl Context {

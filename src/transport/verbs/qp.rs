@@ -7,18 +7,19 @@ mod setup;
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use rdma_mummy_sys as ffi;
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
-use super::cq::{Cq, CqInner, WcError};
+use super::cq::{Cq, CqInner};
 use super::device::{Mtu, PortState};
 use super::error::{from_ret, last_os_error, Error};
 use super::mr::{Access, MrRef};
 use super::pd::{Pd, PdInner};
+use super::wc::QpShared;
 use super::wr::{Mark, OpKind, Pending, RecvWr, SendOp, SendWr, WorkQueue, RECV_BIT};
 use crate::rails::gid::{Gid, LinkLayer};
 
@@ -204,43 +205,6 @@ impl QpState {
             Self::Error => "ERR",
             Self::Unknown => "UNKNOWN",
         }
-    }
-}
-
-/// State shared between a QP and the CQs its completions land on.
-pub(crate) struct QpShared {
-    send: Mutex<WorkQueue>,
-    recv: Mutex<WorkQueue>,
-    error: Mutex<Option<String>>,
-    /// `error` holds a cause: every post looks at this first, without the lock and the copy
-    /// of the cause (a lock and an `Option<String>` clone per post before).
-    failed: AtomicBool,
-}
-
-impl QpShared {
-    pub(crate) fn queue(&self, recv: bool) -> MutexGuard<'_, WorkQueue> {
-        let m = if recv { &self.recv } else { &self.send };
-        m.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(crate) fn record_error(&self, e: &WcError) {
-        let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
-        // Keep the first real cause; flushes only follow it.
-        if g.is_none()
-            || (!e.is_flush()
-                && g.as_deref()
-                    .is_some_and(|c| c.contains("IBV_WC_WR_FLUSH_ERR")))
-        {
-            *g = Some(e.to_string());
-            self.failed.store(true, Ordering::Release);
-        }
-    }
-
-    fn error(&self) -> Option<String> {
-        if !self.failed.load(Ordering::Acquire) {
-            return None;
-        }
-        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 

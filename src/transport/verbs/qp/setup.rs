@@ -45,12 +45,10 @@ impl Qp {
         let qpn = unsafe { qp.as_ref().qp_num };
         // what the provider granted (it writes the capabilities back)
         let max_inline = init.cap.max_inline_data;
-        let shared = Arc::new(QpShared {
-            send: Mutex::new(WorkQueue::new(opts.max_send_wr as usize)),
-            recv: Mutex::new(WorkQueue::new(opts.max_recv_wr as usize)),
-            error: Mutex::new(None),
-            failed: AtomicBool::new(false),
-        });
+        let shared = Arc::new(QpShared::new(
+            opts.max_send_wr as usize,
+            opts.max_recv_wr as usize,
+        ));
         send_cq.inner.attach(qpn, shared.clone());
         recv_cq.inner.attach(qpn, shared.clone());
         // As many outstanding READs as the device takes (perftest's default too): on rxe
