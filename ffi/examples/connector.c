@@ -6,7 +6,9 @@
  * (kv_buffer_device "cpu"), registered in place with kvrail_worker_new_caches: P allocates
  * one buffer per layer, D one pooled buffer holding every layer at offsets; each engine
  * writes and checks its KV in its own memory. argv[1]: "pull" or "push"; argv[2] / argv[3]:
- * the agents' JSON configurations (decode on host A, prefill on host B). */
+ * the agents' JSON configurations (decode on host A, prefill on host B). Then the next turn
+ * (bidirectional_kv_xfer): D finishes its decode leg as completed, keeps its blocks, and P
+ * reads them back for turn 2 (kvrail_scheduler_request_finished_as). */
 #define _POSIX_C_SOURCE 199309L
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,9 +40,10 @@ struct engine {
 /* `pooled`: one allocation for every layer (GAP bytes before each); else one per layer. */
 static int engine_new(struct engine *e, const char *name, const char *role, const char *mode,
                       const char *agent_cfg, int pooled) {
-    char kv_cfg[256], addr[64];
+    char kv_cfg[512], addr[64];
     snprintf(kv_cfg, sizeof kv_cfg,
-             "{\"kv_connector\":\"Kvrail%sConnector\",\"kv_role\":\"%s\",\"kv_buffer_device\":\"cpu\"}",
+             "{\"kv_connector\":\"Kvrail%sConnector\",\"kv_role\":\"%s\",\"kv_buffer_device\":\"cpu\","
+             "\"kv_connector_extra_config\":{\"bidirectional_kv_xfer\":true,\"kv_recompute_threshold\":16}}",
              strcmp(mode, "push") ? "Pull" : "Push", role);
     const char *layout =
         "{\"layers\":[\"model.layers.0\",\"model.layers.1\",\"model.layers.2\",\"model.layers.3\"],"
@@ -157,12 +160,50 @@ int main(int argc, char **argv) {
                         return 1;
                     }
             }
+
+    /* Turn 2 (bidirectional_kv_xfer, seed 003): D's decode leg ran to its end with 58
+       tokens in its blocks; D keeps them for decoder_kv_blocks_ttl and its parameters name
+       them (kv_recompute_threshold 16: the default, 64, would compute 58 tokens instead). P's next turn (70 tokens) reads them back into blocks of its own, then computes
+       the rest: blocks 7, 8, 9, 12 get D's bytes, block 13 (past D's tokens) is untouched. */
+    char back[1024];
+    CHECK(kvrail_scheduler_request_finished_as(d.s, "cmpl-c-0-d", 50, params, dblocks, 4, true, 58, &delay,
+                                               (uint8_t *)back, sizeof back - 1, &plen));
+    back[plen] = 0;
+    if (!delay || !strstr(back, "\"remote_num_tokens\":58") || !strstr(back, "\"do_remote_decode\":true")) {
+        fprintf(stderr, "D kept no blocks for the next turn: %s\n", back);
+        return 1;
+    }
+    uint64_t pblocks2[5] = {7, 8, 9, 12, 13};
+    CHECK(kvrail_scheduler_get_num_new_matched_tokens(p.s, "cmpl-c-1", 70, back, 0, &ext, &async));
+    if (ext != 58 || !async) { fprintf(stderr, "P reads back %llu tokens\n", (unsigned long long)ext); return 1; }
+    CHECK(kvrail_scheduler_update_state_after_alloc(p.s, "cmpl-c-1", 70, back, pblocks2, 5, ext));
+    recvd = 0;
+    for (int i = 0; i < 60000 && !recvd; i++) {
+        char fp[4096], fd[4096];
+        if (step(&d, fd, sizeof fd) || step(&p, fp, sizeof fp)) return 1;
+        if (strstr(fp, "\"failed_recving\":[\"")) { fprintf(stderr, "P's read-back failed: %s\n", fp); return 1; }
+        recvd = strstr(fp, "\"recving\":[\"cmpl-c-1\"]") != NULL;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    if (!recvd) { fprintf(stderr, "P never read turn 1's KV back\n"); return 1; }
+    for (int l = 0; l < LAYERS; l++)
+        for (int pl = 0; pl < 2; pl++)
+            for (int b = 0; b < 5; b++) {
+                const uint8_t *blk = p.mem[l] + ((uint64_t)pl * NBLOCKS + pblocks2[b]) * BLOCK_BYTES;
+                for (size_t i = 0; i < BLOCK_BYTES; i++)
+                    if (blk[i] != (b < 4 ? kv(l, pl, b, i) : 0)) {
+                        fprintf(stderr, "read back: layer %d plane %d block %d byte %zu\n", l, pl, b, i);
+                        return 1;
+                    }
+            }
     struct engine *es[2] = {&d, &p};
     for (int i = 0; i < 2; i++) {
         kvrail_scheduler_free(es[i]->s);
         kvrail_worker_free(es[i]->w); /* deregisters the caches: now they may be freed */
         for (int l = 0; l < LAYERS; l++) free(es[i]->alloc[l]);
     }
-    printf("connector (%s): KV of 4 layers x 2 planes x 4 blocks arrived byte for byte in the engines' own memory; P freed its blocks\n", mode);
+    printf("connector (%s): KV of 4 layers x 2 planes x 4 blocks arrived byte for byte in the engines' own memory; P freed its blocks; "
+           "turn 2 read them back from D byte for byte\n", mode);
     return 0;
 }

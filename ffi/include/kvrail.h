@@ -591,7 +591,8 @@ kvrail_result kvrail_scheduler_build_connector_meta(const kvrail_scheduler *s,
 /**
  * A request finished on this engine: `*out_delay_free` says whether its blocks stay
  * allocated (P keeps them for D), and the transfer parameters for D (JSON; empty when
- * none) go to `params_buf`.
+ * none) go to `params_buf`. An engine with `bidirectional_kv_xfer` calls
+ * [`kvrail_scheduler_request_finished_as`] instead, which is told how the request ended.
  *
  * # Safety
  * `s` from [`kvrail_scheduler_new`]; strings NUL-terminated (`params_json` may be NULL);
@@ -607,6 +608,31 @@ kvrail_result kvrail_scheduler_request_finished(const kvrail_scheduler *s,
                                                 uint8_t *params_buf,
                                                 size_t params_len,
                                                 size_t *out_params_len);
+
+/**
+ * [`kvrail_scheduler_request_finished`], told how the request ended: `completed` (it ran
+ * to its end: a stop condition or its length; not aborted or failed) and
+ * `computed_tokens` (tokens whose KV is in its blocks: vLLM's `num_computed_tokens`).
+ * With `bidirectional_kv_xfer`, a decode leg (D) that completed keeps its blocks for
+ * `decoder_kv_blocks_ttl` (`*out_delay_free` true) and its parameters name them for the
+ * next turn (`do_remote_decode`, `remote_num_tokens`, `remote_blocks_expiry_time` in D's
+ * clock): the engine passes them to P with that turn, and P reads them back.
+ *
+ * # Safety
+ * As [`kvrail_scheduler_request_finished`].
+ */
+kvrail_result kvrail_scheduler_request_finished_as(const kvrail_scheduler *s,
+                                                   const char *request_id,
+                                                   uint64_t prompt_tokens,
+                                                   const char *params_json,
+                                                   const uint64_t *blocks,
+                                                   size_t n_blocks,
+                                                   bool completed,
+                                                   uint64_t computed_tokens,
+                                                   bool *out_delay_free,
+                                                   uint8_t *params_buf,
+                                                   size_t params_len,
+                                                   size_t *out_params_len);
 
 /**
  * The workers' report (the JSON [`kvrail_worker_get_finished`] wrote).

@@ -12,7 +12,7 @@ use kvrail::connector::placement;
 use kvrail::connector::tp::rank_agent_name;
 use kvrail::connector::{
     agent_config, ConnectorMetadata, EngineRequest, Finished, KvCaches, KvLayout, KvTransferParams,
-    Scheduler, Worker,
+    RequestEnd, Scheduler, Worker,
 };
 
 use crate::agent::{kvrail_agent, parse_config, AgentHandle};
@@ -287,7 +287,8 @@ pub unsafe extern "C" fn kvrail_scheduler_build_connector_meta(
 
 /// A request finished on this engine: `*out_delay_free` says whether its blocks stay
 /// allocated (P keeps them for D), and the transfer parameters for D (JSON; empty when
-/// none) go to `params_buf`.
+/// none) go to `params_buf`. An engine with `bidirectional_kv_xfer` calls
+/// [`kvrail_scheduler_request_finished_as`] instead, which is told how the request ended.
 ///
 /// # Safety
 /// `s` from [`kvrail_scheduler_new`]; strings NUL-terminated (`params_json` may be NULL);
@@ -306,14 +307,71 @@ pub unsafe extern "C" fn kvrail_scheduler_request_finished(
     params_len: usize,
     out_params_len: *mut usize,
 ) -> kvrail_result {
+    let args = (request_id, prompt_tokens, params_json);
+    let outs = (out_delay_free, params_buf, params_len, out_params_len);
+    // SAFETY: the caller's promises, passed on.
+    unsafe { finished(s, args, (blocks, n_blocks), RequestEnd::default(), outs) }
+}
+
+/// [`kvrail_scheduler_request_finished`], told how the request ended: `completed` (it ran
+/// to its end: a stop condition or its length; not aborted or failed) and
+/// `computed_tokens` (tokens whose KV is in its blocks: vLLM's `num_computed_tokens`).
+/// With `bidirectional_kv_xfer`, a decode leg (D) that completed keeps its blocks for
+/// `decoder_kv_blocks_ttl` (`*out_delay_free` true) and its parameters name them for the
+/// next turn (`do_remote_decode`, `remote_num_tokens`, `remote_blocks_expiry_time` in D's
+/// clock): the engine passes them to P with that turn, and P reads them back.
+///
+/// # Safety
+/// As [`kvrail_scheduler_request_finished`].
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvrail_scheduler_request_finished_as(
+    s: *const kvrail_scheduler,
+    request_id: *const c_char,
+    prompt_tokens: u64,
+    params_json: *const c_char,
+    blocks: *const u64,
+    n_blocks: usize,
+    completed: bool,
+    computed_tokens: u64,
+    out_delay_free: *mut bool,
+    params_buf: *mut u8,
+    params_len: usize,
+    out_params_len: *mut usize,
+) -> kvrail_result {
+    let args = (request_id, prompt_tokens, params_json);
+    let end = RequestEnd {
+        completed,
+        computed_tokens,
+    };
+    let outs = (out_delay_free, params_buf, params_len, out_params_len);
+    // SAFETY: the caller's promises, passed on.
+    unsafe { finished(s, args, (blocks, n_blocks), end, outs) }
+}
+
+/// The request-finished calls' one body.
+///
+/// # Safety
+/// As [`kvrail_scheduler_request_finished`].
+unsafe fn finished(
+    s: *const kvrail_scheduler,
+    args: (*const c_char, u64, *const c_char),
+    (blocks, n_blocks): (*const u64, usize),
+    end: RequestEnd,
+    (out_delay_free, params_buf, params_len, out_params_len): (
+        *mut bool,
+        *mut u8,
+        usize,
+        *mut usize,
+    ),
+) -> kvrail_result {
     boundary(|| {
-        let args = (request_id, prompt_tokens, params_json);
         // SAFETY: the caller's promises.
         let (mut s, req, blocks) = unsafe { sched_request_blocks(s, args, blocks, n_blocks) }?;
         if out_delay_free.is_null() || out_params_len.is_null() {
             return Err(null("out_delay_free or out_params_len"));
         }
-        let (delay, params) = s.request_finished(&req, blocks);
+        let (delay, params) = s.request_finished_as(&req, blocks, end);
         drop(s);
         let json = params
             .map(|p| serde_json::to_string(&p).unwrap_or_default())

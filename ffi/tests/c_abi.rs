@@ -153,6 +153,7 @@ fn c_connector_pull_and_push() {
     for mode in ["pull", "push"] {
         let out = run(&bin, &[mode, &a, &b]);
         assert!(out.contains(&format!("connector ({mode}): KV")), "{out}");
+        assert!(out.contains("turn 2 read them back from D"), "{out}");
     }
 }
 

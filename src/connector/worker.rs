@@ -31,6 +31,8 @@ use crate::rails::SysfsRoot;
 
 /// Receives remembered as reported to the engine (a withdrawal after one reports nothing).
 const REPORTED_MEMORY: usize = 4096;
+/// D ranks remembered as heard from (their first heartbeat is logged).
+const HEARD_MEMORY: usize = 1024;
 
 /// A finished handshake: the peer agent, and the outcome.
 type Handshake = (String, Result<(), String>);
@@ -101,6 +103,10 @@ pub struct Worker {
     /// Notifications waiting for their peer's handshake: heartbeats to P ranks, grant
     /// answers to D ranks: (agent, message).
     deferred: Vec<(String, Vec<u8>)>,
+    /// P: the D ranks whose heartbeats reached this rank (each said once in the log, so an
+    /// operator sees every P rank renewing leases; bounded, a D rank forgotten is said
+    /// again).
+    heard: Recent,
     /// Grants over this worker's blocks (`fence_blocks`).
     fence: Fence,
     /// This worker's series in its agent's registry.
@@ -263,6 +269,7 @@ impl Worker {
             handshakes: mpsc::channel(),
             recvs: HashMap::new(),
             deferred: Vec::new(),
+            heard: Recent::new(HEARD_MEMORY),
             fence: Fence::new(fenced),
             stats,
             retiring: Vec::new(),

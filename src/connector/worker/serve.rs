@@ -91,6 +91,14 @@ impl Worker {
             },
             Ok(KvMsg::Heartbeat(ids)) => {
                 self.stats.heartbeats_in.inc();
+                if !self.heard.contains(from) {
+                    self.heard.insert(from);
+                    tracing::info!(
+                        tp_rank = self.tp_rank,
+                        d_rank = %from,
+                        "heartbeats from a D rank reach this P rank: its leases renew"
+                    );
+                }
                 self.leases.handle_heartbeat(&ids, now);
             }
             Ok(KvMsg::Completion(c)) => match self.cfg.direction {
