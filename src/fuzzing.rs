@@ -3,10 +3,11 @@
 //! agent and the connector run them. A panic, an abort or unbounded memory is a finding;
 //! errors are the expected answer to garbage.
 
-use crate::agent::control::auth::{ClusterSecret, Listen};
+use crate::agent::control::auth::Listen;
 use crate::agent::control::msg::{Msg, Reader};
 use crate::agent::metadata::AgentMetadata;
 use crate::agent::notifs::Ordered;
+use crate::agent::ClusterSecret;
 use crate::connector::{ConnectorMetadata, Finished, KvLayout, KvTransferParams};
 use crate::proto::frame::FrameDecoder;
 use crate::proto::kvmsg::{self, Completion, KvMsg, PushCancel, PushCancelled, PushReg};

@@ -101,7 +101,7 @@ pub struct AgentConfig {
     /// `cluster_secret`: when set, every side-channel connection must prove it (both ways)
     /// before it gets metadata or queue pairs. Unset, only peers on loopback are served
     /// (their connection comes from 127.0.0.0/8 or ::1), unless [`Self::insecure`].
-    pub cluster_secret: Option<super::control::auth::ClusterSecret>,
+    pub cluster_secret: Option<super::secret::ClusterSecret>,
     /// `insecure`: with no `cluster_secret`, serve peers from any address without
     /// authentication (anyone who reaches the side channel can then load this agent's
     /// metadata and READ or WRITE its registered memory; the agent warns at start). Also

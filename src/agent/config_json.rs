@@ -178,10 +178,8 @@ impl AgentConfig {
             c.accept_sent_metadata = b;
         }
         if let Some(k) = j.cluster_secret {
-            c.cluster_secret = Some(
-                super::control::auth::ClusterSecret::new(k)
-                    .map_err(|e| bad("cluster_secret", e))?,
-            );
+            c.cluster_secret =
+                Some(super::secret::ClusterSecret::new(k).map_err(|e| bad("cluster_secret", e))?);
         }
         Ok(c)
     }

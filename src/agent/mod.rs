@@ -47,6 +47,7 @@ mod region;
 mod register;
 mod register_api;
 mod route;
+mod secret;
 mod spin;
 mod stats;
 mod store;
@@ -75,11 +76,11 @@ use std::sync::{Arc, Mutex};
 pub use config::{
     AgentConfig, BackendChoice, DEREGISTER_WAIT, INSECURE_ENV, MAX_TCP_CONNS, SECRET_ENV,
 };
-pub use control::auth::{ClusterSecret, MIN_SECRET};
 pub use error::{AgentError, Fault, XferError};
 pub use grant::{Grant, GrantRange, MAX_GRANT_RANGES};
 pub use region::{RegionId, RegionMemory, RemoteAccess};
 pub use register::{MemRegion, RegisteredMemory};
+pub use secret::{ClusterSecret, SecretTooShort, MIN_SECRET};
 pub use sent_api::MAX_SENT_METADATA;
 #[cfg(feature = "verbs")]
 pub(crate) use verbs::config_rails;

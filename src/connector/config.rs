@@ -318,7 +318,7 @@ impl KvTransferConfig {
             None | Some(Value::Null) => None,
             Some(Value::String(k)) => Some(
                 crate::agent::ClusterSecret::new(k.as_bytes())
-                    .map_err(|e| err(&x("cluster_secret"), e))?,
+                    .map_err(|e| err(&x("cluster_secret"), e.to_string()))?,
             ),
             Some(_) => return Err(err(&x("cluster_secret"), "not a string")),
         };

@@ -21,15 +21,12 @@
 //! Without a secret an agent is in protected mode (Redis's model): it serves only peers on
 //! loopback, unless its configuration says `insecure`.
 
-use std::fmt;
 use std::net::{SocketAddr, TcpStream};
-
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
 
 use super::msg::{send, Msg, Reader};
 use super::reply::{conn_err, expect_reply};
 use crate::agent::error::AgentError;
+use crate::agent::secret::ClusterSecret;
 
 /// Bytes of each side's nonce.
 pub(crate) const NONCE: usize = 32;
@@ -62,60 +59,8 @@ pub(crate) fn is_loopback(ip: std::net::IpAddr) -> bool {
         }
     }
 }
-/// Shortest secret accepted.
-pub const MIN_SECRET: usize = 16;
 const LABEL_SERVER: &[u8] = b"kvrail-auth-v1 agent";
 const LABEL_CLIENT: &[u8] = b"kvrail-auth-v1 peer";
-
-/// A cluster's shared secret (`cluster_secret`): every agent of the cluster carries the
-/// same one. Its `Debug` form does not show it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct ClusterSecret(Vec<u8>);
-
-impl ClusterSecret {
-    /// The secret's bytes (at least [`MIN_SECRET`]).
-    ///
-    /// # Errors
-    /// A shorter secret, in words.
-    pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Self, String> {
-        let b = bytes.into();
-        if b.len() < MIN_SECRET {
-            return Err(format!(
-                "a cluster secret needs at least {MIN_SECRET} bytes, this one has {}",
-                b.len()
-            ));
-        }
-        Ok(Self(b))
-    }
-
-    fn mac(&self, label: &[u8], client: &[u8], server: &[u8]) -> Hmac<Sha256> {
-        let mut m =
-            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
-        m.update(label);
-        m.update(client);
-        m.update(server);
-        m
-    }
-
-    /// The proof `label` gives for nonces (`client`, `server`).
-    fn proof(&self, label: &[u8], client: &[u8], server: &[u8]) -> Vec<u8> {
-        self.mac(label, client, server)
-            .finalize()
-            .into_bytes()
-            .to_vec()
-    }
-
-    /// Whether `proof` is `label`'s for these nonces (compared in constant time).
-    fn verify(&self, label: &[u8], client: &[u8], server: &[u8], proof: &[u8]) -> bool {
-        self.mac(label, client, server).verify_slice(proof).is_ok()
-    }
-}
-
-impl fmt::Debug for ClusterSecret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ClusterSecret(<{} bytes>)", self.0.len())
-    }
-}
 
 /// A fresh nonce.
 pub(crate) fn nonce() -> Vec<u8> {

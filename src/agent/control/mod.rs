@@ -87,7 +87,7 @@ pub(crate) const FLUSH_ON_DROP: Duration = Duration::from_secs(2);
 /// Get a peer's metadata bytes from its side channel.
 pub(crate) fn fetch_metadata(
     addr: SocketAddr,
-    secret: Option<&auth::ClusterSecret>,
+    secret: Option<&crate::agent::secret::ClusterSecret>,
 ) -> Result<Vec<u8>, AgentError> {
     match request(addr, secret, &Msg::GetMetadata, HANDSHAKE_TIMEOUT)? {
         Msg::Metadata(b) => Ok(b),
@@ -103,7 +103,7 @@ pub(crate) fn fetch_metadata(
 /// `secret`), send `m`, and read the one answer, waiting at most `wait` for it.
 pub(crate) fn request(
     addr: SocketAddr,
-    secret: Option<&auth::ClusterSecret>,
+    secret: Option<&crate::agent::secret::ClusterSecret>,
     m: &Msg,
     wait: Duration,
 ) -> Result<Msg, AgentError> {

@@ -71,20 +71,20 @@ impl Header {
     ///
     /// # Errors
     /// A short frame, a bad magic byte, or unknown flags.
-    pub fn decode(frame: &[u8]) -> Result<Self, FrameError> {
+    pub fn decode(frame: &[u8]) -> Result<Self, NotifFrameError> {
         if frame.len() < HEADER {
-            return Err(FrameError::Short(frame.len()));
+            return Err(NotifFrameError::Short(frame.len()));
         }
         if frame[0] != MAGIC {
-            return Err(FrameError::Magic(frame[0]));
+            return Err(NotifFrameError::Magic(frame[0]));
         }
         let flags = frame[1];
         if flags & !(FIRST | LAST | CREDIT_ONLY) != 0 {
-            return Err(FrameError::Flags(flags));
+            return Err(NotifFrameError::Flags(flags));
         }
         let credit_only = flags & CREDIT_ONLY != 0;
         if credit_only && (frame.len() != HEADER || flags != CREDIT_ONLY) {
-            return Err(FrameError::Flags(flags));
+            return Err(NotifFrameError::Flags(flags));
         }
         Ok(Self {
             credits: u16::from_le_bytes([frame[2], frame[3]]),
@@ -95,10 +95,11 @@ impl Header {
     }
 }
 
-/// A malformed frame or message.
+/// A malformed notification-channel frame or message (the side channel's length-prefixed
+/// frames have [`crate::proto::frame::FrameError`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum FrameError {
+pub enum NotifFrameError {
     /// Shorter than a header.
     #[error("frame of {0} bytes is shorter than the {HEADER}-byte header")]
     Short(usize),
@@ -149,17 +150,21 @@ impl Assembler {
     ///
     /// # Errors
     /// Frames out of sequence or a message over [`MAX_MESSAGE`].
-    pub fn push(&mut self, h: &Header, payload: &[u8]) -> Result<Option<Vec<u8>>, FrameError> {
+    pub fn push(&mut self, h: &Header, payload: &[u8]) -> Result<Option<Vec<u8>>, NotifFrameError> {
         let mut buf = match (h.first, self.partial.take()) {
             (true, None) => Vec::with_capacity(payload.len()),
-            (true, Some(_)) => return Err(FrameError::Sequence("a first frame inside a message")),
+            (true, Some(_)) => {
+                return Err(NotifFrameError::Sequence("a first frame inside a message"))
+            }
             (false, Some(b)) => b,
             (false, None) => {
-                return Err(FrameError::Sequence("a continuation without a first frame"))
+                return Err(NotifFrameError::Sequence(
+                    "a continuation without a first frame",
+                ))
             }
         };
         if buf.len() + payload.len() > MAX_MESSAGE {
-            return Err(FrameError::TooLong);
+            return Err(NotifFrameError::TooLong);
         }
         buf.extend_from_slice(payload);
         if h.last {
@@ -243,8 +248,8 @@ impl Credits {
     /// A frame arrived (and its receive is reposted): we owe a credit, and we got `returned`.
     ///
     /// # Errors
-    /// [`FrameError::Credits`] when the peer returns more than we spent.
-    pub fn received(&mut self, returned: u32) -> Result<(), FrameError> {
+    /// [`NotifFrameError::Credits`] when the peer returns more than we spent.
+    pub fn received(&mut self, returned: u32) -> Result<(), NotifFrameError> {
         self.arrived(returned)?;
         self.reposted(1);
         Ok(())
@@ -254,11 +259,11 @@ impl Credits {
     /// (we owe nothing for it until [`Credits::reposted`]).
     ///
     /// # Errors
-    /// [`FrameError::Credits`] when the peer returns more than we spent.
-    pub fn arrived(&mut self, returned: u32) -> Result<(), FrameError> {
+    /// [`NotifFrameError::Credits`] when the peer returns more than we spent.
+    pub fn arrived(&mut self, returned: u32) -> Result<(), NotifFrameError> {
         let outstanding = self.slots - self.available;
         if returned > outstanding {
-            return Err(FrameError::Credits {
+            return Err(NotifFrameError::Credits {
                 returned,
                 outstanding,
             });

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 
 use smallvec::SmallVec;
 
-use super::{fragments, Assembler, Credits, FrameError, Header, HEADER, MAX_MESSAGE};
+use super::{fragments, Assembler, Credits, Header, NotifFrameError, HEADER, MAX_MESSAGE};
 use crate::transport::verbs::{Access, Completion, Error, Mr, OpKind, Pd, Qp, RecvWr, SendWr, Sge};
 
 /// A failure of the message channel.
@@ -17,7 +17,7 @@ pub enum ChannelError {
     Verbs(#[from] Error),
     /// The peer sent something that is not a valid frame sequence.
     #[error("malformed frame from the peer: {0}")]
-    Frame(#[from] FrameError),
+    Frame(#[from] NotifFrameError),
     /// A send or receive completed with an error; the channel is dead.
     #[error("message channel failed: {0}")]
     Failed(String),

@@ -20,11 +20,14 @@ fn header_round_trip_and_garbage() {
         credit_only: true,
     };
     assert_eq!(Header::decode(&c.encode()).unwrap(), c);
-    assert_eq!(Header::decode(&[0x4b, 1, 0]), Err(FrameError::Short(3)));
-    assert_eq!(Header::decode(&[0; 8]), Err(FrameError::Magic(0)));
+    assert_eq!(
+        Header::decode(&[0x4b, 1, 0]),
+        Err(NotifFrameError::Short(3))
+    );
+    assert_eq!(Header::decode(&[0; 8]), Err(NotifFrameError::Magic(0)));
     assert_eq!(
         Header::decode(&[0x4b, 0x80, 0, 0, 0, 0, 0, 0]),
-        Err(FrameError::Flags(0x80))
+        Err(NotifFrameError::Flags(0x80))
     );
     // the wire form: magic, flags, credits (little endian), nothing else
     let h = Header {
@@ -37,12 +40,12 @@ fn header_round_trip_and_garbage() {
     // an 8-byte header of an older build is refused by its first byte
     assert_eq!(
         Header::decode(&[0x6b, 3, 0, 0, 2, 0, 0, 0]),
-        Err(FrameError::Magic(0x6b))
+        Err(NotifFrameError::Magic(0x6b))
     );
     // a credit-only frame carries nothing else
     let mut f = c.encode().to_vec();
     f.push(1);
-    assert_eq!(Header::decode(&f), Err(FrameError::Flags(4)));
+    assert_eq!(Header::decode(&f), Err(NotifFrameError::Flags(4)));
 }
 
 #[test]
@@ -76,7 +79,10 @@ fn fragmenting_and_reassembly() {
         last: true,
         credit_only: false,
     };
-    assert!(matches!(a.push(&cont, b"x"), Err(FrameError::Sequence(_))));
+    assert!(matches!(
+        a.push(&cont, b"x"),
+        Err(NotifFrameError::Sequence(_))
+    ));
     let first = Header {
         credits: 0,
         first: true,
@@ -84,7 +90,10 @@ fn fragmenting_and_reassembly() {
         credit_only: false,
     };
     a.push(&first, b"x").unwrap();
-    assert!(matches!(a.push(&first, b"x"), Err(FrameError::Sequence(_))));
+    assert!(matches!(
+        a.push(&first, b"x"),
+        Err(NotifFrameError::Sequence(_))
+    ));
 }
 
 /// More owed than the header's 16 bits carry: the rest rides on the next frame, none lost.
@@ -104,7 +113,7 @@ fn over_returned_credits_are_refused() {
     c.spend();
     assert_eq!(
         c.received(2),
-        Err(FrameError::Credits {
+        Err(NotifFrameError::Credits {
             returned: 2,
             outstanding: 1
         })
