@@ -195,6 +195,13 @@ def test_a_deployment_serves_and_survives_its_faults(model, plain):
         log = open(p.log_path, errors="replace").read()
         assert "lease expired" in log and req in log, "P's log does not say it freed the blocks"
         assert freed_after <= 4 * LEASE_S, freed_after
+        # a D that asks for those blocks after P's lease is over: P's fence refuses them
+        # (given back), and the recomputing D answers the plain engine's tokens
+        seen = len(open(drec.log_path, errors="replace").read())
+        got = tokens(drec.complete(PROMPTS[2], 8, r["kv_transfer_params"]))
+        assert got == plain[2], "a D that recomputes after P's lease ran out answered other tokens"
+        log = open(drec.log_path, errors="replace").read()[seen:]
+        assert "given back (lease over)" in log, "D does not say P's lease was over"
 
         # P killed after its prefill: the recomputing D still answers the plain engine's
         # tokens (its own prefill), never a decode from bytes that did not arrive
@@ -203,9 +210,10 @@ def test_a_deployment_serves_and_survives_its_faults(model, plain):
         # (the expiry reaches P's stats with its next step: this prefill)
         assert p.counter("vllm:kvrail_expired_leases_total", 1) >= 1, "P's /metrics counts no expired lease"
         p.kill()
+        seen = len(open(drec.log_path, errors="replace").read())
         got = tokens(drec.complete(PROMPTS[1], 8, r["kv_transfer_params"]))
         assert got == plain[1], "a D that recomputes after P died answered other tokens"
-        log = open(drec.log_path, errors="replace").read()
+        log = open(drec.log_path, errors="replace").read()[seen:]
         assert "failed to load its KV" in log or "KV load failure" in log, "D does not say the KV did not load"
     finally:
         if proxy is not None:
@@ -214,20 +222,34 @@ def test_a_deployment_serves_and_survives_its_faults(model, plain):
             s.kill()
 
 
-def test_a_dead_p_fails_the_request_under_the_fail_policy(model, plain):
-    """Offline engines (the default ``kv_load_failure_policy``, fail): P dies after its
-    prefill; D's request ends without tokens and D names the blocks that did not load."""
-    p = Engine(sys.executable, model, "producer", engine_id="p-dead", log=os.path.join(LOGS, "p-dead.log"))
+def test_a_dead_p_or_its_lease_over_fails_the_request_under_the_fail_policy(model, plain):
+    """Offline engines (the default ``kv_load_failure_policy``, fail). First D asks only after
+    P's lease ran out (4 s): P's fence refuses the blocks it gave back, D's request ends
+    without tokens and its log says why. Then P dies after its prefill: the same, D naming
+    the blocks that did not load."""
+    p = Engine(sys.executable, model, "producer", engine_id="p-dead", log=os.path.join(LOGS, "p-dead.log"),
+               extra={"kv_lease_duration": 4})
     d = Engine(sys.executable, model, "consumer", engine_id="d-of-dead", log=os.path.join(LOGS, "d-of-dead.log"))
     try:
         p.ready()
         d.ready()
+        pr = p.call(op="generate", prompts=[PROMPTS[0]], max_tokens=1, params=[{"do_remote_decode": True}])
+        t = time.time()
+        while "lease expired" not in open(os.path.join(LOGS, "p-dead.log"), errors="replace").read():
+            assert time.time() - t < 30, "P's lease of 4 s did not run out in 30 s"
+            time.sleep(0.5)
+        dr = d.call(op="generate", prompts=[PROMPTS[0]], max_tokens=8, params=pr["kv_params"])
+        assert dr["tokens"] == [[]], f"D decoded {dr['tokens']} after P's lease was over"
+        dlog = os.path.join(LOGS, "d-of-dead.log")
+        log = open(dlog, errors="replace").read()
+        assert "given back (lease over)" in log and "KV load failure" in log, "D does not say P's lease was over"
+        seen = len(log)
         pr = p.call(op="generate", prompts=[PROMPTS[1]], max_tokens=1, params=[{"do_remote_decode": True}])
         p.p.kill()
         p.p.wait()
         dr = d.call(op="generate", prompts=[PROMPTS[1]], max_tokens=8, params=pr["kv_params"])
         assert dr["tokens"] == [[]], f"D decoded {dr['tokens']} from KV that never arrived"
-        log = open(os.path.join(LOGS, "d-of-dead.log"), errors="replace").read()
+        log = open(dlog, errors="replace").read()[seen:]
         assert "KV load failure" in log and "failed to load its KV" in log
     finally:
         p.close()

@@ -9,6 +9,7 @@ Needs the venv ``python/tests/vllm/run.sh`` makes (vLLM, torch, NIXL); skipped e
 """
 
 import os
+import re
 import socket
 import sys
 import time
@@ -249,7 +250,8 @@ def test_heterogeneous_tp_both_ways(model, plain, mode):
     """Two kv_both engines, TP=1 and TP=2 (vLLM CPU's mp executor, a core a rank): P TP=2 ->
     D TP=1 (D's one rank reads each P rank's head) and P TP=1 -> D TP=2 (each D rank reads
     its head from P's one rank). D's tokens are a plain engine's and >= 90 % of the prompt
-    tokens are external."""
+    tokens are external; D's heartbeats reach both of P's ranks (the Rust test
+    ``heartbeats_reach_every_p_rank`` holds them to it across a wait)."""
     one = start(model, "both", mode=mode, engine_id=f"tp1-{mode}")
     two = start(model, "both", mode=mode, engine_id=f"tp2-{mode}", tp=2)
     one.ready()
@@ -266,9 +268,24 @@ def test_heterogeneous_tp_both_ways(model, plain, mode):
                 total = sum(len(x) for x in prompts)
                 assert dr["tokens"] == want[group], f"{mode} {label} {group}: tokens differ from a plain engine's"
                 assert hits >= 0.9 * total, f"{mode} {label} {group}: {hits} of {total} prompt tokens external"
+            if p is two:
+                # D's heartbeats reach both of P's ranks (each logs the first from a D rank)
+                assert heard_by(two) == {0, 1}, f"{mode}: P TP=2's ranks that logged D's heartbeats: {heard_by(two)}"
     finally:
         one.close()
         two.close()
+
+
+def heard_by(p, wait=10):
+    """The TP ranks of P whose log says a D rank's heartbeats reached them (waiting up to
+    ``wait`` s for both: the log reaches the file through kvrail's log thread)."""
+    t = time.time()
+    while True:
+        with open(p.log.name, errors="replace") as f:
+            ranks = {int(m) for m in re.findall(r"heartbeats from a D rank reach this P rank.*?tp_rank=(\d+)", f.read())}
+        if len(ranks) >= 2 or time.time() - t > wait:
+            return ranks
+        time.sleep(0.5)
 
 
 def test_a_damaged_block_is_seen(model, plain):
