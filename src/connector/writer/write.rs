@@ -102,16 +102,20 @@ impl Loop {
             notif: attach,
             token: reg.grant.as_deref(),
         };
+        // counted before the post: its notification may reach D, and D's report the engine,
+        // before this thread runs again (a test that read P's count on D's report saw 0 in
+        // the lab, on a busy host); taken back if nothing was posted
+        self.sh.bytes.fetch_add(bytes, Ordering::Relaxed);
         let posted = super::super::fence::post(&self.sh.agent, write);
         match posted {
             Ok(x) => {
                 let target = (reg.engine_id.clone(), reg.request_id.clone());
                 self.inflight
                     .push((x, id.to_owned(), reg.tp_size.max(1), key, target));
-                self.sh.bytes.fetch_add(bytes, Ordering::Relaxed);
                 Ok(())
             }
             Err(e) => {
+                self.sh.bytes.fetch_sub(bytes, Ordering::Relaxed);
                 self.ended(id);
                 Err(e)
             }
