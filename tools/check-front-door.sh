@@ -14,7 +14,9 @@
 # The C library's install (pkg-config, CMake) is tested in ffi/tests/c_abi.rs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-step() { echo "=== front door: $*"; }
+T0=$(date +%s)
+# each step says how far in it starts (where the front door's ~5 minutes go)
+step() { echo "=== front door [$(( $(date +%s) - T0 )) s]: $*"; }
 
 step "README, links, examples in the README"
 python3 tools/check_front_door.py

@@ -86,6 +86,26 @@ def pd(model, mode, tag):
     return p, d
 
 
+@pytest.fixture(scope="module")
+def pull_pair(model):
+    """One P/D pair in pull mode (prefix caching off) for the tests that need no other
+    settings: each test's own pair cost two engine starts, ~45 s of a CI run."""
+    p, d = pd(model, "pull", "pull")
+    yield p, d
+    p.close()
+    d.close()
+
+
+def pair_for(request, model, mode, tag):
+    """The module's pull pair, or a pair of ``mode``'s own (closed after the test)."""
+    if mode == "pull":
+        return request.getfixturevalue("pull_pair")
+    p, d = pd(model, mode, tag)
+    request.addfinalizer(d.close)
+    request.addfinalizer(p.close)
+    return p, d
+
+
 def external_hits(d):
     return d.call(op="metrics")["metrics"].get("vllm:external_prefix_cache_hits", 0)
 
@@ -155,13 +175,9 @@ def check_every_group(p, d, plain, label, external_on_decode=True):
 
 
 @pytest.mark.parametrize("mode", ["pull", "push", "push_stream"] if FULL else ["pull", "push"])
-def test_p_and_d_give_a_plain_engines_tokens_from_ps_kv(model, plain, mode):
-    p, d = pd(model, mode, mode)
-    try:
-        check_every_group(p, d, plain, mode)
-    finally:
-        p.close()
-        d.close()
+def test_p_and_d_give_a_plain_engines_tokens_from_ps_kv(request, model, plain, mode):
+    p, d = pair_for(request, model, mode, mode)
+    check_every_group(p, d, plain, mode)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"] if FULL else ["pull"])
@@ -288,28 +304,25 @@ def heard_by(p, wait=10):
         time.sleep(0.5)
 
 
-def test_a_damaged_block_is_seen(model, plain):
+def test_a_damaged_block_is_seen(pull_pair, plain):
     """Negative control: one byte of one of P's blocks changes after its prefill; the
-    checksums D's cache gives no longer match what P computed."""
-    p, d = pd(model, "pull", "damage")
-    try:
-        prompts = GROUPS["many_blocks"]
-        pr = p.call(op="generate", prompts=prompts, max_tokens=1, params=[{"do_remote_decode": True}])
-        n = [len(prompts[0])]
-        blocks = [pr["kv_params"][0]["remote_block_ids"]]
-        computed = p.call(op="kv", blocks=blocks, tokens=n)["sums"]
-        p.call(op="damage", block=blocks[0][1])
-        dr = d.call(op="generate", prompts=prompts, max_tokens=1, params=pr["kv_params"])
-        got = d.call(op="kv", blocks=d.call(op="blocks", ids=dr["ids"])["blocks"], tokens=n)["sums"]
-        assert got != computed, "a damaged block went unseen"
-        wrong = [(li, k) for li, (a, b) in enumerate(zip(computed[0], got[0])) for k, (x, y) in enumerate(zip(a, b)) if x != y]
-        # block 1 of each layer as damaged; the last block's recomputed last token may
-        # follow from it (its attention read the damage), no other block differs
-        assert {(0, 1), (1, 1)} <= set(wrong), f"the damage is in block 1 of each layer: {wrong}"
-        assert all(k in (1, 5) for _, k in wrong), f"undamaged blocks differ: {wrong}"
-    finally:
-        p.close()
-        d.close()
+    checksums D's cache gives no longer match what P computed. (The damaged block goes back
+    to P's free blocks with the request; a later prefill writes it whole before it is read.)"""
+    p, d = pull_pair
+    prompts = GROUPS["many_blocks"]
+    pr = p.call(op="generate", prompts=prompts, max_tokens=1, params=[{"do_remote_decode": True}])
+    n = [len(prompts[0])]
+    blocks = [pr["kv_params"][0]["remote_block_ids"]]
+    computed = p.call(op="kv", blocks=blocks, tokens=n)["sums"]
+    p.call(op="damage", block=blocks[0][1])
+    dr = d.call(op="generate", prompts=prompts, max_tokens=1, params=pr["kv_params"])
+    got = d.call(op="kv", blocks=d.call(op="blocks", ids=dr["ids"])["blocks"], tokens=n)["sums"]
+    assert got != computed, "a damaged block went unseen"
+    wrong = [(li, k) for li, (a, b) in enumerate(zip(computed[0], got[0])) for k, (x, y) in enumerate(zip(a, b)) if x != y]
+    # block 1 of each layer as damaged; the last block's recomputed last token may
+    # follow from it (its attention read the damage), no other block differs
+    assert {(0, 1), (1, 1)} <= set(wrong), f"the damage is in block 1 of each layer: {wrong}"
+    assert all(k in (1, 5) for _, k in wrong), f"undamaged blocks differ: {wrong}"
 
 
 def test_vllms_own_nixl_connector_runs_unchanged_on_kvrail(model, plain):
@@ -346,30 +359,28 @@ def test_vllms_own_nixl_connector_runs_unchanged_on_kvrail(model, plain):
     assert "NIXL compat package" in log and "not NIXL" in log, "D's log does not say that its nixl is kvrail"
 
 
-def test_transfer_params_kvrail_cannot_use_are_named_and_computed_by_d(model, plain):
+def test_transfer_params_kvrail_cannot_use_are_named_and_computed_by_d(pull_pair, plain):
     """Bad input from the proxy or a client: D is given P's parameters with a key missing
     or of the wrong type. D loads nothing for that request (no external token, nothing read
     from or into other bytes), computes the prompt itself and answers a plain engine's
     tokens; its log names the key and the value; the next whole request loads from P."""
-    p, d = pd(model, "pull", "badparams")
-    try:
-        prompts = GROUPS["many_blocks"]
-        for key, value in (("remote_host", None), ("remote_block_ids", []), ("remote_port", "7001")):
-            pr = p.call(op="generate", prompts=prompts, max_tokens=1, params=[{"do_remote_decode": True}])
-            kp = dict(pr["kv_params"][0])
-            if value is None:
-                del kp[key]
-            else:
-                kp[key] = value
-            before = external_hits(d)
-            dr = d.call(op="generate", prompts=prompts, max_tokens=TOKENS, params=[kp])
-            assert external_hits(d) == before, f"{key}: D loaded tokens from parameters it cannot use"
-            assert dr["tokens"] == plain["many_blocks"], f"{key}: D's tokens differ from a plain engine's"
-            with open(d.log.name) as f:
-                log = f.read()
-            assert f"kv_transfer_params.{key} is " in log or f"{key}: " in log, f"D's log does not name {key}"
-        _, dr, hits = disaggregate(p, d, prompts)
-        assert dr["tokens"] == plain["many_blocks"] and hits >= 0.9 * len(prompts[0])
-    finally:
-        p.close()
-        d.close()
+    p, d = pull_pair
+    prompts = GROUPS["many_blocks"]
+    for key, value in (("remote_host", None), ("remote_block_ids", []), ("remote_port", "7001")):
+        pr = p.call(op="generate", prompts=prompts, max_tokens=1, params=[{"do_remote_decode": True}])
+        kp = dict(pr["kv_params"][0])
+        if value is None:
+            del kp[key]
+        else:
+            kp[key] = value
+        before = external_hits(d)
+        with open(d.log.name, errors="replace") as f:
+            seen = len(f.read())  # (the pair is shared: only this request's lines count)
+        dr = d.call(op="generate", prompts=prompts, max_tokens=TOKENS, params=[kp])
+        assert external_hits(d) == before, f"{key}: D loaded tokens from parameters it cannot use"
+        assert dr["tokens"] == plain["many_blocks"], f"{key}: D's tokens differ from a plain engine's"
+        with open(d.log.name, errors="replace") as f:
+            log = f.read()[seen:]
+        assert f"kv_transfer_params.{key} is " in log or f"{key}: " in log, f"D's log does not name {key}"
+    _, dr, hits = disaggregate(p, d, prompts)
+    assert dr["tokens"] == plain["many_blocks"] and hits >= 0.9 * len(prompts[0])
