@@ -616,7 +616,7 @@ pub unsafe extern "C" fn kvrail_worker_new_caches(
         let cfg = config(cfg)?;
         let layout: KvLayout = serde_json::from_str(layout)
             .map_err(|e| e.to_string())
-            .and_then(|l: KvLayout| l.validate().map(|()| l))
+            .and_then(|l: KvLayout| l.validate().map(|()| l).map_err(|e| e.to_string()))
             .map_err(|e| Failure::new(kvrail_result::InvalidConfig, format!("layout_json: {e}")))?;
         let ac = agent_config(&cfg, &layout, parse_config(agent_json)?);
         let caches = match n_caches {

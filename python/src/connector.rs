@@ -285,7 +285,7 @@ impl Worker {
         let cfg = config(kv_transfer_config)?;
         let layout: KvLayout = serde_json::from_str(layout_json)
             .map_err(|e| e.to_string())
-            .and_then(|l: KvLayout| l.validate().map(|()| l))
+            .and_then(|l: KvLayout| l.validate().map(|()| l).map_err(|e| e.to_string()))
             .map_err(|e| errors::ConfigError::new_err(format!("layout: {e}")))?;
         let base =
             AgentConfig::from_json(agent_config_json.unwrap_or("")).map_err(errors::config)?;

@@ -112,13 +112,13 @@ impl KvLayout {
     ///
     /// # Errors
     /// The first field that is wrong, named.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LayoutError> {
         if self.layers.is_empty() {
-            return Err("layers: no layers".into());
+            return Err(LayoutError::new("layers", "no layers".into()));
         }
         let mut seen = std::collections::HashSet::new();
         if let Some(l) = self.layers.iter().find(|l| !seen.insert(l.as_str())) {
-            return Err(format!("layers: {l:?} appears twice"));
+            return Err(LayoutError::new("layers", format!("{l:?} appears twice")));
         }
         for (field, v) in [
             ("num_blocks", self.num_blocks),
@@ -129,21 +129,26 @@ impl KvLayout {
             ("physical_per_logical", self.physical_per_logical),
         ] {
             if v == 0 {
-                return Err(format!("{field}: must be at least 1"));
+                return Err(LayoutError::new(field, "must be at least 1".into()));
             }
         }
         let per_token = self.kv_heads * u64::from(self.block_size);
         if !self.block_bytes.is_multiple_of(per_token) {
-            return Err(format!(
-                "block_bytes: {} is not a whole number of bytes per head and token \
-                 ({} heads × {} tokens)",
-                self.block_bytes, self.kv_heads, self.block_size
+            return Err(LayoutError::new(
+                "block_bytes",
+                format!(
+                    "{} is not a whole number of bytes per head and token ({} heads × {} tokens)",
+                    self.block_bytes, self.kv_heads, self.block_size
+                ),
             ));
         }
         if self.block_stride != 0 && self.block_stride < self.block_bytes {
-            return Err(format!(
-                "block_stride: {} is less than a block ({} bytes): blocks would overlap",
-                self.block_stride, self.block_bytes
+            return Err(LayoutError::new(
+                "block_stride",
+                format!(
+                    "{} is less than a block ({} bytes): blocks would overlap",
+                    self.block_stride, self.block_bytes
+                ),
             ));
         }
         let bytes = self
@@ -152,9 +157,12 @@ impl KvLayout {
             .and_then(|n| n.checked_mul(self.stride()))
             .filter(|b| *b <= isize::MAX as u64);
         if bytes.is_none() {
-            return Err(format!(
-                "num_blocks: {} planes × {} blocks × {} bytes overflows a layer",
-                self.planes, self.num_blocks, self.block_bytes
+            return Err(LayoutError::new(
+                "num_blocks",
+                format!(
+                    "{} planes × {} blocks × {} bytes overflows a layer",
+                    self.planes, self.num_blocks, self.block_bytes
+                ),
             ));
         }
         Ok(())
@@ -483,3 +491,19 @@ fn push_coalesced(l: &mut Vec<Desc>, r: &mut Vec<Desc>, a: Desc, b: Desc) {
 
 #[cfg(test)]
 mod tests;
+
+/// A KV layout that cannot describe memory: the field that is wrong, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {why}")]
+pub struct LayoutError {
+    /// The layout's field (`layers`, `num_blocks`, `block_bytes`, …).
+    pub field: &'static str,
+    /// What is wrong with it.
+    pub why: String,
+}
+
+impl LayoutError {
+    fn new(field: &'static str, why: String) -> Self {
+        Self { field, why }
+    }
+}

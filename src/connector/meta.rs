@@ -4,6 +4,28 @@
 
 use serde::{Deserialize, Serialize};
 
+/// `kv_transfer_params` that cannot be read (bad input from a proxy or a client).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ParamsError {
+    /// Not JSON at all (the parser's words).
+    #[error("not JSON: {0}")]
+    NotJson(String),
+    /// JSON, but not an object.
+    #[error("{0} is not a JSON object")]
+    NotAnObject(String),
+    /// A key kvrail reads holds a value of the wrong type.
+    #[error("{key}: {value} is not {want}")]
+    WrongType {
+        /// The key.
+        key: String,
+        /// Its value, as JSON.
+        value: String,
+        /// What it must be.
+        want: &'static str,
+    },
+}
+
 /// The `kv_transfer_params` of a request (absent fields take their defaults, so the
 /// prefill leg needs only `{"do_remote_decode": true}`).
 ///
@@ -70,15 +92,22 @@ impl KvTransferParams {
     /// From a request's `kv_transfer_params` JSON. A key of the wrong type is refused with
     /// its name and value (`remote_port: "x" is not a port (0-65535)`); keys kvrail does not
     /// know are left to the engine (vLLM adds its own).
-    pub fn from_json(json: &str) -> Result<Self, String> {
+    ///
+    /// # Errors
+    /// [`ParamsError`]: not JSON, not an object, or a key whose value is of the wrong type.
+    pub fn from_json(json: &str) -> Result<Self, ParamsError> {
         let v: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| format!("not JSON: {e}"))?;
+            serde_json::from_str(json).map_err(|e| ParamsError::NotJson(e.to_string()))?;
         let serde_json::Value::Object(map) = v else {
-            return Err(format!("{v} is not a JSON object"));
+            return Err(ParamsError::NotAnObject(v.to_string()));
         };
         let mut p = Self::default();
         for (k, v) in map.iter().filter(|(_, v)| !v.is_null()) {
-            let bad = |want: &str| format!("{k}: {v} is not {want}");
+            let bad = |want: &'static str| ParamsError::WrongType {
+                key: k.clone(),
+                value: v.to_string(),
+                want,
+            };
             match k.as_str() {
                 "do_remote_decode" => {
                     p.do_remote_decode = v.as_bool().ok_or_else(|| bad("true or false"))?

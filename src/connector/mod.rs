@@ -88,7 +88,7 @@ mod worker_stats;
 mod writer;
 
 pub use caches::KvCaches;
-pub use layout::{BlockOrder, KvLayout};
+pub use layout::{BlockOrder, KvLayout, LayoutError};
 
 use crate::agent::AgentConfig;
 
@@ -123,8 +123,8 @@ pub fn agent_config(
     a
 }
 pub use meta::{
-    ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, RecvReq, SendReq,
-    StreamReq,
+    ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, ParamsError,
+    RecvReq, SendReq, StreamReq,
 };
 pub use scheduler::{RequestEnd, Scheduler};
 pub use worker::Worker;

@@ -37,7 +37,7 @@ fn layouts_that_cannot_describe_memory_are_refused_naming_the_field() {
     for (want, spoil) in cases {
         let mut l = layout(2, 8);
         spoil(&mut l);
-        let e = l.validate().unwrap_err();
+        let e = l.validate().unwrap_err().to_string();
         assert!(e.starts_with(want), "{want}: {e}");
     }
 }

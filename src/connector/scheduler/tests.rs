@@ -195,7 +195,7 @@ fn transfer_params_from_json_name_the_bad_key() {
         ("[1]", "[1] is not a JSON object"),
         ("{", "not JSON"),
     ] {
-        let e = KvTransferParams::from_json(json).unwrap_err();
+        let e = KvTransferParams::from_json(json).unwrap_err().to_string();
         assert!(e.starts_with(want), "{json}: {e}");
     }
 }
@@ -355,5 +355,8 @@ fn p_reads_the_previous_turn_back_beyond_what_it_has_cached() {
     assert_eq!(plain.get_num_new_matched_tokens(&r, 0, t0), (0, false));
     // bad values are named
     let e = KvTransferParams::from_json(r#"{"remote_blocks_expiry_time": "soon"}"#).unwrap_err();
-    assert!(e.contains("remote_blocks_expiry_time"), "{e}");
+    assert!(
+        matches!(&e, crate::connector::ParamsError::WrongType { key, .. } if key == "remote_blocks_expiry_time"),
+        "{e}"
+    );
 }
