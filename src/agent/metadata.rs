@@ -156,22 +156,37 @@ pub enum MetadataError {
     },
 }
 
+/// An agent name that breaks the rule of [`check_name`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NameError {
+    /// Empty, or longer than [`MAX_NAME`] bytes.
+    #[error("agent name must be 1..={MAX_NAME} bytes, is {0}")]
+    Length(usize),
+    /// It holds a control character.
+    #[error("agent name {name:?} contains the control character {c:?}")]
+    Control {
+        /// The name.
+        name: String,
+        /// The first control character in it.
+        c: char,
+    },
+}
+
 /// The rule for agent names: 1..=[`MAX_NAME`] bytes, no control characters (a name
 /// becomes a thread name, a log field and a C string; a NUL inside would cut or break it).
 ///
 /// # Errors
-/// What is wrong, in words.
-pub fn check_name(name: &str) -> Result<(), String> {
+/// [`NameError`]: what is wrong.
+pub fn check_name(name: &str) -> Result<(), NameError> {
     if name.is_empty() || name.len() > MAX_NAME {
-        return Err(format!(
-            "agent name must be 1..={MAX_NAME} bytes, is {}",
-            name.len()
-        ));
+        return Err(NameError::Length(name.len()));
     }
     if let Some(c) = name.chars().find(|c| c.is_control()) {
-        return Err(format!(
-            "agent name {name:?} contains the control character {c:?}"
-        ));
+        return Err(NameError::Control {
+            name: name.to_owned(),
+            c,
+        });
     }
     Ok(())
 }
@@ -222,7 +237,7 @@ impl AgentMetadata {
             })
         };
         if let Err(reason) = check_name(self.name()) {
-            return bad(reason);
+            return bad(reason.to_string());
         }
         if self.handshake.block_size == 0 {
             return bad("block_size is 0".into());

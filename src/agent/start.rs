@@ -33,7 +33,7 @@ impl Agent {
         }
         crate::transport::stripe::StripeMode::from_stripe_width(config.stripe_width)
             .map_err(|e| AgentError::Unsupported(format!("stripe_width: {e}")))?;
-        metadata::check_name(name).map_err(AgentError::Unsupported)?;
+        metadata::check_name(name).map_err(|e| AgentError::Unsupported(e.to_string()))?;
         if !(1..=config::MAX_TCP_CONNS).contains(&config.tcp_conns) {
             return Err(AgentError::Unsupported(format!(
                 "tcp_conns {}: use 1 to {}",

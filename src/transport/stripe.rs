@@ -36,17 +36,23 @@ impl StripeMode {
     /// From the `stripe_width` setting: unset → per transfer, `0` → striped.
     ///
     /// # Errors
-    /// Any other value, with the reason (the caller names the key).
-    pub fn from_stripe_width(v: Option<i64>) -> Result<Self, String> {
+    /// [`StripeWidthError`] for any other value (the caller names the key).
+    pub fn from_stripe_width(v: Option<i64>) -> Result<Self, StripeWidthError> {
         match v {
             None => Ok(Self::PerTransfer),
             Some(0) => Ok(Self::Striped),
-            Some(n) => Err(format!(
-                "{n} is not allowed: leave stripe_width unset (one rail per transfer) or set it to 0 (stripe every transfer across all shared rails)"
-            )),
+            Some(n) => Err(StripeWidthError(n)),
         }
     }
 }
+
+/// A `stripe_width` other than unset or 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0} is not allowed: leave stripe_width unset (one rail per transfer) or set it to 0 \
+     (stripe every transfer across all shared rails)"
+)]
+pub struct StripeWidthError(pub i64);
 
 /// One descriptor pair of a transfer: `len` bytes at `local_off` of local region
 /// `local_region`, and at `remote_off` of the peer's region `remote_region`.

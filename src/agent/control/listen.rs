@@ -76,14 +76,16 @@ pub(super) fn target(shared: &dyn Host, s: TcpStream, first: Msg) -> Result<(), 
     let Msg::Attach { info } = first else {
         return Err(format!("expected Attach, got {first:?}"));
     };
-    let checked = crate::agent::metadata::check_name(&info.agent).and_then(|()| {
-        handshake::check(
-            shared.handshake(),
-            &info,
-            shared.config().enforce_handshake_compat,
-        )
+    let checked = (crate::agent::metadata::check_name(&info.agent))
         .map_err(|e| e.to_string())
-    });
+        .and_then(|()| {
+            handshake::check(
+                shared.handshake(),
+                &info,
+                shared.config().enforce_handshake_compat,
+            )
+            .map_err(|e| e.to_string())
+        });
     if let Err(e) = checked {
         let _ = send(
             &mut w,

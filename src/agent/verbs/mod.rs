@@ -363,7 +363,7 @@ impl Verbs {
     }
 
     fn open_rails(config: &AgentConfig, rails: Vec<crate::rails::Rail>) -> Result<Self, String> {
-        let mode = StripeMode::from_stripe_width(config.stripe_width)?;
+        let mode = StripeMode::from_stripe_width(config.stripe_width).map_err(|e| e.to_string())?;
         let max_mtu = match config.mtu {
             None => None,
             Some(b) => Some(

@@ -57,7 +57,9 @@ fn stripe_width_values() {
         StripeMode::from_stripe_width(Some(0)),
         Ok(StripeMode::Striped)
     );
-    let e = StripeMode::from_stripe_width(Some(2)).unwrap_err();
+    let e = StripeMode::from_stripe_width(Some(2))
+        .unwrap_err()
+        .to_string();
     assert!(
         e.starts_with("2 is not allowed: leave stripe_width unset"),
         "{e}"
