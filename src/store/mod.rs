@@ -38,24 +38,43 @@ pub const DEFAULT_NAMESPACE: &str = "kvrail";
 /// The default lease TTL.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
 
+/// A metadata-store URL that is not `etcd://HOST:PORT[,HOST:PORT…]`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreUrlError {
+    /// Neither `etcd://` nor `http://`.
+    #[error("{0:?}: use etcd://HOST:PORT[,HOST:PORT...]")]
+    Scheme(String),
+    /// One of its endpoints is not `HOST:PORT` (a port of 1-65535).
+    #[error("{url:?}: {part:?} is not HOST:PORT")]
+    NotHostPort {
+        /// The URL.
+        url: String,
+        /// The endpoint at fault.
+        part: String,
+    },
+}
+
 impl StoreConfig {
     /// A store from its URL: `etcd://HOST:PORT[,HOST:PORT…]` (or `http://HOST:PORT`), with
     /// the default namespace and lease TTL.
     ///
     /// # Errors
-    /// The reason, when the URL is not of that form.
-    pub fn from_url(url: &str) -> Result<Self, String> {
+    /// [`StoreUrlError`] when the URL is not of that form.
+    pub fn from_url(url: &str) -> Result<Self, StoreUrlError> {
         let rest = url
             .strip_prefix("etcd://")
             .or_else(|| url.strip_prefix("http://"))
-            .ok_or_else(|| format!("{url:?}: use etcd://HOST:PORT[,HOST:PORT...]"))?;
+            .ok_or_else(|| StoreUrlError::Scheme(url.to_owned()))?;
         let mut endpoints = Vec::new();
         for hp in rest.trim_end_matches('/').split(',') {
-            let (host, port) = hp
-                .rsplit_once(':')
-                .ok_or_else(|| format!("{url:?}: {hp:?} is not HOST:PORT"))?;
+            let not_host_port = || StoreUrlError::NotHostPort {
+                url: url.to_owned(),
+                part: hp.to_owned(),
+            };
+            let (host, port) = hp.rsplit_once(':').ok_or_else(not_host_port)?;
             if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
-                return Err(format!("{url:?}: {hp:?} is not HOST:PORT"));
+                return Err(not_host_port());
             }
             endpoints.push(format!("http://{hp}"));
         }
@@ -84,7 +103,7 @@ impl StoreConfig {
                 _ => Ok(None),
             };
         };
-        let mut c = Self::from_url(url).map_err(|e| ("metadata_store", e))?;
+        let mut c = Self::from_url(url).map_err(|e| ("metadata_store", e.to_string()))?;
         if let Some(ns) = namespace {
             ns.clone_into(&mut c.namespace);
         }
