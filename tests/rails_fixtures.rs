@@ -62,6 +62,12 @@ fn one_nic_host() {
     assert_eq!(pci_numa_node(&root("one-nic"), "0000:17:00.0"), Ok(0));
     let e = pci_numa_node(&root("one-nic"), "0000:99:00.0").unwrap_err();
     assert!(
+        matches!(&e, kvrail::rails::NumaNodeError::Unreadable(p)
+            if p.ends_with("sys/bus/pci/devices/0000:99:00.0/numa_node")),
+        "{e}"
+    );
+    let e = e.to_string();
+    assert!(
         e.starts_with("cannot read ") && e.ends_with("sys/bus/pci/devices/0000:99:00.0/numa_node"),
         "{e}"
     );

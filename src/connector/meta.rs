@@ -4,6 +4,11 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Bytes that are not a [`ConnectorMetadata`] (the msgpack decoder's words).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct MetaDecodeError(pub String);
+
 /// `kv_transfer_params` that cannot be read (bad input from a proxy or a client).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -329,9 +334,9 @@ impl ConnectorMetadata {
     /// From msgpack.
     ///
     /// # Errors
-    /// The decoder's message.
-    pub fn decode(b: &[u8]) -> Result<Self, String> {
-        rmp_serde::from_slice(b).map_err(|e| e.to_string())
+    /// [`MetaDecodeError`], with the decoder's message.
+    pub fn decode(b: &[u8]) -> Result<Self, MetaDecodeError> {
+        rmp_serde::from_slice(b).map_err(|e| MetaDecodeError(e.to_string()))
     }
 
     /// True when there is nothing to do.

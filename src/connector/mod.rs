@@ -123,8 +123,8 @@ pub fn agent_config(
     a
 }
 pub use meta::{
-    ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, ParamsError,
-    RecvReq, SendReq, StreamReq,
+    ConnectorMetadata, EngineRequest, Finished, HeartbeatOut, KvTransferParams, MetaDecodeError,
+    ParamsError, RecvReq, SendReq, StreamReq,
 };
 pub use scheduler::{RequestEnd, Scheduler};
 pub use worker::Worker;

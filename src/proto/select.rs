@@ -84,18 +84,34 @@ pub fn full_attention_ranges(block_size: u64, tokens: u64, chunk: Option<u64>) -
         .collect()
 }
 
+/// A sliding window `swa_window_mode` cannot cut blocks by: it must divide the block size
+/// more than once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "swa_window_mode needs block_size ({block_size}) to be a multiple (>1) of the window \
+     ({window})"
+)]
+pub struct WindowError {
+    /// Tokens per block.
+    pub block_size: u64,
+    /// The layer's window, tokens.
+    pub window: u64,
+}
+
 /// Token ranges for a sliding-window layer of `window` tokens under `swa_window_mode`
 /// (`block_size % window == 0`, ratio above 1): only the window-sized granules that hold
 /// one of the last `window` tokens; blocks entirely before the window are skipped.
 ///
 /// # Errors
-/// When the window does not divide the block or equals it (the mode does not apply).
-pub fn window_ranges(block_size: u64, tokens: u64, window: u64) -> Result<BlockRanges, String> {
+/// [`WindowError`] when the window does not divide the block or equals it (the mode does
+/// not apply).
+pub fn window_ranges(
+    block_size: u64,
+    tokens: u64,
+    window: u64,
+) -> Result<BlockRanges, WindowError> {
     if window == 0 || !block_size.is_multiple_of(window) || block_size / window < 2 {
-        return Err(format!(
-            "swa_window_mode needs block_size ({block_size}) to be a multiple (>1) of the \
-             window ({window})"
-        ));
+        return Err(WindowError { block_size, window });
     }
     let mut out: BlockRanges = Vec::new();
     if tokens == 0 {
@@ -145,7 +161,7 @@ pub fn window_spans(
     g: &BlockGeom,
     tokens: u64,
     window: u64,
-) -> Result<Vec<(u64, Vec<Span>)>, String> {
+) -> Result<Vec<(u64, Vec<Span>)>, WindowError> {
     Ok(spans_of(g, window_ranges(g.block_size, tokens, window)?))
 }
 

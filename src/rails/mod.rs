@@ -19,6 +19,6 @@ mod verdict;
 pub use addrs::{AddrSource, Ipv4If};
 pub use sysfs::{
     default_route_ifaces, discover, discover_gids_of, natural_cmp, parse_sysfs_gid, pci_numa_node,
-    roce_mtu_for_netdev_mtu, HostView, PortInfo, SysfsRoot,
+    roce_mtu_for_netdev_mtu, HostView, NumaNodeError, PortInfo, SysfsRoot,
 };
 pub use verdict::{judge, judge_all, select, Rail, RailError, Reason, Verdict};

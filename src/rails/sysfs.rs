@@ -370,14 +370,32 @@ pub fn discover_gids_of(
 /// The NUMA node of a PCI device (an accelerator), from `sys/bus/pci/devices/<bdf>/numa_node`.
 ///
 /// # Errors
-/// A message naming the file when it is missing or not a number.
-pub fn pci_numa_node(root: &SysfsRoot, bdf: &str) -> Result<i32, String> {
+/// [`NumaNodeError`], naming the file, when it is missing or not a number.
+pub fn pci_numa_node(root: &SysfsRoot, bdf: &str) -> Result<i32, NumaNodeError> {
     let rel = format!("sys/bus/pci/devices/{bdf}/numa_node");
+    let path = root.join(&rel);
     let text = root
         .read(&rel)
-        .ok_or_else(|| format!("cannot read {}", root.join(&rel).display()))?;
+        .ok_or_else(|| NumaNodeError::Unreadable(path.clone()))?;
     text.parse()
-        .map_err(|_| format!("{}: {text:?} is not a NUMA node", root.join(&rel).display()))
+        .map_err(|_| NumaNodeError::NotANumber { path, text })
+}
+
+/// A PCI device's NUMA node that cannot be read ([`pci_numa_node`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NumaNodeError {
+    /// The file is missing or unreadable (no such device).
+    #[error("cannot read {}", .0.display())]
+    Unreadable(std::path::PathBuf),
+    /// It holds something other than a number.
+    #[error("{}: {text:?} is not a NUMA node", path.display())]
+    NotANumber {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What it holds.
+        text: String,
+    },
 }
 
 #[cfg(test)]

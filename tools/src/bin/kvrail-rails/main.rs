@@ -135,7 +135,7 @@ impl HostArgs {
 
     fn numa(&self) -> Result<i32, Fail> {
         match (&self.accel, self.numa) {
-            (Some(bdf), _) => Ok(pci_numa_node(&self.root(), bdf)?),
+            (Some(bdf), _) => Ok(pci_numa_node(&self.root(), bdf).map_err(|e| e.to_string())?),
             (None, Some(n)) => Ok(n),
             (None, None) => Ok(-1),
         }
