@@ -31,29 +31,53 @@ pub struct HeadSlice {
     pub count: u64,
 }
 
+/// A TP rank whose heads cannot be paired with a peer's ranks ([`head_slices`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TpSplitError {
+    /// The rank is not below the TP size.
+    #[error("tp rank {rank} is not below tp size {tp}")]
+    Rank {
+        /// The rank.
+        rank: u32,
+        /// The TP size.
+        tp: u64,
+    },
+    /// The engine's KV heads do not split evenly over the peer's TP.
+    #[error(
+        "{} KV heads ({heads} per rank × TP {tp}) do not split over the peer's TP {peer_tp}",
+        heads * tp
+    )]
+    Uneven {
+        /// KV heads per rank here.
+        heads: u64,
+        /// TP here.
+        tp: u64,
+        /// The peer's TP.
+        peer_tp: u64,
+    },
+}
+
 /// The peer ranks a worker of rank `rank` of `tp` (holding `heads` KV heads per block)
 /// exchanges with when the peer runs TP `peer_tp`, and the head slice of each; and the
 /// peer's heads per block.
 ///
 /// # Errors
-/// When the ranks are out of range or the engine's KV heads do not split evenly over the
-/// peer's TP.
+/// [`TpSplitError`]: the rank is out of range, or the engine's KV heads do not split evenly
+/// over the peer's TP.
 pub fn head_slices(
     heads: u64,
     rank: u32,
     tp: u32,
     peer_tp: u32,
-) -> Result<(Vec<HeadSlice>, u64), String> {
+) -> Result<(Vec<HeadSlice>, u64), TpSplitError> {
     let (tp, peer_tp) = (u64::from(tp.max(1)), u64::from(peer_tp.max(1)));
     if u64::from(rank) >= tp {
-        return Err(format!("tp rank {rank} is not below tp size {tp}"));
+        return Err(TpSplitError::Rank { rank, tp });
     }
     let total = heads * tp;
     if heads == 0 || !total.is_multiple_of(peer_tp) {
-        return Err(format!(
-            "{total} KV heads ({heads} per rank × TP {tp}) do not split over the peer's TP \
-             {peer_tp}"
-        ));
+        return Err(TpSplitError::Uneven { heads, tp, peer_tp });
     }
     let peer_heads = total / peer_tp;
     let (lo, hi) = (u64::from(rank) * heads, (u64::from(rank) + 1) * heads);
@@ -117,8 +141,14 @@ mod tests {
 
     #[test]
     fn uneven_splits_and_bad_ranks_are_errors() {
-        assert!(head_slices(3, 0, 1, 2).unwrap_err().contains("3 KV heads"));
-        assert!(head_slices(2, 2, 2, 1).unwrap_err().contains("tp rank 2"));
+        assert!(head_slices(3, 0, 1, 2)
+            .unwrap_err()
+            .to_string()
+            .contains("3 KV heads"));
+        assert_eq!(
+            head_slices(2, 2, 2, 1).unwrap_err(),
+            TpSplitError::Rank { rank: 2, tp: 2 }
+        );
         assert_eq!(rank_agent_name("p", 0), "p");
         assert_eq!(rank_agent_name("p", 3), "p#tp3");
     }

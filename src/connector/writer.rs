@@ -434,7 +434,10 @@ impl Loop {
             let slices = match head_slices(self.sh.layout.kv_heads.max(1), rank, tp, p.p_tp()) {
                 Ok((v, _)) => v,
                 Err(e) => {
-                    self.event(WriterEvent::RegistrationFailed(reg.request_id, e));
+                    self.event(WriterEvent::RegistrationFailed(
+                        reg.request_id,
+                        e.to_string(),
+                    ));
                     continue;
                 }
             };

@@ -19,7 +19,8 @@ impl Worker {
             self.tp_rank,
             self.tp_size,
             p_tp,
-        )?;
+        )
+        .map_err(|e| e.to_string())?;
         let v = slices
             .into_iter()
             .map(|s| (rank_agent_name(engine, s.peer_rank), s))

@@ -62,7 +62,8 @@ impl Loop {
             }
         }
         let (slices, peer_heads) =
-            head_slices(self.sh.layout.kv_heads.max(1), rank, tp, reg.tp_size)?;
+            head_slices(self.sh.layout.kv_heads.max(1), rank, tp, reg.tp_size)
+                .map_err(|e| e.to_string())?;
         let slice = slices
             .iter()
             .find(|s| s.peer_rank == reg.tp_rank)
