@@ -11,16 +11,10 @@ use std::process::Command;
 /// The C source.
 pub const SOURCE: &str = include_str!("../testlib/rbln_test_runtime.c");
 
-/// How it is compiled (part of the built library's name, with the source).
-const CFLAGS: &[&str] = &["-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-pthread"];
-
 /// Compile the test runtime into `dir` and return the library's path. `defines` are C
 /// macros: `OMIT_rbln_memcpy` / `OMIT_rbln_get_device_count` leave a required symbol out,
 /// `WITH_RDMA_ABI` adds the optional `rbln_rdma_abi_version` and
-/// `rbln_rdma_device_numa_node`. The file name encodes the defines and the source's hash,
-/// so variants coexist, and a library already built from this source with these defines is
-/// returned as it is (each test built it again: ~2 s of `cc` a call here, far more under the
-/// lab's emulation).
+/// `rbln_rdma_device_numa_node`. The file name encodes the defines, so variants coexist.
 ///
 /// # Errors
 /// The compiler's failure, with its output.
@@ -34,19 +28,17 @@ pub fn build(dir: &Path, defines: &[&str]) -> std::io::Result<PathBuf> {
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let pid = format!("{}-{n}", std::process::id());
-    let lib = dir.join(format!(
-        "librbln_test_{tag}-{:016x}.so",
-        fnv1a(&[SOURCE, &CFLAGS.join(" ")].concat())
-    ));
-    if lib.is_file() {
-        return Ok(lib);
-    }
+    let lib = dir.join(format!("librbln_test_{tag}.so"));
     // per-process temporaries: concurrent builders never read or load a half-written file
     let src = dir.join(format!(".rbln_test_runtime.{tag}.{pid}.c"));
     let tmp = dir.join(format!(".librbln_test_{tag}.{pid}.so"));
     std::fs::write(&src, SOURCE)?;
     let mut cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
-    cc.args(CFLAGS).arg("-o").arg(&tmp).arg(&src);
+    cc.args([
+        "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-pthread", "-o",
+    ])
+    .arg(&tmp)
+    .arg(&src);
     for d in defines {
         cc.arg(format!("-D{d}"));
     }
@@ -61,11 +53,4 @@ pub fn build(dir: &Path, defines: &[&str]) -> std::io::Result<PathBuf> {
     }
     std::fs::rename(&tmp, &lib)?;
     Ok(lib)
-}
-
-/// FNV-1a of `s` (names the library after the source it was built from).
-fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
