@@ -19,16 +19,18 @@ impl Recent {
         }
     }
 
-    /// Remember `id` (forgetting the oldest past `cap`).
-    pub(crate) fn insert(&mut self, id: &str) {
-        if self.set.insert(id.to_owned()) {
-            self.order.push_back(id.to_owned());
-            if self.order.len() > self.cap {
-                if let Some(old) = self.order.pop_front() {
-                    self.set.remove(&old);
-                }
+    /// Remember `id` (forgetting the oldest past `cap`); whether it was new.
+    pub(crate) fn insert(&mut self, id: &str) -> bool {
+        if !self.set.insert(id.to_owned()) {
+            return false;
+        }
+        self.order.push_back(id.to_owned());
+        if self.order.len() > self.cap {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
             }
         }
+        true
     }
 
     /// Whether `id` is remembered.

@@ -373,12 +373,13 @@ pub fn discover_gids_of(
 /// [`NumaNodeError`], naming the file, when it is missing or not a number.
 pub fn pci_numa_node(root: &SysfsRoot, bdf: &str) -> Result<i32, NumaNodeError> {
     let rel = format!("sys/bus/pci/devices/{bdf}/numa_node");
-    let path = root.join(&rel);
     let text = root
         .read(&rel)
-        .ok_or_else(|| NumaNodeError::Unreadable(path.clone()))?;
-    text.parse()
-        .map_err(|_| NumaNodeError::NotANumber { path, text })
+        .ok_or_else(|| NumaNodeError::Unreadable(root.join(&rel)))?;
+    text.parse().map_err(|_| NumaNodeError::NotANumber {
+        path: root.join(&rel),
+        text,
+    })
 }
 
 /// A PCI device's NUMA node that cannot be read ([`pci_numa_node`]).

@@ -91,8 +91,7 @@ impl Worker {
             },
             Ok(KvMsg::Heartbeat(ids)) => {
                 self.stats.heartbeats_in.inc();
-                if !self.heard.contains(from) {
-                    self.heard.insert(from);
+                if self.heard.insert(from) {
                     tracing::info!(
                         tp_rank = self.tp_rank,
                         d_rank = %from,
